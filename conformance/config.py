@@ -1,0 +1,140 @@
+"""Harness configuration and the one place that builds vLLM schedulers from it.
+
+A ``HarnessConfig`` pins everything that makes two scheduler runs comparable: block size and
+budget, token budgets, prefix caching, sync or async scheduling, the model-runner flavour, the
+hash function (sha256) and the model folder whose ``config.json`` shapes the KV cache. Subjects
+receive a ``VllmConfig`` + ``KVCacheConfig`` built here, so upstream and subject start from
+identical configuration objects (built twice, never shared: schedulers mutate nothing in them, but
+a subject must not be able to affect the oracle through a shared object).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_MODEL = Path(__file__).parent / "assets" / "tiny-llama"
+
+
+@dataclass(frozen=True)
+class HarnessConfig:
+    block_size: int = 16
+    num_blocks: int = 64
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 256
+    max_model_len: int = 256
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    async_scheduling: bool = False
+    long_prefill_token_threshold: int = 0
+    model: str = str(TINY_MODEL)
+    seed: int = 0
+    additional_config: dict[str, Any] = field(default_factory=dict)
+
+    def with_(self, **changes: Any) -> HarnessConfig:
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HarnessConfig:
+        return cls(**data)
+
+    def model_shape(self) -> dict[str, Any]:
+        return json.loads((Path(self.model) / "config.json").read_text())
+
+
+_HASH_READY = False
+
+
+def block_hasher(block_size: int):
+    """vLLM's sha256 request block hasher; ``init_none_hash`` runs once per process."""
+    global _HASH_READY
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+
+    if not _HASH_READY:
+        init_none_hash(sha256)
+        _HASH_READY = True
+    return get_request_block_hasher(block_size, sha256)
+
+
+def build_vllm_config(cfg: HarnessConfig):
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        ModelConfig,
+        ParallelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+
+    model_config = ModelConfig(
+        model=cfg.model,
+        skip_tokenizer_init=True,
+        max_model_len=cfg.max_model_len,
+        dtype="float32",
+        seed=cfg.seed,
+    )
+    scheduler_config = SchedulerConfig(
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_model_len=cfg.max_model_len,
+        enable_chunked_prefill=cfg.enable_chunked_prefill,
+        long_prefill_token_threshold=cfg.long_prefill_token_threshold,
+        async_scheduling=cfg.async_scheduling,
+        is_encoder_decoder=False,
+    )
+    cache_config = CacheConfig(
+        block_size=cfg.block_size,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        prefix_caching_hash_algo="sha256",
+    )
+    vllm_config = VllmConfig(
+        model_config=model_config,
+        scheduler_config=scheduler_config,
+        cache_config=cache_config,
+        parallel_config=ParallelConfig(distributed_executor_backend="uni"),
+        device_config=DeviceConfig(device="cpu"),
+        additional_config=dict(cfg.additional_config),
+    )
+    vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks
+    return vllm_config
+
+
+def build_kv_cache_config(cfg: HarnessConfig):
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+
+    shape = cfg.model_shape()
+    layers = [f"model.layers.{i}.self_attn.attn" for i in range(shape["num_hidden_layers"])]
+    spec = FullAttentionSpec(
+        block_size=cfg.block_size,
+        num_kv_heads=shape["num_key_value_heads"],
+        head_size=shape.get("head_dim") or shape["hidden_size"] // shape["num_attention_heads"],
+        dtype=torch.float32,
+    )
+    return KVCacheConfig(
+        num_blocks=cfg.num_blocks,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
+    )
+
+
+def build_scheduler(scheduler_cls: type, cfg: HarnessConfig, *, log_stats: bool = False):
+    """A scheduler of ``scheduler_cls`` built exactly as ``EngineCore`` builds one."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    vllm_config = build_vllm_config(cfg)
+    kv_cache_config = build_kv_cache_config(cfg)
+    return scheduler_cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=cfg.block_size,
+        log_stats=log_stats,
+    )

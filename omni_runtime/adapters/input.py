@@ -1,0 +1,268 @@
+"""The input adapter: stage inputs become an upstream ``Request`` plus one declared omni slot.
+
+Everything a stage receives from upstream stages or the client (prompt ids or prompt embeds,
+additional information, the request's final stage) is validated here and nowhere else (C-13): a
+malformed input raises ``RequestRejected`` naming the request and the field before anything
+reaches a scheduler, so a rejected request can never leak blocks or disturb its neighbours.
+
+The omni data rides on the request in exactly one attribute, ``omni`` (an ``OmniRequestState``),
+declared in ``DECLARED_REQUEST_ATTRIBUTES`` (C-10, C-12); upstream fields keep upstream meaning
+(prompt embeds use vLLM's own ``prompt_embeds`` field).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Container, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+import torch
+from vllm.sampling_params import SamplingParams
+from vllm.v1.request import Request
+
+from omni_runtime.config import OmniStageConfig
+
+# The attributes the omni runtime adds to upstream ``Request`` objects (C-12). Invariant checks
+# compare a live request's attribute set against upstream's plus exactly these.
+DECLARED_REQUEST_ATTRIBUTES: tuple[str, ...] = ("omni",)
+
+_SCALARS = (bool, int, float, str, type(None))
+
+
+class RequestRejected(ValueError):
+    """A stage input the adapter refused; the message names the request and the field."""
+
+    def __init__(self, request_id: str, field_name: str, problem: str) -> None:
+        self.request_id = request_id
+        self.field = field_name
+        self.problem = problem
+        super().__init__(f"{request_id}: {field_name}: {problem}")
+
+
+@dataclass(frozen=True, eq=False)
+class OmniRequestState:
+    """The declared omni slot of a request: immutable stage metadata, read by the scheduler.
+
+    ``downstream`` is empty when this stage is the request's final stage, which is what makes
+    a request "final here" for the transfer decision (C-42).
+    """
+
+    stage_id: str
+    final_stage_id: str
+    downstream: tuple[str, ...]
+    additional_information: Mapping[str, Any] = field(default_factory=dict)
+    conditioning: torch.Tensor | None = None
+
+    @property
+    def has_downstream(self) -> bool:
+        return bool(self.downstream)
+
+
+class OmniRequest(Request):
+    """An upstream ``Request`` that carries the omni slot; every upstream field keeps its meaning."""
+
+    omni: OmniRequestState
+
+    def __init__(self, *args: Any, omni: OmniRequestState, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.omni = omni
+
+
+def omni_state_of(request: Request) -> OmniRequestState | None:
+    """The omni slot of any request; plain upstream requests have none."""
+    return getattr(request, "omni", None)
+
+
+@dataclass
+class StageInput:
+    """What a stage receives for one request, before validation."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    prompt_token_ids: Sequence[int] | None = None
+    prompt_embeds: torch.Tensor | None = None
+    additional_information: Mapping[str, Any] | None = None
+    conditioning: torch.Tensor | None = None
+    final_stage_id: str | None = None
+    arrival_time: float | None = None
+    cache_salt: str | None = None
+    priority: int = 0
+    client_index: int = 0
+
+
+class InputAdapter:
+    """Validates stage inputs and builds requests for one stage.
+
+    ``live_ids`` answers whether a request id is already in use (a scheduler's ``requests``
+    mapping, or the stage engine's set); duplicates are rejected rather than silently merged.
+    """
+
+    def __init__(
+        self,
+        stage: OmniStageConfig,
+        *,
+        max_model_len: int,
+        vocab_size: int | None = None,
+        hidden_size: int | None = None,
+        embeds_dtype: torch.dtype = torch.float32,
+        block_hasher: Callable[[Request], list[Any]] | None = None,
+        live_ids: Container[str] = (),
+    ) -> None:
+        self.stage = stage
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size if hidden_size is not None else stage.prompt_embeds_dim
+        self.embeds_dtype = embeds_dtype
+        self.block_hasher = block_hasher
+        self.live_ids = live_ids
+
+    def build(self, item: StageInput) -> OmniRequest:
+        rid = item.request_id
+        if not isinstance(rid, str) or not rid:
+            raise RequestRejected(repr(rid), "request_id", "must be a non-empty string")
+        if rid in self.live_ids:
+            raise RequestRejected(rid, "request_id", "duplicate: a request with this id is live")
+        if not isinstance(item.sampling_params, SamplingParams):
+            raise RequestRejected(rid, "sampling_params", "must be vllm.SamplingParams")
+        if item.sampling_params.max_tokens is None or item.sampling_params.max_tokens < 1:
+            raise RequestRejected(rid, "sampling_params.max_tokens", "must be >= 1")
+
+        prompt_ids, embeds, n = self._prompt(rid, item)
+        if n > self.max_model_len:
+            raise RequestRejected(
+                rid, "prompt", f"{n} tokens exceed max_model_len {self.max_model_len}"
+            )
+        state = OmniRequestState(
+            stage_id=self.stage.stage_id,
+            final_stage_id=self._final_stage(rid, item.final_stage_id),
+            downstream=(),
+            additional_information=self._additional(rid, item.additional_information),
+            conditioning=self._tensor(rid, "conditioning", item.conditioning, allow_none=True),
+        )
+        if state.final_stage_id != self.stage.stage_id:
+            state = OmniRequestState(
+                state.stage_id,
+                state.final_stage_id,
+                self.stage.downstream,
+                state.additional_information,
+                state.conditioning,
+            )
+        return OmniRequest(
+            request_id=rid,
+            prompt_token_ids=prompt_ids,
+            prompt_embeds=embeds,
+            sampling_params=item.sampling_params,
+            pooling_params=None,
+            client_index=item.client_index,
+            arrival_time=item.arrival_time if item.arrival_time is not None else time.time(),
+            cache_salt=item.cache_salt,
+            priority=item.priority,
+            block_hasher=self.block_hasher,
+            omni=state,
+        )
+
+    def _prompt(
+        self, rid: str, item: StageInput
+    ) -> tuple[list[int] | None, torch.Tensor | None, int]:
+        ids, embeds = item.prompt_token_ids, item.prompt_embeds
+        if (ids is None) == (embeds is None):
+            raise RequestRejected(
+                rid, "prompt", "give exactly one of prompt_token_ids and prompt_embeds"
+            )
+        if ids is not None:
+            if isinstance(ids, torch.Tensor):
+                if ids.dtype not in (torch.int32, torch.int64) or ids.dim() != 1:
+                    raise RequestRejected(
+                        rid,
+                        "prompt_token_ids",
+                        f"tensor must be 1-D int32/int64, got {tuple(ids.shape)} {ids.dtype}",
+                    )
+                ids = ids.tolist()
+            out = list(ids)
+            if not out:
+                raise RequestRejected(rid, "prompt_token_ids", "empty prompt")
+            for i, t in enumerate(out):
+                if isinstance(t, bool) or not isinstance(t, int):
+                    raise RequestRejected(
+                        rid, f"prompt_token_ids[{i}]", f"expected int, got {type(t).__name__}"
+                    )
+                if t < 0 or (self.vocab_size is not None and t >= self.vocab_size):
+                    raise RequestRejected(
+                        rid, f"prompt_token_ids[{i}]", f"{t} outside vocabulary [0, {self.vocab_size})"
+                    )
+            return out, None, len(out)
+        assert embeds is not None
+        if not isinstance(embeds, torch.Tensor):
+            raise RequestRejected(rid, "prompt_embeds", f"expected a tensor, got {type(embeds).__name__}")
+        if embeds.dim() != 2:
+            raise RequestRejected(
+                rid, "prompt_embeds", f"expected shape [tokens, hidden], got {tuple(embeds.shape)}"
+            )
+        if embeds.shape[0] == 0:
+            raise RequestRejected(rid, "prompt_embeds", "empty prompt")
+        if self.hidden_size is not None and embeds.shape[1] != self.hidden_size:
+            raise RequestRejected(
+                rid,
+                "prompt_embeds",
+                f"hidden size {embeds.shape[1]} does not match the model's {self.hidden_size}",
+            )
+        if embeds.dtype != self.embeds_dtype:
+            raise RequestRejected(
+                rid, "prompt_embeds", f"dtype {embeds.dtype}, expected {self.embeds_dtype}"
+            )
+        if not bool(torch.isfinite(embeds).all()):
+            raise RequestRejected(rid, "prompt_embeds", "contains NaN or infinite values")
+        # A private, contiguous CPU copy: the caller may reuse its buffer after we return.
+        return None, embeds.detach().to("cpu").contiguous().clone(), int(embeds.shape[0])
+
+    def _final_stage(self, rid: str, final: str | None) -> str:
+        stages = self.stage.stages
+        if final is None:
+            return stages[-1]
+        if final not in stages:
+            raise RequestRejected(rid, "final_stage_id", f"unknown stage {final!r}; known {list(stages)}")
+        if stages.index(final) < stages.index(self.stage.stage_id):
+            raise RequestRejected(
+                rid, "final_stage_id", f"{final!r} comes before this stage {self.stage.stage_id!r}"
+            )
+        return final
+
+    def _tensor(
+        self, rid: str, name: str, value: Any, *, allow_none: bool = False
+    ) -> torch.Tensor | None:
+        if value is None:
+            if allow_none:
+                return None
+            raise RequestRejected(rid, name, "missing")
+        if not isinstance(value, torch.Tensor):
+            raise RequestRejected(rid, name, f"expected a tensor, got {type(value).__name__}")
+        if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+            raise RequestRejected(rid, name, "contains NaN or infinite values")
+        return value.detach().to("cpu").clone()
+
+    def _additional(self, rid: str, info: Mapping[str, Any] | None) -> Mapping[str, Any]:
+        if info is None:
+            return MappingProxyType({})
+        if not isinstance(info, Mapping):
+            raise RequestRejected(rid, "additional_information", "expected a mapping")
+        out: dict[str, Any] = {}
+        for key, value in info.items():
+            name = f"additional_information[{key!r}]"
+            if not isinstance(key, str):
+                raise RequestRejected(rid, name, "keys must be strings")
+            if isinstance(value, torch.Tensor):
+                out[key] = self._tensor(rid, name, value)
+            elif isinstance(value, float) and not math.isfinite(value):
+                raise RequestRejected(rid, name, "NaN or infinite value")
+            elif isinstance(value, _SCALARS):
+                out[key] = value
+            elif isinstance(value, list | tuple) and all(isinstance(v, _SCALARS) for v in value):
+                out[key] = tuple(value)
+            else:
+                raise RequestRejected(
+                    rid, name, f"unsupported type {type(value).__name__} (tensor, scalar or list)"
+                )
+        return MappingProxyType(out)

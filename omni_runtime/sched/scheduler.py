@@ -1,0 +1,199 @@
+"""``OmniARScheduler`` and ``OmniARAsyncScheduler``: vLLM's v1 schedulers, extended for omni stages.
+
+Every upstream transition (queues, statuses, computed tokens, block allocation, prefix caching,
+preemption, stop handling, async placeholders) is upstream's own code: these classes call
+``super()`` for all of it and add only, after the fact (AR-INV-001):
+
+* the chunk-transfer decision per request after its update (``sched.transfer``), using omni
+  metadata captured before upstream frees the request (C-42);
+* the terminal (EOF) delivery of requests that leave outside a model step (abort, error) (C-43);
+* omni output fields on ``EngineCoreOutput`` for requests whose step sent a chunk, through the
+  trailing-field subclasses in ``omni_runtime.payload``;
+* failing, with an error finish reason, only the requests whose chunk processor or connector
+  raised (C-61).
+
+With no ``omni_stage`` in the config, or a stage with no downstream, there is nothing to decide
+and ``update_from_output`` is upstream's call alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+
+from omni_runtime.adapters.input import OmniRequestState, omni_state_of
+from omni_runtime.adapters.output import payloads_by_request
+from omni_runtime.config import OmniStageConfig
+from omni_runtime.payload import OmniEngineCoreOutputs, StageChunk, omni_output_from
+from omni_runtime.sched.transfer import ChunkTransferAdapter, load_processor
+
+
+class OmniARScheduler(Scheduler):
+    """vLLM's ``Scheduler`` plus the omni chunk-transfer decision; see the module docstring."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.omni_stage: OmniStageConfig | None = OmniStageConfig.from_vllm_config(self.vllm_config)
+        self.transfer: ChunkTransferAdapter | None = None
+        if self.omni_stage is not None and self.omni_stage.has_downstream:
+            self.transfer = ChunkTransferAdapter(
+                self.omni_stage.stage_id, load_processor(self.omni_stage.chunk_processor)
+            )
+        # Omni slots of requests freed during the current update_from_output, whose terminal
+        # delivery is decided after upstream has finished its pass.
+        self._freed_in_update: dict[str, tuple[OmniRequestState, str]] = {}
+        self._in_update = False
+
+    # ---- request lifecycle -------------------------------------------------------------
+
+    def _free_request(self, request: Request, delay_free_blocks: bool = False) -> Any:
+        result = super()._free_request(request, delay_free_blocks)
+        if self.transfer is not None:
+            state = omni_state_of(request)
+            if state is not None and state.has_downstream:
+                reason = str(request.get_finished_reason())
+                if self._in_update:
+                    self._freed_in_update[request.request_id] = (state, reason)
+                else:
+                    self.transfer.on_terminated(request.request_id, state, reason)
+        return result
+
+    def finish_requests(
+        self, request_ids: str | Iterable[str] | None, finished_status: RequestStatus
+    ) -> list[Request]:
+        finished = super().finish_requests(request_ids, finished_status)
+        if self.transfer is not None and not self._in_update:
+            self._fail_requests_of(self.transfer.take_failures())
+        return finished
+
+    # ---- the step ----------------------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
+        transfer = self.transfer
+        if transfer is None:
+            return super().update_from_output(scheduler_output, model_runner_output)
+
+        # Capture omni metadata before upstream frees finished requests (C-42), and which
+        # steps upstream is about to drop as stale (their payload must be dropped too).
+        captured: dict[str, OmniRequestState] = {}
+        dropped: set[str] = set()
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue
+            state = omni_state_of(request)
+            if state is None or not state.has_downstream:
+                continue
+            captured[req_id] = state
+            if request.num_stale_output_tokens > 0 and request.drop_stale_output:
+                dropped.add(req_id)
+
+        self._in_update = True
+        try:
+            outputs = super().update_from_output(scheduler_output, model_runner_output)
+        finally:
+            self._in_update = False
+        if not captured and not self._freed_in_update:
+            return outputs
+
+        by_id: dict[str, tuple[int, int, EngineCoreOutput]] = {}
+        for client, eco in outputs.items():
+            for i, out in enumerate(eco.outputs):
+                by_id[out.request_id] = (client, i, out)
+        payloads = payloads_by_request(model_runner_output)
+        freed = self._freed_in_update
+        sent: dict[str, StageChunk] = {}
+        for req_id, state in captured.items():
+            entry = by_id.get(req_id)
+            out = entry[2] if entry is not None else None
+            if req_id in dropped and out is None:
+                continue
+            new_ids = list(out.new_token_ids) if out is not None else []
+            reason = (
+                str(out.finish_reason) if out is not None and out.finish_reason is not None else None
+            )
+            if reason is None and req_id in freed:
+                reason = freed[req_id][1]
+            chunk = transfer.on_step(
+                req_id, state, new_ids, None if req_id in dropped else payloads.get(req_id), reason
+            )
+            freed.pop(req_id, None)
+            if chunk is not None:
+                sent[req_id] = chunk
+        # Requests freed in this update without a step of their own (errors).
+        for req_id, (state, reason) in freed.items():
+            transfer.on_terminated(req_id, state, reason)
+        freed.clear()
+
+        failures = transfer.take_failures()
+        if sent:
+            outputs = self._attach_chunk_refs(outputs, by_id, sent)
+        if failures:
+            self._fail_requests_of(failures, outputs)
+        return outputs
+
+    def _attach_chunk_refs(
+        self,
+        outputs: dict[int, EngineCoreOutputs],
+        by_id: dict[str, tuple[int, int, EngineCoreOutput]],
+        sent: dict[str, StageChunk],
+    ) -> dict[int, EngineCoreOutputs]:
+        rebuilt: dict[int, EngineCoreOutputs] = {}
+        touched = {by_id[rid][0] for rid in sent if rid in by_id}
+        for client, eco in outputs.items():
+            if client not in touched:
+                rebuilt[client] = eco
+                continue
+            new_outputs = []
+            for out in eco.outputs:
+                chunk = sent.get(out.request_id)
+                new_outputs.append(
+                    out if chunk is None else omni_output_from(out, [chunk.ref], chunk.is_final)
+                )
+            fields = {name: getattr(eco, name) for name in eco.__struct_fields__}
+            fields["outputs"] = new_outputs
+            rebuilt[client] = OmniEngineCoreOutputs(**fields)
+        return rebuilt
+
+    def _fail_requests_of(
+        self,
+        failures: dict[str, BaseException],
+        outputs: dict[int, EngineCoreOutputs] | None = None,
+    ) -> None:
+        """Finish, with an error reason, the requests whose processor or connector raised."""
+        while failures:
+            live = [rid for rid in failures if rid in self.requests]
+            errored = super().finish_requests(live, RequestStatus.FINISHED_ERROR)
+            if outputs is not None:
+                for request in errored:
+                    outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(
+                        EngineCoreOutput(
+                            request_id=request.request_id,
+                            new_token_ids=[],
+                            finish_reason=request.get_finished_reason(),
+                            trace_headers=request.trace_headers,
+                        )
+                    )
+            assert self.transfer is not None
+            # The error EOF itself may fail on a broken connector; it is not retried.
+            self.transfer.take_failures()
+            failures = {}
+
+    # ---- introspection for audits ------------------------------------------------------
+
+    def omni_request_ids(self) -> set[str]:
+        """Ids that any omni per-request structure still holds (C-04: empty once all are gone)."""
+        return self.transfer.live_request_ids() if self.transfer is not None else set()
+
+
+class OmniARAsyncScheduler(OmniARScheduler, AsyncScheduler):
+    """The omni scheduler with vLLM's async (batch-queue) placeholders and ordering."""
