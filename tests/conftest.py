@@ -1,0 +1,11 @@
+"""Process-wide pins for the test run: offline hub, V1 runner flavour, our CPU platform."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from omni_runtime.platform import install_for_process  # noqa: E402
+
+install_for_process()
