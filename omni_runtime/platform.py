@@ -134,4 +134,4 @@ def install_for_process() -> None:
     from vllm import platforms
 
     if platforms._current_platform is None and register() is not None:
-        platforms._current_platform = OmniCpuPlatform()
+        platforms._current_platform = OmniCpuPlatform()  # type: ignore[assignment]

@@ -2,12 +2,35 @@
 
 Scheduler side: ``payloads_by_request`` unpacks the payload list an ``OmniModelRunnerOutput``
 carries, aligned with the runner's ``req_ids`` (C-51), into a mapping by request id.
+
+Runner side: ``PayloadBuilder.build(plan, inputs)`` turns one step's tensors into the payload
+list, one slot per scheduled request in scheduler order (C-51). It is a pure function of its
+two arguments: the runner decides *when* it runs (inline on the calling thread, or on a builder
+thread over a snapshot, see ``omni_runtime.worker.materialize``) and guarantees that what it
+passes stays unchanged until the build returns (C-52, C-53).
+
+What a payload holds (``StagePayload``):
+
+* ``hidden`` — the final-normed hidden rows (the rows the LM head reads) of the request's
+  scheduled positions ``[num_computed, num_computed + num_scheduled)``, as a private copy;
+  absent in token-only mode (C-30). With a prefix-cache merge (C-55) the rows of the cached
+  prompt positions ``[0, num_computed)`` come first and ``start`` is 0.
+* ``multimodal`` — one entry per name in ``OmniStageConfig.multimodal_outputs``, each covering
+  the same positions as the scheduled rows.
+* ``conditioning`` — *prefill conditioning*: the final-normed hidden row ``[H]`` of the prompt's
+  last position, attached once per request, to the step whose computation of that position
+  completes the prefill. It crosses in token-only mode too (C-31).
+
+A request with nothing to deliver gets a None slot; later slots never shift (C-51).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
+import numpy as np
+import torch
 from vllm.v1.outputs import ModelRunnerOutput
 
 from omni_runtime.payload import StagePayload
@@ -24,3 +47,133 @@ def payloads_by_request(output: ModelRunnerOutput) -> Mapping[str, StagePayload]
             f"omni_payloads has {len(payloads)} slots for {len(output.req_ids)} requests (C-51)"
         )
     return {rid: p for rid, p in zip(output.req_ids, payloads, strict=True) if p is not None}
+
+
+# ---- runner side ----------------------------------------------------------------------------
+
+# name -> f(hidden rows [n, H]) -> tensor [n, ...]: a multimodal output computed from hidden rows.
+OutputProducer = Callable[[torch.Tensor], torch.Tensor]
+# A model's postprocess of one built payload (may return a replacement, or None to drop it).
+Postprocess = Callable[[StagePayload], StagePayload | None]
+
+
+@dataclass(frozen=True, eq=False)
+class PayloadPlan:
+    """The scheduler metadata of one step that a payload build consumes (all length R or R+1).
+
+    ``req_ids`` is the list upstream bookkeeping already built for ``ModelRunnerOutput``; it is
+    reused, never copied (C-53). ``query_start[i]:query_start[i+1]`` are request i's rows in the
+    step's hidden buffer; ``num_computed[i]`` is the position of its first row.
+    ``conditioning_index[i]`` indexes ``PayloadInputs.conditioning_rows`` or is -1.
+    """
+
+    req_ids: Sequence[str]
+    query_start: np.ndarray
+    num_scheduled: np.ndarray
+    num_computed: np.ndarray
+    conditioning_index: np.ndarray
+
+    def snapshot(self) -> PayloadPlan:
+        """A private copy of the arrays (the request ids list is immutable by contract)."""
+        return PayloadPlan(
+            self.req_ids,
+            self.query_start.copy(),
+            self.num_scheduled.copy(),
+            self.num_computed.copy(),
+            self.conditioning_index.copy(),
+        )
+
+
+@dataclass(eq=False)
+class PayloadInputs:
+    """The tensors of one step a payload build reads.
+
+    ``hidden`` [T, H] is set only when hidden rows are delivered (include-hidden mode); the
+    builder then also computes ``producers`` from it. In token-only mode the runner computes
+    multimodal outputs itself and hands them per token in ``multimodal_rows`` ([T, ...] each).
+    ``prefix_rows[i]`` are the cached-prefix rows of request i (prefix-cache merge, C-55).
+    """
+
+    hidden: torch.Tensor | None = None
+    conditioning_rows: torch.Tensor | None = None
+    prefix_rows: Mapping[int, torch.Tensor] = field(default_factory=dict)
+    multimodal_rows: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+    def snapshot(self) -> PayloadInputs:
+        """Private copies of every tensor, so the runner may reuse its buffers at once."""
+        return PayloadInputs(
+            hidden=None if self.hidden is None else self.hidden.clone(),
+            conditioning_rows=(
+                None if self.conditioning_rows is None else self.conditioning_rows.clone()
+            ),
+            prefix_rows={i: t.clone() for i, t in self.prefix_rows.items()},
+            multimodal_rows={k: t.clone() for k, t in self.multimodal_rows.items()},
+        )
+
+
+class PayloadBuilder:
+    """Builds the per-request payload list of a step; see the module docstring for contents."""
+
+    def __init__(
+        self,
+        *,
+        include_hidden: bool,
+        producers: Mapping[str, OutputProducer] | None = None,
+        postprocess: Postprocess | None = None,
+    ) -> None:
+        self.include_hidden = include_hidden
+        self.producers = dict(producers or {})
+        self.postprocess = postprocess
+
+    def build(self, plan: PayloadPlan, inputs: PayloadInputs) -> list[StagePayload | None]:
+        num_reqs = len(plan.req_ids)
+        if not (len(plan.num_scheduled) == len(plan.num_computed) == num_reqs):
+            raise ValueError(
+                f"payload plan of {num_reqs} requests has {len(plan.num_scheduled)} scheduled "
+                f"counts and {len(plan.num_computed)} positions (C-51)"
+            )
+        if self.include_hidden and inputs.hidden is None:
+            raise ValueError("include-hidden build without hidden rows")
+        qs = plan.query_start.tolist()
+        computed = plan.num_computed.tolist()
+        cond_idx = plan.conditioning_index.tolist()
+        out: list[StagePayload | None] = []
+        for i, req_id in enumerate(plan.req_ids):
+            lo, hi = qs[i], qs[i + 1]
+            start = computed[i]
+            hidden: torch.Tensor | None = None
+            multimodal: dict[str, torch.Tensor] = {}
+            if self.include_hidden:
+                assert inputs.hidden is not None
+                rows = inputs.hidden[lo:hi]
+                for name, fn in self.producers.items():
+                    multimodal[name] = fn(rows)
+                prefix = inputs.prefix_rows.get(i)
+                if prefix is not None and prefix.shape[0] > 0:
+                    # Prefix-cache merge: cached prompt rows first, so rows cover [0, end).
+                    hidden = torch.cat((prefix, rows), dim=0)
+                    start -= prefix.shape[0]
+                else:
+                    hidden = rows.clone()
+            for name, per_token in inputs.multimodal_rows.items():
+                multimodal[name] = per_token[lo:hi].clone()
+            conditioning = None
+            if cond_idx[i] >= 0:
+                assert inputs.conditioning_rows is not None
+                conditioning = inputs.conditioning_rows[cond_idx[i]].clone()
+            payload: StagePayload | None = None
+            if hidden is not None or multimodal or conditioning is not None:
+                payload = StagePayload(
+                    request_id=req_id,
+                    start=start,
+                    num_tokens=(hi - lo) if hidden is None else int(hidden.shape[0]),
+                    hidden=hidden,
+                    multimodal=multimodal,
+                    conditioning=conditioning,
+                )
+            elif self.postprocess is not None:
+                payload = StagePayload(request_id=req_id, start=start, num_tokens=hi - lo)
+            if payload is not None and self.postprocess is not None:
+                payload = self.postprocess(payload)
+            out.append(payload)
+        return out

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from .config import Code2WavConfig
+from .llama import Embedding
 
 __all__ = [
     "Code2Wav",
@@ -25,24 +27,42 @@ __all__ = [
 ]
 
 
-class CausalConv1d(nn.Conv1d):
+class CausalConv1d(nn.Module):
     """Conv1d that sees only the past: left context comes from the previous chunk."""
 
     def __init__(
         self, cin: int, cout: int, kernel_size: int, device: torch.device | str | None = None
     ) -> None:
-        super().__init__(cin, cout, kernel_size, device=device)
+        super().__init__()
+        # Uninitialised on purpose: weights always come from a state dict (see llama.Linear).
+        self.weight = nn.Parameter(torch.empty(cout, cin, kernel_size, device=device))
+        self.bias = nn.Parameter(torch.empty(cout, device=device))
         self.context = kernel_size - 1
 
-    def step(
-        self, x: torch.Tensor, ctx: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def step(self, x: torch.Tensor, ctx: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         """x: [B, C, L]; ctx: [B, C, kernel-1] or None (= zeros, the sequence start)."""
         if ctx is None:
             ctx = x.new_zeros(x.shape[0], x.shape[1], self.context)
         xx = torch.cat([ctx, x], dim=-1)
         new_ctx = xx[..., xx.shape[-1] - self.context :]
-        return super().forward(xx), new_ctx
+        return F.conv1d(xx, self.weight, self.bias), new_ctx
+
+
+class FrameUpsample(nn.Module):
+    """Transposed conv with kernel == stride: every input frame owns exactly ``factor``
+    output samples and no two frames overlap, which keeps upsampling trivially chunkable."""
+
+    def __init__(
+        self, cin: int, cout: int, factor: int, device: torch.device | str | None = None
+    ) -> None:
+        super().__init__()
+        # Same layout as nn.ConvTranspose1d ([in, out, kernel]) so the weights read naturally.
+        self.weight = nn.Parameter(torch.empty(cin, cout, factor, device=device))
+        self.bias = nn.Parameter(torch.empty(cout, device=device))
+        self.factor = factor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.conv_transpose1d(x, self.weight, self.bias, stride=self.factor)
 
 
 @dataclass
@@ -59,7 +79,7 @@ class Code2Wav(nn.Module):
         self.config = config
         k = config.kernel_size
         e = config.embed_dim
-        self.embed_codes = nn.Embedding(config.codebook_size, e, device=device)
+        self.embed_codes = Embedding(config.codebook_size, e, device)
         self.pre_convs = nn.ModuleList(
             CausalConv1d(e, e, k, device) for _ in range(config.num_pre_convs)
         )
@@ -67,9 +87,7 @@ class Code2Wav(nn.Module):
         up_convs: list[nn.Module] = []
         cin = e
         for factor, cout in zip(config.upsample_factors, config.upsample_channels, strict=True):
-            # kernel == stride: each input frame owns exactly `factor` output samples with no
-            # overlap, which is what keeps upsampling trivially chunkable.
-            ups.append(nn.ConvTranspose1d(cin, cout, factor, stride=factor, device=device))
+            ups.append(FrameUpsample(cin, cout, factor, device))
             up_convs.append(CausalConv1d(cout, cout, k, device))
             cin = cout
         self.upsamples = nn.ModuleList(ups)
@@ -87,7 +105,9 @@ class Code2Wav(nn.Module):
     def _check_codes(self, codes: torch.Tensor) -> None:
         if codes.dtype not in (torch.int64, torch.int32):
             raise TypeError(f"codes must be an integer tensor, got {codes.dtype}")
-        if codes.numel() and (int(codes.min()) < 0 or int(codes.max()) >= self.config.codebook_size):
+        if codes.numel() and (
+            int(codes.min()) < 0 or int(codes.max()) >= self.config.codebook_size
+        ):
             raise ValueError(
                 f"codec ids must be in [0, {self.config.codebook_size}); got range "
                 f"[{int(codes.min())}, {int(codes.max())}] (talker control tokens must be "
@@ -105,9 +125,9 @@ class Code2Wav(nn.Module):
         old = state.contexts if state is not None else []
         new_ctx: list[torch.Tensor] = []
 
-        def conv(layer: CausalConv1d, x: torch.Tensor) -> torch.Tensor:
+        def conv(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
             i = len(new_ctx)
-            y, c = layer.step(x, old[i] if i < len(old) else None)
+            y, c = cast(CausalConv1d, layer).step(x, old[i] if i < len(old) else None)
             new_ctx.append(c)
             return y
 

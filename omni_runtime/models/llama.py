@@ -32,10 +32,34 @@ __all__ = [
 AttnFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+# Minimal layers instead of nn.Linear / nn.Embedding: those run their default random init at
+# construction, which consumes the global RNG and, on the meta device, pulls in
+# torch._dynamo (~1.5 s per process). Weights here always come from a state dict, so the
+# parameters are created uninitialised.
+class Linear(nn.Module):
+    def __init__(
+        self, in_features: int, out_features: int, device: torch.device | str | None = None
+    ) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num: int, dim: int, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num, dim, device=device))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim, device=device))
+        self.weight = nn.Parameter(torch.empty(dim, device=device))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,7 +76,8 @@ def rope_cos_sin(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape ``[*positions.shape, head_dim]`` (halves duplicated)."""
     inv_freq = 1.0 / (
-        theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+        theta
+        ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
     )
     freqs = positions[..., None].to(torch.float32) * inv_freq
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -101,19 +126,19 @@ class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaLMConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
         h, d = cfg.hidden_size, cfg.head_dim
-        self.q_proj = nn.Linear(h, cfg.num_attention_heads * d, bias=False, device=device)
-        self.k_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False, device=device)
-        self.v_proj = nn.Linear(h, cfg.num_key_value_heads * d, bias=False, device=device)
-        self.o_proj = nn.Linear(cfg.num_attention_heads * d, h, bias=False, device=device)
+        self.q_proj = Linear(h, cfg.num_attention_heads * d, device)
+        self.k_proj = Linear(h, cfg.num_key_value_heads * d, device)
+        self.v_proj = Linear(h, cfg.num_key_value_heads * d, device)
+        self.o_proj = Linear(cfg.num_attention_heads * d, h, device)
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, cfg: LlamaLMConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
         h, i = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False, device=device)
-        self.up_proj = nn.Linear(h, i, bias=False, device=device)
-        self.down_proj = nn.Linear(i, h, bias=False, device=device)
+        self.gate_proj = Linear(h, i, device)
+        self.up_proj = Linear(h, i, device)
+        self.down_proj = Linear(i, h, device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -126,12 +151,39 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(cfg, device)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.config = cfg
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer_idx: int,
+        attn_fn: AttnFn,
+    ) -> torch.Tensor:
+        cfg = self.config
+        t = hidden.shape[0]
+        attn = self.self_attn
+        x = self.input_layernorm(hidden)
+        q = attn.q_proj(x).view(t, cfg.num_attention_heads, cfg.head_dim)
+        k = attn.k_proj(x).view(t, cfg.num_key_value_heads, cfg.head_dim)
+        v = attn.v_proj(x).view(t, cfg.num_key_value_heads, cfg.head_dim)
+        q = apply_rotary(q, cos, sin)
+        k = apply_rotary(k, cos, sin)
+        out = attn_fn(layer_idx, q, k, v)
+        if out.shape != q.shape:
+            raise ValueError(
+                f"attn_fn returned shape {tuple(out.shape)} for layer {layer_idx}, "
+                f"expected {tuple(q.shape)}"
+            )
+        hidden = hidden + attn.o_proj(out.reshape(t, cfg.num_attention_heads * cfg.head_dim))
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
 
 
 class LlamaBackbone(nn.Module):
     def __init__(self, cfg: LlamaLMConfig, device: torch.device | str | None = None) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device=device)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size, device)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, device) for _ in range(cfg.num_hidden_layers)
         )
@@ -145,7 +197,7 @@ class LlamaLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaBackbone(config, device)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, device=device)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, device)
 
     # ---- shape facts a runner needs to size its KV cache -------------------------------
     @property
@@ -193,23 +245,9 @@ class LlamaLM(nn.Module):
                 f"positions shape {tuple(positions.shape)} does not match T={hidden.shape[0]}"
             )
         cfg = self.config
-        t = hidden.shape[0]
         cos, sin = rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, hidden.dtype)
         for idx, layer in enumerate(self.model.layers):
-            attn = layer.self_attn
-            x = layer.input_layernorm(hidden)
-            q = attn.q_proj(x).view(t, cfg.num_attention_heads, cfg.head_dim)
-            k = attn.k_proj(x).view(t, cfg.num_key_value_heads, cfg.head_dim)
-            v = attn.v_proj(x).view(t, cfg.num_key_value_heads, cfg.head_dim)
-            q = apply_rotary(q, cos, sin)
-            k = apply_rotary(k, cos, sin)
-            out = attn_fn(idx, q, k, v)
-            if out.shape != q.shape:
-                raise ValueError(
-                    f"attn_fn returned shape {tuple(out.shape)}, expected {tuple(q.shape)}"
-                )
-            hidden = hidden + attn.o_proj(out.reshape(t, cfg.num_attention_heads * cfg.head_dim))
-            hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+            hidden = layer(hidden, cos, sin, idx, attn_fn)
         return self.model.norm(hidden)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -239,7 +277,9 @@ class LlamaLM(nn.Module):
             raise ValueError(f"input_ids must be [T] or [B, T], got {tuple(input_ids.shape)}")
         rows = []
         for b in range(input_ids.shape[0]):
-            pos_b = None if positions is None else positions[b] if positions.dim() == 2 else positions
+            pos_b = (
+                None if positions is None else positions[b] if positions.dim() == 2 else positions
+            )
             rows.append(self.forward_embeds(self.embed(input_ids[b]), pos_b))
         return torch.stack(rows)
 
@@ -261,15 +301,34 @@ class LlamaLM(nn.Module):
         ids = torch.as_tensor(prompt_ids, dtype=torch.long, device=device).reshape(-1)
         if ids.numel() == 0:
             raise ValueError("prompt_ids must not be empty")
+        return self.greedy_generate_from_embeds(
+            self.embed(ids), max_new_tokens, stop_at_eos=stop_at_eos, eos_token_id=eos_token_id
+        )
+
+    @torch.no_grad()
+    def greedy_generate_from_embeds(
+        self,
+        prompt_embeds: torch.Tensor,
+        max_new_tokens: int,
+        *,
+        stop_at_eos: bool = True,
+        eos_token_id: int | None = None,
+    ) -> torch.Tensor:
+        """Greedy decoding from a prompt given as embeddings [T, H] (the talker's input is
+        projected thinker states, not ids); generated tokens are embedded as usual."""
+        if prompt_embeds.dim() != 2 or prompt_embeds.shape[0] == 0:
+            raise ValueError(f"prompt_embeds must be non-empty [T, H], got {prompt_embeds.shape}")
         eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
+        embeds = prompt_embeds
         new: list[int] = []
         for _ in range(max_new_tokens):
-            nxt = int(self.forward(ids)[-1].argmax())
+            nxt = int(self.forward_embeds(embeds)[-1].argmax())
             new.append(nxt)
-            ids = torch.cat([ids, ids.new_tensor([nxt])])
+            nxt_ids = torch.tensor([nxt], dtype=torch.long, device=embeds.device)
+            embeds = torch.cat([embeds, self.embed(nxt_ids).to(embeds.dtype)])
             if stop_at_eos and nxt == eos:
                 break
-        return torch.tensor(new, dtype=torch.long, device=device)
+        return torch.tensor(new, dtype=torch.long, device=prompt_embeds.device)
 
 
 # Init scales chosen for a *random* model that still behaves like an LM under greedy
@@ -293,8 +352,7 @@ _INIT_STD = {
 def init_llama_state_dict(cfg: LlamaLMConfig, seed: int) -> dict[str, torch.Tensor]:
     """Deterministic fp32 weights for ``cfg`` (same bytes on every machine for one torch)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    # The skeleton lives on the meta device: it only provides the key order and shapes, and
-    # does not consume the global RNG the way nn.Linear's default init would.
+    # The skeleton lives on the meta device: it only provides the key order and shapes.
     skeleton = LlamaLM(cfg, device="meta")
     out: dict[str, torch.Tensor] = {}
     for name, p in skeleton.named_parameters():

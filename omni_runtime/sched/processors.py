@@ -52,8 +52,14 @@ class CodecTokenStreamer:
         is_final: bool,
         new_token_ids: list[int] | None = None,
     ) -> torch.Tensor | None:
-        buf = self._buffers.setdefault(request_id, [])
-        buf.extend(t for t in (new_token_ids or ()) if 0 <= t < self.codec_vocab)
+        buf = self._buffers.get(request_id)
+        if buf is None:
+            buf = self._buffers[request_id] = []
+        vocab = self.codec_vocab
+        if new_token_ids:
+            for t in new_token_ids:
+                if 0 <= t < vocab:
+                    buf.append(t)
         if is_final:
             self._buffers.pop(request_id, None)
             return torch.tensor(buf, dtype=torch.long)

@@ -107,17 +107,18 @@ class OmniARScheduler(Scheduler):
 
         by_id: dict[str, tuple[int, int, EngineCoreOutput]] = {}
         for client, eco in outputs.items():
-            for i, out in enumerate(eco.outputs):
-                by_id[out.request_id] = (client, i, out)
+            for i, emitted in enumerate(eco.outputs):
+                by_id[emitted.request_id] = (client, i, emitted)
         payloads = payloads_by_request(model_runner_output)
         freed = self._freed_in_update
         sent: dict[str, StageChunk] = {}
         for req_id, state in captured.items():
             entry = by_id.get(req_id)
-            out = entry[2] if entry is not None else None
+            out: EngineCoreOutput | None = entry[2] if entry is not None else None
             if req_id in dropped and out is None:
                 continue
-            new_ids = list(out.new_token_ids) if out is not None else []
+            # Upstream's own list; the adapter copies before anything can keep it (C-44).
+            new_ids = out.new_token_ids if out is not None else []
             reason = (
                 str(out.finish_reason) if out is not None and out.finish_reason is not None else None
             )
@@ -170,7 +171,7 @@ class OmniARScheduler(Scheduler):
         outputs: dict[int, EngineCoreOutputs] | None = None,
     ) -> None:
         """Finish, with an error reason, the requests whose processor or connector raised."""
-        while failures:
+        if failures:
             live = [rid for rid in failures if rid in self.requests]
             errored = super().finish_requests(live, RequestStatus.FINISHED_ERROR)
             if outputs is not None:
@@ -186,7 +187,6 @@ class OmniARScheduler(Scheduler):
             assert self.transfer is not None
             # The error EOF itself may fail on a broken connector; it is not retried.
             self.transfer.take_failures()
-            failures = {}
 
     # ---- introspection for audits ------------------------------------------------------
 

@@ -156,20 +156,22 @@ class ChunkTransferAdapter:
         finish_reason: str | None,
     ) -> StageChunk | None:
         is_final = finish_reason is not None
-        token_ids = tuple(new_token_ids)
         data: Any = payload
-        if self.processor is not None:
+        processor = self.processor
+        if processor is not None:
             try:
                 if self._pass_ids:
-                    data = self.processor(request_id, payload, is_final, new_token_ids=list(token_ids))
+                    # A fresh list: the processor may keep or mutate it (C-44).
+                    data = processor(request_id, payload, is_final, new_token_ids=new_token_ids[:])
                 else:
-                    data = self.processor(request_id, payload, is_final)
+                    data = processor(request_id, payload, is_final)
             except Exception as exc:  # a processor fault fails only its own request (C-61)
                 self.failures[request_id] = exc
                 self.progress.pop(request_id, None)
                 return None
             if data is None and not is_final:
                 return None
+        token_ids = tuple(new_token_ids)
         chunk = StageChunk(
             request_id=request_id,
             source_stage=self.stage_id,

@@ -1,0 +1,507 @@
+"""``OmniARModelRunner``: executes vLLM ``SchedulerOutput``s on CPU over a paged KV cache.
+
+The runner owns the worker-side request states (token ids, block tables, sampling state), the
+paged KV cache, the per-step input preparation, the model forward, sampling, and handing the
+step's tensors to the output adapter's ``PayloadBuilder`` through a materializer. It reads the
+``SchedulerOutput`` it is given and nothing else: it never chooses a destination stage, never
+sends, and returns results for exactly the scheduled requests in scheduler order (AR-INV-003,
+C-20, C-21).
+
+Request-state rules (V1 model-runner semantics, see ``vllm_compat.cached_request_updates``):
+
+* ``finished_req_ids`` drop state; preempted requests keep theirs (V1 sends them back as
+  cached requests with ``resumed`` set and a replacement block table).
+* The runner appends every token it samples to the request's token list, so under async
+  scheduling — where the scheduler schedules a decode step before it has seen the previous
+  token — the input of step N+1 is already here (the runner executes steps in order).
+  ``all_token_ids`` (sent for requests that skipped a step) replaces the list;
+  ``num_output_tokens`` smaller than what the runner holds trims tokens the scheduler dropped.
+* A step samples a request iff its scheduled chunk reaches the end of the known tokens; a
+  partial prefill chunk returns no token.
+* Prompt embeds replace the token embedding at prompt positions.
+
+Step protocol: ``execute_model`` runs the forward and returns None (or an empty output for an
+empty step); ``sample_tokens`` samples, collects connector output on the calling thread once
+(C-54), and finishes payloads inline or in the background (C-50..C-53).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from vllm.config import VllmConfig
+from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+from vllm.v1.outputs import ModelRunnerOutput
+
+from omni_runtime.adapters.output import (
+    OutputProducer,
+    PayloadBuilder,
+    PayloadInputs,
+    PayloadPlan,
+)
+from omni_runtime.config import OmniStageConfig
+from omni_runtime.models import LlamaLM
+from omni_runtime.payload import OmniModelRunnerOutput
+from omni_runtime.worker import vllm_compat as compat
+from omni_runtime.worker.attention import (
+    DecodeGroup,
+    PagedKVCache,
+    PrefillItem,
+    StepAttention,
+    slots_for,
+)
+from omni_runtime.worker.materialize import BackgroundOutput, Materializer, make_materializer
+from omni_runtime.worker.sampler import Sampler, SamplingState, request_seed
+
+
+def layer_name(i: int) -> str:
+    return f"model.layers.{i}.self_attn.attn"
+
+
+@dataclass
+class RequestState:
+    """What the runner keeps of one request between steps."""
+
+    req_id: str
+    token_ids: list[int]  # prompt (0 at embed positions, like vLLM's Request) + sampled outputs
+    prompt_len: int
+    prompt_embeds: torch.Tensor | None
+    prompt_is_token_ids: list[bool] | None
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling: SamplingState
+    conditioning_sent: bool = False
+    # First schedule after (re)start with a prefix-cache hit: deliver the cached rows (C-55).
+    merge_pending: bool = False
+    block_table: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+    _table_len: int = -1
+
+    def table(self) -> np.ndarray:
+        if self._table_len != len(self.block_ids):
+            self.block_table = np.asarray(self.block_ids, dtype=np.int64)
+            self._table_len = len(self.block_ids)
+        return self.block_table
+
+    def replace_blocks(self, block_ids: list[int]) -> None:
+        self.block_ids = list(block_ids)
+        self._table_len = -1
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.prompt_len :]
+
+
+@dataclass
+class ExecutedStep:
+    """What ``execute_model`` leaves for ``sample_tokens``: views of the runner's buffers."""
+
+    req_ids: list[str]
+    num_tokens: int
+    sample_index: list[int]  # request indices that sample this step
+    conditioning_rows: list[int]  # hidden-buffer rows; -1 where none
+    prefix_rows: dict[int, torch.Tensor]
+
+
+class OmniARModelRunner:
+    """See the module docstring."""
+
+    def __init__(
+        self, vllm_config: VllmConfig, model: LlamaLM, device: torch.device | None = None
+    ) -> None:
+        self.vllm_config = vllm_config
+        self.model = model
+        self.device = device or torch.device("cpu")
+        self.dtype = model.lm_head.weight.dtype
+        sched = vllm_config.scheduler_config
+        self.block_size = int(vllm_config.cache_config.block_size or 16)
+        self.max_num_reqs = int(sched.max_num_seqs)
+        self.max_num_tokens = int(sched.max_num_batched_tokens)
+        self.base_seed = int(getattr(vllm_config.model_config, "seed", 0) or 0)
+
+        self.stage: OmniStageConfig | None = OmniStageConfig.from_vllm_config(vllm_config)
+        stage = self.stage
+        # Payloads exist only for a stage that has somewhere to send them.
+        self.payloads_enabled = stage is not None and stage.has_downstream
+        self.include_hidden = bool(stage and stage.omni_pooler_payload_include_hidden)
+        self.full_prefix = bool(
+            self.payloads_enabled and self.include_hidden and stage and stage.downstream_needs_full_prefix
+        )
+        self.producers = self._producers(stage.multimodal_outputs if stage else ())
+        postprocess = getattr(model, "omni_postprocess", None)
+        self.postprocess: Callable[..., Any] | None = postprocess if callable(postprocess) else None
+        self.builder = PayloadBuilder(
+            include_hidden=self.include_hidden,
+            producers=self.producers if self.include_hidden else None,
+            postprocess=self.postprocess,
+        )
+        self.materializer: Materializer = make_materializer(
+            stage.materialization if stage else "inline", self.builder
+        )
+
+        self.sampler = Sampler()
+        self.requests: dict[str, RequestState] = {}
+        self.kv: PagedKVCache | None = None
+        self._pending: ExecutedStep | None = None
+        self.main_thread_id = threading.get_ident()
+        self._alloc_buffers(self.max_num_reqs, self.max_num_tokens)
+
+    # ---- persistent buffers ---------------------------------------------------------------
+
+    def _alloc_buffers(self, max_reqs: int, max_tokens: int) -> None:
+        self.max_num_reqs, self.max_num_tokens = max_reqs, max_tokens
+        self.input_ids = np.zeros(max_tokens, dtype=np.int64)
+        self.positions = np.zeros(max_tokens, dtype=np.int64)
+        self.slot_mapping = np.zeros(max_tokens, dtype=np.int64)
+        self.query_start = np.zeros(max_reqs + 1, dtype=np.int64)
+        self.num_scheduled = np.zeros(max_reqs, dtype=np.int64)
+        self.num_computed = np.zeros(max_reqs, dtype=np.int64)
+        self.conditioning_index = np.full(max_reqs, -1, dtype=np.int64)
+        self.hidden_buf = torch.zeros((max_tokens, self.model.hidden_size), dtype=self.dtype)
+
+    def persistent_buffers(self) -> dict[str, np.ndarray | torch.Tensor]:
+        """The scratch buffers every step reuses (what C-52 says may be overwritten at once)."""
+        return {
+            "input_ids": self.input_ids,
+            "positions": self.positions,
+            "slot_mapping": self.slot_mapping,
+            "query_start": self.query_start,
+            "num_scheduled": self.num_scheduled,
+            "num_computed": self.num_computed,
+            "conditioning_index": self.conditioning_index,
+            "hidden_buf": self.hidden_buf,
+        }
+
+    def _producers(self, names: tuple[str, ...]) -> dict[str, OutputProducer]:
+        available: dict[str, OutputProducer] = {"logits": self.model.logits}
+        extra = getattr(self.model, "omni_output_producers", None)
+        if isinstance(extra, Mapping):
+            available.update(extra)
+        unknown = [n for n in names if n not in available]
+        if unknown:
+            raise ValueError(
+                f"omni_stage.multimodal_outputs: unknown outputs {unknown}; "
+                f"this model provides {sorted(available)}"
+            )
+        return {n: available[n] for n in names}
+
+    # ---- KV cache -------------------------------------------------------------------------
+
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
+        spec = compat.full_attention_spec(
+            self.block_size, self.model.num_kv_heads, self.model.head_dim, self.dtype
+        )
+        return {layer_name(i): spec for i in range(self.model.num_layers)}
+
+    def kv_bytes_per_token(self) -> int:
+        return (
+            PagedKVCache.bytes_per_block(
+                num_layers=self.model.num_layers,
+                block_size=1,
+                num_kv_heads=self.model.num_kv_heads,
+                head_dim=self.model.head_dim,
+                dtype=self.dtype,
+            )
+        )
+
+    def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
+        geo = compat.kv_cache_geometry(kv_cache_config)
+        expected = {layer_name(i) for i in range(self.model.num_layers)}
+        if set(geo.layer_names) != expected:
+            raise ValueError(f"KV cache layers {sorted(geo.layer_names)} != model's {sorted(expected)}")
+        self.block_size = geo.block_size
+        self.kv = PagedKVCache(
+            num_layers=self.model.num_layers,
+            num_blocks=geo.num_blocks,
+            block_size=geo.block_size,
+            num_kv_heads=self.model.num_kv_heads,
+            head_dim=self.model.head_dim,
+            dtype=self.dtype,
+            hidden_size=self.model.hidden_size if self.full_prefix else None,
+        )
+
+    # ---- request states -------------------------------------------------------------------
+
+    def _update_states(self, so: SchedulerOutput) -> None:
+        for req_id in so.finished_req_ids:
+            self.requests.pop(req_id, None)
+        assert self.kv is not None, "initialize_kv_cache must run before execute_model"
+        self.kv.zero_blocks(compat.blocks_to_zero(so))
+        self.kv.copy_blocks(compat.block_copies(so))
+
+        for new in so.scheduled_new_reqs:
+            old = self.requests.get(new.req_id)
+            prompt_len = new.prompt_len
+            prefill_ids = compat.new_request_prefill_ids(new)
+            if prefill_ids is not None:
+                token_ids = list(prefill_ids)
+            elif new.prompt_token_ids is not None:
+                token_ids = list(new.prompt_token_ids)
+            else:
+                token_ids = [0] * prompt_len
+            embeds = new.prompt_embeds
+            if embeds is not None:
+                embeds = embeds.to(device=self.device, dtype=self.dtype)
+            sampling = (
+                old.sampling
+                if old is not None
+                else SamplingState.create(
+                    new.sampling_params,
+                    request_seed(new.sampling_params, self.base_seed, new.req_id),
+                )
+            )
+            st = RequestState(
+                req_id=new.req_id,
+                token_ids=token_ids,
+                prompt_len=prompt_len,
+                prompt_embeds=embeds,
+                prompt_is_token_ids=compat.new_request_prompt_is_token_ids(new),
+                block_ids=list(new.block_ids[0]) if new.block_ids else [],
+                num_computed_tokens=new.num_computed_tokens,
+                sampling=sampling,
+                conditioning_sent=old.conditioning_sent if old is not None else False,
+                merge_pending=self.full_prefix and new.num_computed_tokens > 0,
+            )
+            self.requests[new.req_id] = st
+
+        for upd in compat.cached_request_updates(so):
+            st = self.requests[upd.req_id]
+            st.num_computed_tokens = upd.num_computed_tokens
+            if upd.all_token_ids is not None:
+                st.token_ids = list(upd.all_token_ids)
+            elif 0 <= upd.num_output_tokens < len(st.token_ids) - st.prompt_len:
+                # The scheduler dropped tokens this runner sampled (stale async output).
+                del st.token_ids[st.prompt_len + upd.num_output_tokens :]
+            if upd.resumed:
+                st.replace_blocks(upd.new_block_ids[0] if upd.new_block_ids else [])
+                st.merge_pending = self.full_prefix and upd.num_computed_tokens > 0
+            elif upd.new_block_ids is not None and upd.new_block_ids[0]:
+                st.block_ids.extend(upd.new_block_ids[0])
+
+    # ---- the step -------------------------------------------------------------------------
+
+    def _empty_output(self) -> ModelRunnerOutput:
+        if self.stage is not None:
+            return OmniModelRunnerOutput(req_ids=[], req_id_to_index={})
+        return compat.empty_model_runner_output()
+
+    @torch.inference_mode()
+    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        if self._pending is not None:
+            raise RuntimeError("execute_model called twice without sample_tokens in between")
+        self._update_states(so)
+        if so.total_num_scheduled_tokens == 0:
+            return self._empty_output()
+        self._pending = self._forward(so)
+        return None
+
+    def _forward(self, so: SchedulerOutput) -> ExecutedStep:
+        assert self.kv is not None
+        # This list is "the request ids upstream bookkeeping copied": ModelRunnerOutput.req_ids
+        # and every payload build reuse it (C-53). Order = scheduler order (C-20).
+        req_ids = list(so.num_scheduled_tokens)
+        num_reqs = len(req_ids)
+        total = so.total_num_scheduled_tokens
+        if num_reqs > self.max_num_reqs or total > self.max_num_tokens:
+            self._alloc_buffers(max(num_reqs, self.max_num_reqs), max(total, self.max_num_tokens))
+        bs = self.block_size
+        qs, nsch, ncomp = self.query_start, self.num_scheduled, self.num_computed
+        cond_rows: list[int] = []
+        sample_index: list[int] = []
+        decodes: list[tuple[int, int, int, np.ndarray]] = []  # (row, ctx len, i, table)
+        prefills: list[PrefillItem] = []
+        embed_overrides: list[tuple[int, int, RequestState, int]] = []
+        prefix_rows: dict[int, torch.Tensor] = {}
+        off = 0
+        qs[0] = 0
+        for i, req_id in enumerate(req_ids):
+            st = self.requests[req_id]
+            n = so.num_scheduled_tokens[req_id]
+            c = st.num_computed_tokens
+            end = c + n
+            if end > len(st.token_ids):
+                raise RuntimeError(
+                    f"{req_id}: scheduled positions [{c}, {end}) but the runner knows only "
+                    f"{len(st.token_ids)} tokens"
+                )
+            self.input_ids[off : off + n] = st.token_ids[c:end]
+            pos = np.arange(c, end, dtype=np.int64)
+            self.positions[off : off + n] = pos
+            table = st.table()
+            self.slot_mapping[off : off + n] = slots_for(table, pos, bs)
+            if n == 1:
+                decodes.append((off, end, i, table))
+            else:
+                ctx = np.arange(end, dtype=np.int64)
+                allowed = torch.from_numpy(ctx[None, :] <= pos[:, None])
+                prefills.append(
+                    PrefillItem(off, off + n, torch.from_numpy(slots_for(table, ctx, bs)), allowed)
+                )
+            if st.prompt_embeds is not None and c < st.prompt_len:
+                embed_overrides.append((off, c, st, min(end, st.prompt_len) - c))
+            if end >= len(st.token_ids):
+                sample_index.append(i)
+            # Prefill conditioning: the row of the prompt's last position, once per request.
+            cond = -1
+            if self.payloads_enabled and not st.conditioning_sent and c < st.prompt_len <= end:
+                cond = off + st.prompt_len - 1 - c
+                st.conditioning_sent = True
+            cond_rows.append(cond)
+            if st.merge_pending:
+                st.merge_pending = False
+                if c > 0:
+                    cached = torch.from_numpy(slots_for(table, np.arange(c, dtype=np.int64), bs))
+                    prefix_rows[i] = self.kv.read_hidden(cached)
+            qs[i + 1] = off + n
+            nsch[i] = n
+            ncomp[i] = c
+            off += n
+
+        slot_t = torch.from_numpy(self.slot_mapping[:total])
+        decode = self._decode_group(decodes, bs) if decodes else None
+        attn = StepAttention(
+            self.kv,
+            slot_t,
+            decode,
+            prefills,
+            self.model.num_heads,
+            self.model.num_kv_heads,
+            self.model.head_dim,
+        )
+        ids_t = torch.from_numpy(self.input_ids[:total])
+        hidden = self.model.embed(ids_t)
+        for row, c, st, m in embed_overrides:
+            assert st.prompt_embeds is not None
+            src = st.prompt_embeds[c : c + m]
+            if st.prompt_is_token_ids is None:
+                hidden[row : row + m] = src
+            else:
+                keep = torch.tensor([not t for t in st.prompt_is_token_ids[c : c + m]])
+                hidden[row : row + m][keep] = src[keep]
+        pos_t = torch.from_numpy(self.positions[:total])
+        out = self.model.forward_layers(hidden, pos_t, attn)
+        self.hidden_buf[:total].copy_(out)
+        if self.kv.hidden is not None:
+            self.kv.write_hidden(slot_t, out)
+        return ExecutedStep(req_ids, total, sample_index, cond_rows, prefix_rows)
+
+    @staticmethod
+    def _decode_group(decodes: list[tuple[int, int, int, np.ndarray]], bs: int) -> DecodeGroup:
+        lmax = max(d[1] for d in decodes)
+        ctx = np.arange(lmax, dtype=np.int64)
+        slots = np.zeros((len(decodes), lmax), dtype=np.int64)
+        valid = np.zeros((len(decodes), lmax), dtype=bool)
+        for r, (_, length, _, table) in enumerate(decodes):
+            slots[r, :length] = slots_for(table, ctx[:length], bs)
+            valid[r, :length] = True
+        rows = torch.tensor([d[0] for d in decodes], dtype=torch.long)
+        return DecodeGroup(rows, torch.from_numpy(slots), torch.from_numpy(valid))
+
+    @torch.inference_mode()
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput | BackgroundOutput:
+        step, self._pending = self._pending, None
+        if step is None:
+            return self._empty_output()
+        req_ids = step.req_ids
+        sampled: list[list[int]] = [[] for _ in req_ids]
+        if step.sample_index:
+            rows = torch.tensor(
+                [int(self.query_start[i + 1]) - 1 for i in step.sample_index], dtype=torch.long
+            )
+            logits = self.model.logits(self.hidden_buf.index_select(0, rows))
+            states = [self.requests[req_ids[i]] for i in step.sample_index]
+            tokens = self.sampler.sample(
+                logits,
+                [s.sampling for s in states],
+                [s.token_ids[: s.prompt_len] for s in states] if self._need_history(states) else [],
+                [s.output_ids for s in states],
+            )
+            for i, st, tok in zip(step.sample_index, states, tokens, strict=True):
+                st.token_ids.append(tok)
+                sampled[i] = [tok]
+        connector = self.collect_connector_output()
+        kwargs: dict[str, Any] = dict(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=connector,
+        )
+        if self.stage is None:
+            return ModelRunnerOutput(**kwargs)
+        output = OmniModelRunnerOutput(**kwargs)
+        if not self.payloads_enabled:
+            return output
+        return self._finish_payloads(output, step)
+
+    @staticmethod
+    def _need_history(states: list[RequestState]) -> bool:
+        return any(s.sampling.needs_logit_processing for s in states)
+
+    def _finish_payloads(
+        self, output: OmniModelRunnerOutput, step: ExecutedStep
+    ) -> OmniModelRunnerOutput | BackgroundOutput:
+        has_cond = any(r >= 0 for r in step.conditioning_rows)
+        if not (
+            self.include_hidden
+            or self.producers
+            or self.postprocess is not None
+            or has_cond
+            or step.prefix_rows
+        ):
+            # C-50: nothing to deliver this step: no payload objects at all.
+            return output
+        num_reqs = len(step.req_ids)
+        cond_index = self.conditioning_index
+        cond_rows = [r for r in step.conditioning_rows if r >= 0]
+        k = 0
+        for i, r in enumerate(step.conditioning_rows):
+            cond_index[i] = -1 if r < 0 else k
+            k += r >= 0
+        hidden_view = self.hidden_buf[: step.num_tokens]
+        inputs = PayloadInputs(
+            hidden=hidden_view if self.include_hidden else None,
+            conditioning_rows=(
+                self.hidden_buf.index_select(0, torch.tensor(cond_rows, dtype=torch.long))
+                if cond_rows
+                else None
+            ),
+            prefix_rows=step.prefix_rows,
+            multimodal_rows=(
+                {}
+                if self.include_hidden
+                else {name: fn(hidden_view) for name, fn in self.producers.items()}
+            ),
+        )
+        # Inline reads these live views before returning; background snapshots them (C-53).
+        plan = PayloadPlan(
+            req_ids=output.req_ids,
+            query_start=self.query_start[: num_reqs + 1],
+            num_scheduled=self.num_scheduled[:num_reqs],
+            num_computed=self.num_computed[:num_reqs],
+            conditioning_index=cond_index[:num_reqs],
+        )
+        return self.materializer.finish(output, plan, inputs)
+
+    # ---- hooks ----------------------------------------------------------------------------
+
+    def collect_connector_output(self) -> compat.KVConnectorOutput | None:
+        """The step's connector output, collected on the calling thread once per step (C-54).
+
+        No KV connector is configured for omni stages, so this returns None; it is the hook
+        where a connector's (possibly collective) collection belongs.
+        """
+        return None
+
+    def take_draft_token_ids(self) -> None:
+        return None
+
+    def shutdown(self) -> None:
+        self.materializer.shutdown()
+        self._pending = None
