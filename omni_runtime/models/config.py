@@ -14,6 +14,11 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 __all__ = [
+    "CODEC_BOS_ID",
+    "CODEC_EOS_ID",
+    "CODEC_PAD_ID",
+    "CODEC_VOCAB_SIZE",
+    "TALKER_VOCAB_SIZE",
     "Code2WavConfig",
     "LlamaLMConfig",
     "code2wav_config",
