@@ -6,18 +6,25 @@ hash function (sha256) and the model folder whose ``config.json`` shapes the KV 
 receive a ``VllmConfig`` + ``KVCacheConfig`` built here, so upstream and subject start from
 identical configuration objects (built twice, never shared: schedulers mutate nothing in them, but
 a subject must not be able to affect the oracle through a shared object).
+
+Importing this module pins the process-wide vLLM switches that change observable scheduler
+behaviour (the V1 model-runner flavour, offline hub) before vLLM reads its environment; vLLM
+caches ``envs`` once an ``EngineCore`` starts, so a later pin would be silently ignored.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 TINY_MODEL = Path(__file__).parent / "assets" / "tiny-llama"
+
+# V2 runner folds resumed requests into scheduled_new_reqs; both sides must agree on one flavour.
+os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 @dataclass(frozen=True)
@@ -64,7 +71,13 @@ def block_hasher(block_size: int):
     return get_request_block_hasher(block_size, sha256)
 
 
-def build_vllm_config(cfg: HarnessConfig):
+def build_vllm_config(
+    cfg: HarnessConfig,
+    *,
+    scheduler_cls: type | str | None = None,
+    worker_cls: str | None = None,
+    num_gpu_blocks_override: int | None = None,
+):
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
@@ -74,6 +87,8 @@ def build_vllm_config(cfg: HarnessConfig):
         VllmConfig,
     )
 
+    sched_kw: dict[str, Any] = {} if scheduler_cls is None else {"scheduler_cls": scheduler_cls}
+    parallel_kw: dict[str, Any] = {} if worker_cls is None else {"worker_cls": worker_cls}
     model_config = ModelConfig(
         model=cfg.model,
         skip_tokenizer_init=True,
@@ -89,17 +104,19 @@ def build_vllm_config(cfg: HarnessConfig):
         long_prefill_token_threshold=cfg.long_prefill_token_threshold,
         async_scheduling=cfg.async_scheduling,
         is_encoder_decoder=False,
+        **sched_kw,
     )
     cache_config = CacheConfig(
         block_size=cfg.block_size,
         enable_prefix_caching=cfg.enable_prefix_caching,
         prefix_caching_hash_algo="sha256",
+        num_gpu_blocks_override=num_gpu_blocks_override,
     )
     vllm_config = VllmConfig(
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
-        parallel_config=ParallelConfig(distributed_executor_backend="uni"),
+        parallel_config=ParallelConfig(distributed_executor_backend="uni", **parallel_kw),
         device_config=DeviceConfig(device="cpu"),
         additional_config=dict(cfg.additional_config),
     )
@@ -108,6 +125,7 @@ def build_vllm_config(cfg: HarnessConfig):
 
 
 def build_kv_cache_config(cfg: HarnessConfig):
+    import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     shape = cfg.model_shape()

@@ -140,25 +140,29 @@ class StepAttention:
         v_cache.index_copy_(0, self.slot_mapping, v)
         out = torch.empty_like(q)
         nkv, g, d = self.num_kv_heads, self.groups, self.head_dim
+        # GQA without repeating K/V: query head h reads kv head h // groups, so queries are
+        # viewed as [.., kv_heads, groups, d] and each kv head is one batched matmul.
         if self.decode is not None:
             dec = self.decode
-            r = dec.token_index.shape[0]
-            qd = q.index_select(0, dec.token_index).view(r, nkv, g, d)
-            keys = k_cache[dec.context_slots]  # [R, L, nkv, d]
-            values = v_cache[dec.context_slots]
-            scores = torch.einsum("rkgd,rlkd->rkgl", qd, keys) * self.scale
-            scores = scores.masked_fill(~dec.valid[:, None, None, :], float("-inf"))
+            r, length = dec.context_slots.shape
+            qd = q.index_select(0, dec.token_index).view(r * nkv, g, d)
+            keys = k_cache[dec.context_slots].permute(0, 2, 1, 3).reshape(r * nkv, length, d)
+            values = v_cache[dec.context_slots].permute(0, 2, 1, 3).reshape(r * nkv, length, d)
+            scores = torch.bmm(qd, keys.transpose(1, 2)).mul_(self.scale).view(r, nkv, g, length)
+            scores.masked_fill_(~dec.valid[:, None, None, :], float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            od = torch.einsum("rkgl,rlkd->rkgd", probs, values).reshape(r, nkv * g, d)
+            od = torch.bmm(probs.view(r * nkv, g, length), values).view(r, nkv * g, d)
             out.index_copy_(0, dec.token_index, od)
         for item in self.prefills:
             n = item.end - item.start
-            qp = q[item.start : item.end].view(n, nkv, g, d)
-            keys = k_cache[item.context_slots]  # [L, nkv, d]
-            values = v_cache[item.context_slots]
-            scores = torch.einsum("nkgd,lkd->kgnl", qp, keys) * self.scale
-            scores = scores.masked_fill(~item.allowed, float("-inf"))
+            length = item.context_slots.shape[0]
+            qp = q[item.start : item.end].view(n, nkv, g, d).permute(1, 2, 0, 3)
+            qp = qp.reshape(nkv, g * n, d)
+            keys = k_cache[item.context_slots].permute(1, 0, 2)  # [nkv, L, d]
+            values = v_cache[item.context_slots].permute(1, 0, 2)
+            scores = torch.bmm(qp, keys.transpose(1, 2)).mul_(self.scale).view(nkv, g, n, length)
+            scores.masked_fill_(~item.allowed, float("-inf"))
             probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-            op = torch.einsum("kgnl,lkd->nkgd", probs, values).reshape(n, nkv * g, d)
-            out[item.start : item.end] = op
+            op = torch.bmm(probs.view(nkv, g * n, length), values).view(nkv, g, n, d)
+            out[item.start : item.end] = op.permute(2, 0, 1, 3).reshape(n, nkv * g, d)
         return out

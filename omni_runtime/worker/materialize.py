@@ -17,8 +17,9 @@ Both reuse the request-id list the runner built for ``ModelRunnerOutput.req_ids`
 Connector output is collected by the runner on the calling thread before materialization and
 never here (C-54). A build error is re-raised by ``get_output()``; should a caller drop a ``BackgroundOutput`` without
 collecting it, a later ``finish`` raises its error instead, so an error is never lost (C-54).
-vLLM's engine keeps at most ``max_concurrent_batches`` (2) steps in flight, so an output still
-uncollected when two newer steps have been finished is abandoned: that is when it is joined.
+vLLM's engine keeps at most ``max_concurrent_batches`` (2) steps in flight, so when step N
+finishes only step N-1 may still be legitimately uncollected: anything older is abandoned, and
+that is when it is joined.
 """
 
 from __future__ import annotations
@@ -101,8 +102,9 @@ class BackgroundMaterializer:
         self._recent.append(out)
         return out
 
-    # Steps the engine may still collect later (vLLM's batch queue depth).
-    IN_FLIGHT = 2
+    # Earlier steps the engine may still collect when a new step finishes: with vLLM's batch
+    # queue of depth 2, step N-1 is collected right after step N is sampled.
+    IN_FLIGHT = 1
 
     def raise_abandoned(self, keep: int = 0) -> None:
         """Join builds older than the newest ``keep`` that nobody collected; raise their error."""

@@ -316,7 +316,7 @@ class OmniARModelRunner:
         decodes: list[tuple[int, int, int, np.ndarray]] = []  # (row, ctx len, i, table)
         prefills: list[PrefillItem] = []
         embed_overrides: list[tuple[int, int, RequestState, int]] = []
-        prefix_rows: dict[int, torch.Tensor] = {}
+        merges: list[tuple[int, np.ndarray, int]] = []  # (request index, table, cached len)
         off = 0
         qs[0] = 0
         for i, req_id in enumerate(req_ids):
@@ -355,8 +355,7 @@ class OmniARModelRunner:
             if st.merge_pending:
                 st.merge_pending = False
                 if c > 0:
-                    cached = torch.from_numpy(slots_for(table, np.arange(c, dtype=np.int64), bs))
-                    prefix_rows[i] = self.kv.read_hidden(cached)
+                    merges.append((i, table, c))
             qs[i + 1] = off + n
             nsch[i] = n
             ncomp[i] = c
@@ -386,8 +385,14 @@ class OmniARModelRunner:
         pos_t = torch.from_numpy(self.positions[:total])
         out = self.model.forward_layers(hidden, pos_t, attn)
         self.hidden_buf[:total].copy_(out)
+        prefix_rows: dict[int, torch.Tensor] = {}
         if self.kv.hidden is not None:
             self.kv.write_hidden(slot_t, out)
+            # Read merged prefix rows only now: a prefix hit may cover blocks that another
+            # request of this very step computes (vLLM allows same-step hits).
+            for i, table, c in merges:
+                cached = torch.from_numpy(slots_for(table, np.arange(c, dtype=np.int64), bs))
+                prefix_rows[i] = self.kv.read_hidden(cached)
         return ExecutedStep(req_ids, total, sample_index, cond_rows, prefix_rows)
 
     @staticmethod

@@ -60,6 +60,9 @@ class OmniARWorker(WorkerBase):
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         dtype = self.model_config.dtype
+        # ModelConfig resolves "auto"/"float32" to a torch.dtype; the guard is for mypy's view.
+        if not isinstance(dtype, torch.dtype):
+            dtype = torch.float32
         model = load_model(self.model_config.model, device=self.device or "cpu", dtype=dtype)
         if not isinstance(model, LlamaLM):
             raise TypeError(

@@ -1,0 +1,243 @@
+"""``omni-conformance``: the CI gate and its tools.
+
+``check``     runs ``pytest -m invariants`` on the installed ``invariants`` suite with the plugin,
+              against the installed vLLM and the chosen subject; shows pytest's progress, prints a
+              summary table and the first difference of each violation, writes the compat report
+              (JSON, Markdown, JUnit) into ``--report-dir``; exits non-zero on any violation.
+``replay``    re-runs a saved failure trace and prints its first difference.
+``report``    re-renders Markdown and JUnit from a report's JSON.
+``subjects``  lists the subjects this installation can check.
+
+Environment problems (vLLM missing, an unsupported vLLM version, an unknown subject) end with
+one line on stderr and exit code 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+EXIT_ENV = 2
+PROFILES = ("ci", "dev", "thorough")
+
+
+def _fail_env(message: str) -> int:
+    print(f"omni-conformance: error: {message}", file=sys.stderr)
+    return EXIT_ENV
+
+
+def _check_environment(subject: str | None) -> str | None:
+    from conformance.vllm_compat import EnvironmentProblem, check_vllm
+
+    try:
+        check_vllm()
+    except EnvironmentProblem as exc:
+        return str(exc)
+    if subject is not None:
+        return _subject_problem(subject)
+    return None
+
+
+def _subject_problem(spec: str) -> str | None:
+    """Cheap existence check (no import: a subject module usually imports vLLM, ~10 s)."""
+    import importlib.util
+
+    from conformance.subjects import available_subjects, ensure_cwd_importable
+
+    if ":" not in spec:
+        if spec in available_subjects():
+            return None
+        known = ", ".join(sorted(available_subjects()))
+        return f"unknown subject {spec!r}; known: {known}, or a module:attr spec"
+    module = spec.partition(":")[0]
+    ensure_cwd_importable()
+    try:
+        found = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        found = None
+    return None if found is not None else f"subject module {module!r} cannot be imported"
+
+
+def _plugin_installed() -> bool:
+    return any(ep.value == "conformance.plugin" for ep in entry_points(group="pytest11"))
+
+
+def _has_xdist() -> bool:
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def pytest_command(args: argparse.Namespace) -> list[str]:
+    cmd = [sys.executable, "-m", "pytest", "-m", "invariants", "-p", "no:cacheprovider"]
+    if not _plugin_installed():
+        cmd += ["-p", "conformance.plugin"]
+    cmd += ["--subject", args.subject, "--compat-report", str(args.report_dir)]
+    cmd += ["--hypothesis-profile", args.profile, "--conformance-failures", str(args.failures_dir)]
+    cmd += ["-o", "addopts=", "-rfE", "-v" if not args.quiet else "-q"]
+    if args.workers and args.workers > 1 and _has_xdist():
+        cmd += ["-n", str(args.workers)]
+    cmd += list(args.tests) if args.tests else ["--pyargs", "invariants"]
+    cmd += list(args.pytest_args or ())
+    return cmd
+
+
+def _summary(report: dict[str, Any]) -> str:
+    lines = [
+        f"omni-conformance check: {report['status'].upper()}  subject={report['subject']}  "
+        f"profile={report['profile']}  seed={report['seed']}  "
+        f"vLLM {report['environment'].get('vllm')}  torch {report['environment'].get('torch')}  "
+        f"Python {report['environment'].get('python')}",
+        f"{'invariant':<12} {'status':<8} {'examples':>9} {'steps':>9}  tolerated differences",
+    ]
+    for inv in report["invariants"]:
+        tol = ", ".join(f"{k} x{v}" for k, v in sorted(inv["tolerated"].items())) or "-"
+        lines.append(
+            f"{inv['id']:<12} {inv['status']:<8} {inv['examples']:>9} "
+            f"{inv['steps_compared']:>9}  {tol}"
+        )
+    ran = [c for c in report["clauses"] if c["status"] != "not_run"]
+    if ran:
+        lines.append("clauses: " + "  ".join(f"{c['id']}={c['status']}" for c in ran))
+    for f in report["failures"]:
+        lines.append(f"VIOLATION {f['test']}: {f['message']}")
+        diff = f.get("first_difference")
+        if diff:
+            lines.append(
+                f"  first difference: step {diff['step']} ({diff['op']}) {diff['path']}: "
+                f"upstream={json.dumps(diff['upstream'])[:120]} "
+                f"subject={json.dumps(diff['subject'])[:120]}"
+            )
+        if f.get("trace"):
+            lines.append(f"  replay: omni-conformance replay {f['trace']}")
+    return "\n".join(lines)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    problem = _check_environment(args.subject)
+    if problem:
+        return _fail_env(problem)
+    report_dir = Path(args.report_dir)
+    report_json = report_dir / "compat-report.json"
+    if report_json.exists():
+        report_json.unlink()  # never mistake a stale report for this run's
+    env = dict(os.environ)
+    env.setdefault("PYTHONHASHSEED", "0")  # multi-id aborts free blocks in set order
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env["OMNI_CONFORMANCE_PROFILE"] = args.profile
+    cmd = pytest_command(args)
+    print(
+        f"omni-conformance check: subject={args.subject} profile={args.profile} "
+        f"report-dir={report_dir}",
+        flush=True,
+    )
+    rc = subprocess.call(cmd, env=env)
+    if not report_json.exists():
+        print(
+            f"omni-conformance check: pytest exited {rc} without writing a report", file=sys.stderr
+        )
+        return rc or 1
+    report = json.loads(report_json.read_text())
+    print(_summary(report))
+    print(f"report: {report_json} (+ compat-report.md, compat-report.junit.xml)")
+    if report["status"] == "fail":
+        return rc or 1
+    return rc if rc not in (5,) else 1  # 5: no tests collected is a broken gate, not a pass
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    problem = _check_environment(args.subject)
+    if problem:
+        return _fail_env(problem)
+    if not Path(args.trace).exists():
+        return _fail_env(f"no such trace: {args.trace}")
+    from conformance.replay import replay
+
+    diff, meta = replay(args.trace, args.subject)
+    if diff is None:
+        print(f"replay {args.trace}: no difference (subject {args.subject or meta.get('subject')})")
+        return 0
+    print(diff.headline())
+    return 1
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from conformance.report import render_from_json, render_markdown, validate
+
+    path = Path(args.report)
+    if not path.exists():
+        return _fail_env(f"no such report: {path}")
+    report = json.loads(path.read_text())
+    try:
+        validate(report)
+    except Exception as exc:  # jsonschema.ValidationError; keep the message to one line
+        return _fail_env(
+            f"{path} does not match the compat-report schema: {str(exc).splitlines()[0]}"
+        )
+    paths = render_from_json(path, args.out)
+    print(render_markdown(report), end="")
+    print(f"wrote {paths['markdown']} and {paths['junit']}")
+    return 0
+
+
+def cmd_subjects(args: argparse.Namespace) -> int:
+    from conformance.subjects import available_subjects
+
+    for name, origin in sorted(available_subjects().items()):
+        print(f"{name:<16} {origin}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="omni-conformance", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("check", help="run the invariant suite and write the compat report")
+    c.add_argument("--subject", default=os.environ.get("OMNI_CONFORMANCE_SUBJECT", "omni"))
+    c.add_argument(
+        "--profile", choices=PROFILES, default=os.environ.get("OMNI_CONFORMANCE_PROFILE", "ci")
+    )
+    c.add_argument("--report-dir", default="compat-report")
+    c.add_argument(
+        "--failures-dir",
+        default=os.environ.get("OMNI_CONFORMANCE_FAILURES", "conformance-failures"),
+    )
+    c.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers (2 cores)")
+    c.add_argument("-q", "--quiet", action="store_true")
+    c.add_argument("--tests", nargs="*", help="test paths instead of the installed suite")
+    c.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    c.set_defaults(func=cmd_check)
+
+    r = sub.add_parser("replay", help="re-run a saved failure trace")
+    r.add_argument("trace")
+    r.add_argument("--subject", default=None, help="override the subject recorded in the trace")
+    r.set_defaults(func=cmd_replay)
+
+    rp = sub.add_parser("report", help="re-render Markdown and JUnit from a report's JSON")
+    rp.add_argument("report")
+    rp.add_argument("--out", default=None)
+    rp.set_defaults(func=cmd_report)
+
+    s = sub.add_parser("subjects", help="list available subjects")
+    s.set_defaults(func=cmd_subjects)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

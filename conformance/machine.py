@@ -1,0 +1,131 @@
+"""Hypothesis building blocks: the workload language as a ``RuleBasedStateMachine``.
+
+``LockstepMachine`` turns each workload operation into a rule (add a request, step, abort a
+subset of ids in whatever state they are, the three forms of ``reset_prefix_cache``, deliver
+chunks), applies it to upstream and the subject in lock step, and fails on the first difference
+no registry entry tolerates; hypothesis then shrinks the program, and the failing (shrunk) trace
+is written to the failures folder for ``omni-conformance replay``. At teardown it drains the
+workload and checks conservation (C-06) and that no subject state survives its request (C-04).
+
+Use ``machine_for(recorder, config, ...)`` to get a machine class bound to one test's recorder
+and configuration, then ``run_state_machine_as_test`` it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from conformance.config import HarnessConfig
+from conformance.workload import Abort, AddRequest, DeliverChunks, ResetPrefixCache, Step
+
+# Shared prefixes long enough to fill whole blocks (block_size 16): prefix-cache hits need them.
+PREFIXES: dict[str, tuple[int, ...]] = {
+    "sys": tuple(range(40, 72)),
+    "doc": tuple(range(300, 348)),
+}
+STOP_IDS = (5, 6)
+
+
+class LockstepMachine(RuleBasedStateMachine):
+    recorder: Any = None
+    config: HarnessConfig = HarnessConfig()
+    final_stages: tuple[str | None, ...] = (None,)
+    name: str = "lockstep"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.session = self.recorder.lockstep(self.config, prefixes=PREFIXES)
+        self.counter = 0
+        self.ended: list[str] = []
+
+    @rule(
+        prefix=st.sampled_from([None, "sys", "doc"]),
+        length=st.integers(1, 40),
+        salt=st.integers(0, 3),
+        max_tokens=st.integers(1, 20),
+        stop=st.booleans(),
+        ignore_eos=st.booleans(),
+        final=st.data(),
+    )
+    def add(
+        self,
+        prefix: str | None,
+        length: int,
+        salt: int,
+        max_tokens: int,
+        stop: bool,
+        ignore_eos: bool,
+        final: st.DataObject,
+    ) -> None:
+        rid = f"r{self.counter}"
+        self.counter += 1
+        prompt = tuple(100 + (salt * 37 + i) % 200 for i in range(length))
+        final_stage = final.draw(st.sampled_from(self.final_stages))
+        self.session.apply(
+            AddRequest(
+                rid,
+                prompt,
+                prefix=prefix,
+                max_tokens=max_tokens,
+                stop_token_ids=STOP_IDS if stop else (),
+                ignore_eos=ignore_eos,
+                final_stage=final_stage,
+            )
+        )
+
+    @rule(n=st.integers(1, 4))
+    def step(self, n: int) -> None:
+        for _ in range(n):
+            if self.session.failure is not None:
+                return
+            self.session.apply(Step())
+
+    @precondition(lambda self: self.counter > 0)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        known = [f"r{i}" for i in range(self.counter)]
+        ids = data.draw(st.lists(st.sampled_from(known), min_size=1, max_size=3, unique=True))
+        self.session.apply(Abort(tuple(ids)))
+
+    @rule(form=st.sampled_from(["plain", "running", "connector"]))
+    def reset_prefix_cache(self, form: str) -> None:
+        self.session.apply(
+            ResetPrefixCache(
+                reset_running_requests=form == "running", reset_connector=form == "connector"
+            )
+        )
+
+    @rule()
+    def deliver_chunks(self) -> None:
+        self.session.apply(DeliverChunks())
+
+    @invariant()
+    def no_undeclared_difference(self) -> None:
+        if self.session.failure is not None:
+            # Hypothesis shrinks; the last (smallest) failing example's trace is what remains.
+            self.recorder.fail(self.session, self.name, do_shrink=False)
+
+    def teardown(self) -> None:
+        if self.session.failure is None:
+            self.session.drain()
+            if self.session.failure is not None:
+                self.recorder.fail(self.session, self.name, do_shrink=False)
+            problems = self.session.conservation_problems()
+            assert not problems, "; ".join(problems)
+
+
+def machine_for(
+    recorder: Any,
+    config: HarnessConfig,
+    *,
+    final_stages: tuple[str | None, ...] = (None,),
+    name: str = "lockstep",
+) -> type[LockstepMachine]:
+    return type(
+        f"Lockstep_{name.replace('-', '_')}",
+        (LockstepMachine,),
+        {"recorder": recorder, "config": config, "final_stages": final_stages, "name": name},
+    )

@@ -1,0 +1,318 @@
+"""The pytest plugin (entry point ``pytest11: omni_conformance``): markers, options, fixtures,
+hypothesis profiles and the upstream-compat report.
+
+* markers: ``invariants`` (the CI gate's suite) and ``clauses("C-01", ...)`` (what a test covers);
+* options: ``--subject`` (name, entry point or ``module:attr``; default ``omni``),
+  ``--compat-report DIR`` (write the report there), ``--conformance-failures DIR`` (failure
+  traces; default ``./conformance-failures``);
+* hypothesis profiles ``ci`` (derandomized, bounded), ``dev`` and ``thorough`` (10x ci examples),
+  chosen by ``--hypothesis-profile`` or ``OMNI_CONFORMANCE_PROFILE`` (default ``ci``);
+* fixtures: ``conformance_subject``, ``conformance`` (a ``ConformanceRecorder`` that builds
+  lock-step sessions for the chosen subject and records what they compared), ``paired_schedulers``
+  and ``paired_drivers`` (an upstream and a subject scheduler/driver built from one config).
+
+Counters travel from xdist workers to the controller in ``user_properties``; only the controller
+writes the report.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+if TYPE_CHECKING:  # the plugin loads in every pytest run here: keep vLLM and torch out of it
+    from conformance.config import HarnessConfig
+
+PROFILE_ENV = "OMNI_CONFORMANCE_PROFILE"
+SUBJECT_ENV = "OMNI_CONFORMANCE_SUBJECT"
+_PROP = "omni_conformance"
+_CLAUSES_PROP = "omni_conformance_clauses"
+
+CI_EXAMPLES = 20
+_COMMON: dict[str, Any] = {
+    "deadline": None,
+    "print_blob": True,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
+}
+settings.register_profile(
+    "ci", max_examples=CI_EXAMPLES, derandomize=True, stateful_step_count=50, **_COMMON
+)
+settings.register_profile("dev", max_examples=CI_EXAMPLES, stateful_step_count=50, **_COMMON)
+settings.register_profile(
+    "thorough", max_examples=CI_EXAMPLES * 10, stateful_step_count=100, **_COMMON
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("omni-conformance", "differential conformance against upstream vLLM")
+    group.addoption(
+        "--subject",
+        default=os.environ.get(SUBJECT_ENV, "omni"),
+        help="subject runtime: a registered name (omni, upstream, entry points) or module:attr",
+    )
+    group.addoption(
+        "--compat-report",
+        default=None,
+        metavar="DIR",
+        help="write the upstream-compat report (JSON, Markdown, JUnit) into DIR",
+    )
+    group.addoption(
+        "--conformance-failures",
+        default=None,
+        metavar="DIR",
+        help="folder for failing traces (default ./conformance-failures)",
+    )
+
+
+def _profile_name(config: pytest.Config) -> str:
+    explicit = config.getoption("hypothesis_profile", None)
+    return str(explicit or os.environ.get(PROFILE_ENV) or "ci")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "invariants: the property-based invariant suite (the CI gate)"
+    )
+    config.addinivalue_line(
+        "markers", "clauses(*ids): contract clauses (C-xx) a test covers, for the compat report"
+    )
+    if config.getoption("hypothesis_profile", None) is None:
+        settings.load_profile(_profile_name(config))
+    if failures := config.getoption("conformance_failures"):
+        os.environ["OMNI_CONFORMANCE_FAILURES"] = str(failures)
+    config.stash[_STATE] = _SessionState()
+
+
+# ---- per-test recording -------------------------------------------------------------------
+
+
+class ConformanceRecorder:
+    """What one test compared: sessions it ran, examples, and the failure it found."""
+
+    def __init__(self, subject_spec: str, subject: Any) -> None:
+        self.subject_spec = subject_spec
+        self.subject = subject
+        self.sessions: list[Any] = []
+        self.examples = 0
+        self.steps_compared = 0
+        self.tolerated: dict[str, int] = {}
+        self.exercised: dict[str, int] = {}
+        self.first_difference: dict[str, Any] | None = None
+        self.trace: str | None = None
+
+    def lockstep(self, config: HarnessConfig | None = None, **kw: Any) -> Any:
+        from conformance.config import HarnessConfig
+        from conformance.lockstep import Lockstep
+
+        session = Lockstep(config or HarnessConfig(), self.subject, **kw)
+        self.sessions.append(session)
+        self.examples += 1
+        return session
+
+    def _fold(self) -> None:
+        for s in self.sessions:
+            self.steps_compared += s.steps_compared
+            for k, v in s.tolerated.items():
+                self.tolerated[k] = self.tolerated.get(k, 0) + v
+            for k, v in s.stats.items():
+                self.exercised[k] = self.exercised.get(k, 0) + v
+        self.sessions = []
+
+    def fail(self, session: Any, name: str, *, do_shrink: bool = True) -> None:
+        """Save the (shrunk) failing trace and raise the first difference as the test failure."""
+        from conformance.lockstep import SubjectBroken
+        from conformance.replay import record_failure
+
+        path, diff = record_failure(
+            session,
+            subject_spec=self.subject_spec,
+            name=name,
+            registry=session.registry,
+            do_shrink=do_shrink,
+        )
+        self.first_difference = diff.to_dict()
+        self.trace = str(path)
+        raise SubjectBroken(diff)
+
+    def check(self, session: Any, name: str) -> None:
+        if session.failure is not None:
+            self.fail(session, name)
+
+    def properties(self) -> dict[str, Any]:
+        self._fold()
+        return {
+            "examples": self.examples,
+            "steps_compared": self.steps_compared,
+            "tolerated": dict(self.tolerated),
+            "exercised": dict(self.exercised),
+            "first_difference": self.first_difference,
+            "trace": self.trace,
+        }
+
+
+@pytest.fixture(scope="session")
+def conformance_subject_spec(request: pytest.FixtureRequest) -> str:
+    return str(request.config.getoption("subject"))
+
+
+@pytest.fixture(scope="session")
+def conformance_subject(conformance_subject_spec: str) -> Any:
+    from conformance.subjects import load_subject
+
+    return load_subject(conformance_subject_spec)
+
+
+@pytest.fixture
+def conformance(
+    request: pytest.FixtureRequest, conformance_subject_spec: str, conformance_subject: Any
+) -> Iterator[ConformanceRecorder]:
+    rec = ConformanceRecorder(conformance_subject_spec, conformance_subject)
+    try:
+        yield rec
+    finally:
+        request.node.user_properties.append((_PROP, rec.properties()))
+
+
+@pytest.fixture
+def paired_schedulers(conformance_subject: Any) -> Callable[..., tuple[Any, Any]]:
+    """``make(cfg) -> (upstream scheduler, subject scheduler)``, built from the same config."""
+    from conformance.subjects import UpstreamSubject
+
+    def make(cfg: HarnessConfig | None = None) -> tuple[Any, Any]:
+        from conformance.config import HarnessConfig
+
+        cfg = cfg or HarnessConfig()
+        return UpstreamSubject().build_scheduler(cfg), conformance_subject.build_scheduler(cfg)
+
+    return make
+
+
+@pytest.fixture
+def paired_drivers(paired_schedulers: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple]:
+    """``make(cfg) -> (upstream driver, subject driver)``, each with its own token source."""
+    from conformance.driver import make_driver
+    from conformance.tokens import DeterministicTokenSource
+
+    def make(cfg: HarnessConfig | None = None) -> tuple[Any, Any]:
+        up, sub = paired_schedulers(cfg)
+        return (
+            make_driver(up, DeterministicTokenSource()),
+            make_driver(sub, DeterministicTokenSource()),
+        )
+
+    return make
+
+
+# ---- collecting results -------------------------------------------------------------------
+
+
+class _SessionState:
+    def __init__(self) -> None:
+        self.tests: dict[str, dict[str, Any]] = {}
+        self.report: dict[str, Any] | None = None
+        self.paths: dict[str, Any] = {}
+
+
+_STATE = pytest.StashKey[_SessionState]()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        ids: list[str] = []
+        for mark in item.iter_markers("clauses"):
+            ids.extend(str(a) for a in mark.args)
+        if ids or item.get_closest_marker("invariants") is not None:
+            item.user_properties.append((_CLAUSES_PROP, sorted(set(ids))))
+
+
+def _first_line(report: pytest.TestReport) -> str:
+    text = str(report.longrepr) if report.longrepr is not None else ""
+    for line in text.splitlines():
+        if "first difference" in line:
+            return line.strip().lstrip("E").strip()
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None:
+        return str(crash.message).splitlines()[0][:300]
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else report.outcome
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    config = _CONFIG.get("config")
+    if config is None:
+        return
+    state = config.stash[_STATE]
+    props: dict[str, Any] = dict(report.user_properties)
+    if _CLAUSES_PROP not in props and report.nodeid not in state.tests:
+        return
+    entry = state.tests.setdefault(
+        report.nodeid, {"outcome": "passed", "clauses": [], "duration": 0.0, "message": None}
+    )
+    if _CLAUSES_PROP in props:
+        entry["clauses"] = props[_CLAUSES_PROP]
+    if _PROP in props:
+        entry.update(props[_PROP])
+    entry["duration"] += float(report.duration or 0.0)
+    if report.failed:
+        entry["outcome"] = "failed" if report.when == "call" else "error"
+        entry["message"] = entry["message"] or _first_line(report)
+    elif report.skipped and report.when != "teardown" and entry["outcome"] == "passed":
+        entry["outcome"] = "skipped"
+
+
+_CONFIG: dict[str, pytest.Config] = {}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    _CONFIG["config"] = session.config
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if hasattr(config, "workerinput"):
+        return
+    out_dir = config.getoption("compat_report")
+    state = config.stash[_STATE]
+    if not out_dir:
+        return
+    from conformance.report import ReportBuilder, TestRecord, write_report
+    from conformance.vllm_compat import environment_versions
+
+    profile = _profile_name(config)
+    seed = config.getoption("hypothesis_seed", None)
+    if seed is None:
+        seed = 0 if settings.get_profile(profile).derandomize else "random"
+    builder = ReportBuilder(
+        subject=str(config.getoption("subject")),
+        profile=profile,
+        seed=seed,
+        environment=environment_versions(),
+    )
+    for nodeid, data in state.tests.items():
+        builder.add(TestRecord.from_dict({"nodeid": nodeid, **data}))
+    state.report = builder.build()
+    state.paths = write_report(state.report, out_dir)
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    state = config.stash.get(_STATE, None)
+    if state is None or state.report is None:
+        return
+    rep = state.report
+    tr = terminalreporter
+    tr.section(f"omni-conformance: subject {rep['subject']} — {rep['status'].upper()}")
+    tr.write_line(f"{'invariant':<12} {'status':<8} {'examples':>8} {'steps':>8}  tolerated")
+    for inv in rep["invariants"]:
+        tol = ", ".join(f"{k}x{v}" for k, v in sorted(inv["tolerated"].items())) or "-"
+        tr.write_line(
+            f"{inv['id']:<12} {inv['status']:<8} {inv['examples']:>8} "
+            f"{inv['steps_compared']:>8}  {tol}"
+        )
+    for f in rep["failures"]:
+        tr.write_line(f"VIOLATION {f['test']}: {f['message']}")
+    tr.write_line(f"report: {state.paths.get('json')}")

@@ -1,0 +1,308 @@
+"""The upstream-compat report: per invariant and per contract clause, as JSON, Markdown and JUnit.
+
+``ReportBuilder`` accumulates one ``TestRecord`` per test (outcome, the clauses it declares,
+examples run, steps compared, tolerated differences by registry id, its first difference and
+failure trace) and renders the report. The JSON is the source of truth (its schema is
+``conformance/schemas/compat-report.schema.json``); Markdown (a CI job summary) and JUnit XML
+(one test case per clause) are renderings of it, and ``render_from_json`` rebuilds them.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from xml.sax.saxutils import escape
+
+SCHEMA_ID = "omni-conformance-compat-report/1"
+SCHEMA_PATH = Path(__file__).parent / "schemas" / "compat-report.schema.json"
+
+INVARIANTS: dict[str, str] = {
+    "AR-INV-001": "vLLM owns base scheduling semantics",
+    "AR-INV-002": "Omni data crosses explicit adapters",
+    "AR-INV-003": "Workers execute assigned work",
+}
+
+# Clause -> the invariant (or contract group) it belongs to; ids from CONTRACTS.md.
+CLAUSES: dict[str, str] = {
+    **{f"C-0{i}": "AR-INV-001" for i in range(1, 9)},
+    **{f"C-1{i}": "AR-INV-002" for i in range(0, 4)},
+    **{f"C-2{i}": "AR-INV-003" for i in range(0, 3)},
+    **{f"C-3{i}": "token-only-payloads" for i in range(0, 2)},
+    **{f"C-4{i}": "chunk-processors" for i in range(0, 6)},
+    **{f"C-5{i}": "materialization" for i in range(0, 6)},
+    **{f"C-6{i}": "reliability" for i in range(0, 3)},
+}
+
+
+@dataclass
+class TestRecord:
+    nodeid: str
+    outcome: str  # passed | failed | skipped | error
+    clauses: list[str] = field(default_factory=list)
+    examples: int = 0
+    steps_compared: int = 0
+    tolerated: dict[str, int] = field(default_factory=dict)
+    exercised: dict[str, int] = field(default_factory=dict)
+    duration: float = 0.0
+    message: str | None = None
+    first_difference: dict[str, Any] | None = None
+    trace: str | None = None
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TestRecord:
+        return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+
+def _status(outcomes: Iterable[str]) -> str:
+    seen = set(outcomes)
+    if seen & {"failed", "error"}:
+        return "fail"
+    if "passed" in seen:
+        return "pass"
+    return "not_run"
+
+
+def _merge(into: dict[str, int], more: Mapping[str, int]) -> None:
+    for k, v in more.items():
+        into[k] = into.get(k, 0) + int(v)
+
+
+class ReportBuilder:
+    def __init__(
+        self,
+        *,
+        subject: str,
+        profile: str,
+        seed: Any,
+        environment: Mapping[str, str],
+    ) -> None:
+        self.subject = subject
+        self.profile = profile
+        self.seed = seed
+        self.environment = dict(environment)
+        self.records: list[TestRecord] = []
+
+    def add(self, record: TestRecord) -> None:
+        self.records.append(record)
+
+    def build(self) -> dict[str, Any]:
+        clauses: dict[str, dict[str, Any]] = {}
+        for cid, inv in CLAUSES.items():
+            clauses[cid] = {
+                "id": cid,
+                "invariant": inv,
+                "status": "not_run",
+                "examples": 0,
+                "steps_compared": 0,
+                "tolerated": {},
+                "tests": [],
+            }
+        outcomes: dict[str, list[str]] = {}
+        for r in self.records:
+            for cid in r.clauses:
+                entry = clauses.setdefault(
+                    cid,
+                    {
+                        "id": cid,
+                        "invariant": "unknown",
+                        "status": "not_run",
+                        "examples": 0,
+                        "steps_compared": 0,
+                        "tolerated": {},
+                        "tests": [],
+                    },
+                )
+                entry["examples"] += r.examples
+                entry["steps_compared"] += r.steps_compared
+                _merge(entry["tolerated"], r.tolerated)
+                entry["tests"].append(r.nodeid)
+                outcomes.setdefault(cid, []).append(r.outcome)
+        for cid, outs in outcomes.items():
+            clauses[cid]["status"] = _status(outs)
+
+        invariants = []
+        for iid, title in INVARIANTS.items():
+            members = [c for c in clauses.values() if c["invariant"] == iid]
+            member_ids = {c["id"] for c in members}
+            statuses = {c["status"] for c in members}
+            status = "fail" if "fail" in statuses else "pass" if "pass" in statuses else "not_run"
+            # Count each test once per invariant, however many of its clauses it covers.
+            covering = [r for r in self.records if member_ids & set(r.clauses)]
+            tolerated: dict[str, int] = {}
+            for r in covering:
+                _merge(tolerated, r.tolerated)
+            invariants.append(
+                {
+                    "id": iid,
+                    "title": title,
+                    "status": status,
+                    "clauses": [c["id"] for c in members],
+                    "examples": sum(r.examples for r in covering),
+                    "steps_compared": sum(r.steps_compared for r in covering),
+                    "tolerated": tolerated,
+                }
+            )
+        failures = [
+            {
+                "test": r.nodeid,
+                "clauses": r.clauses,
+                "message": r.message or "",
+                "first_difference": r.first_difference,
+                "trace": r.trace,
+            }
+            for r in self.records
+            if r.outcome in ("failed", "error")
+        ]
+        counts = {
+            k: sum(1 for r in self.records if r.outcome == k)
+            for k in ("passed", "failed", "skipped", "error")
+        }
+        tolerated_total: dict[str, int] = {}
+        for r in self.records:
+            _merge(tolerated_total, r.tolerated)
+        return {
+            "schema": SCHEMA_ID,
+            "generated_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+            "subject": self.subject,
+            "profile": self.profile,
+            "seed": self.seed
+            if isinstance(self.seed, int | str) or self.seed is None
+            else str(self.seed),
+            "environment": self.environment,
+            "status": "fail" if failures else ("pass" if counts["passed"] else "not_run"),
+            "summary": {
+                "tests": len(self.records),
+                **counts,
+                "violations": len(failures),
+                "examples": sum(r.examples for r in self.records),
+                "steps_compared": sum(r.steps_compared for r in self.records),
+                "tolerated": tolerated_total,
+            },
+            "invariants": invariants,
+            "clauses": list(clauses.values()),
+            "tests": [r.__dict__ for r in self.records],
+            "failures": failures,
+        }
+
+
+# ---- renderings ---------------------------------------------------------------------------
+
+_ICON = {"pass": "✅ pass", "fail": "❌ FAIL", "not_run": "— not run"}
+
+
+def _tol(t: Mapping[str, int]) -> str:
+    return ", ".join(f"{k}×{v}" for k, v in sorted(t.items())) or "—"
+
+
+def render_markdown(report: Mapping[str, Any]) -> str:
+    env = report["environment"]
+    s = report["summary"]
+    lines = [
+        f"## omni-conformance: {report['status'].upper()} — subject `{report['subject']}`",
+        "",
+        f"vLLM {env.get('vllm')} · torch {env.get('torch')} · Python {env.get('python')} · "
+        f"profile `{report['profile']}` · seed `{report['seed']}`",
+        "",
+        f"{s['tests']} tests: {s['passed']} passed, {s['failed']} failed, {s['error']} errors, "
+        f"{s['skipped']} skipped · {s['examples']} examples · {s['steps_compared']} steps "
+        f"compared · tolerated: {_tol(s['tolerated'])}",
+        "",
+        "| Invariant | Status | Examples | Steps compared | Tolerated differences |",
+        "|---|---|---:|---:|---|",
+    ]
+    for inv in report["invariants"]:
+        lines.append(
+            f"| {inv['id']} {inv['title']} | {_ICON[inv['status']]} | {inv['examples']} | "
+            f"{inv['steps_compared']} | {_tol(inv['tolerated'])} |"
+        )
+    lines += [
+        "",
+        "| Clause | Invariant | Status | Examples | Steps compared | Tolerated |",
+        "|---|---|---|---:|---:|---|",
+    ]
+    for c in report["clauses"]:
+        if c["status"] == "not_run":
+            continue
+        lines.append(
+            f"| {c['id']} | {c['invariant']} | {_ICON[c['status']]} | {c['examples']} | "
+            f"{c['steps_compared']} | {_tol(c['tolerated'])} |"
+        )
+    not_run = [c["id"] for c in report["clauses"] if c["status"] == "not_run"]
+    if not_run:
+        lines += ["", f"Clauses not covered by this run: {', '.join(not_run)}"]
+    if report["failures"]:
+        lines += ["", "### Violations", ""]
+        for f in report["failures"]:
+            lines.append(
+                f"- `{f['test']}` ({', '.join(f['clauses']) or 'no clause'}): {f['message']}"
+            )
+            if f.get("trace"):
+                lines.append(f"  - replay: `omni-conformance replay {f['trace']}`")
+    return "\n".join(lines) + "\n"
+
+
+def render_junit(report: Mapping[str, Any]) -> str:
+    cases = []
+    failures = skipped = 0
+    for c in report["clauses"]:
+        name = escape(c["id"], {'"': "&quot;"})
+        cls = escape(f"omni_conformance.{c['invariant']}", {'"': "&quot;"})
+        body = ""
+        if c["status"] == "fail":
+            failures += 1
+            msgs = [f["message"] for f in report["failures"] if c["id"] in f["clauses"]]
+            msg = msgs[0] if msgs else "violation"
+            body = (
+                f'<failure message="{escape(msg, {chr(34): "&quot;"})}">'
+                f"{escape(chr(10).join(msgs))}</failure>"
+            )
+        elif c["status"] == "not_run":
+            skipped += 1
+            body = '<skipped message="no test covered this clause"/>'
+        props = (
+            f'<properties><property name="examples" value="{c["examples"]}"/>'
+            f'<property name="steps_compared" value="{c["steps_compared"]}"/>'
+            f'<property name="tolerated" value="{escape(_tol(c["tolerated"]))}"/></properties>'
+        )
+        cases.append(f'  <testcase classname="{cls}" name="{name}">{props}{body}</testcase>')
+    head = (
+        '<?xml version="1.0" encoding="utf-8"?>\n'
+        f'<testsuites><testsuite name="omni-conformance[{escape(report["subject"])}]" '
+        f'tests="{len(cases)}" failures="{failures}" errors="0" skipped="{skipped}">\n'
+    )
+    return head + "\n".join(cases) + "\n</testsuite></testsuites>\n"
+
+
+def write_report(report: Mapping[str, Any], out_dir: str | Path) -> dict[str, Path]:
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    paths = {
+        "json": d / "compat-report.json",
+        "markdown": d / "compat-report.md",
+        "junit": d / "compat-report.junit.xml",
+    }
+    paths["json"].write_text(json.dumps(report, indent=2, default=str))
+    paths["markdown"].write_text(render_markdown(report))
+    paths["junit"].write_text(render_junit(report))
+    return paths
+
+
+def load_schema() -> dict[str, Any]:
+    return json.loads(SCHEMA_PATH.read_text())  # type: ignore[no-any-return]
+
+
+def validate(report: Mapping[str, Any]) -> None:
+    """Raise ``jsonschema.ValidationError`` when the report does not match its schema."""
+    import jsonschema
+
+    jsonschema.validate(dict(report), load_schema())
+
+
+def render_from_json(path: str | Path, out_dir: str | Path | None = None) -> dict[str, Path]:
+    p = Path(path)
+    report = json.loads(p.read_text())
+    return write_report(report, out_dir or p.parent)

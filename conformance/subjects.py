@@ -1,0 +1,313 @@
+"""Subjects: the runtimes the harness compares with upstream vLLM, and where they come from.
+
+A subject is anything with the ``Subject`` protocol: it builds its sync and async schedulers
+from a ``HarnessConfig``, builds requests, names its documented differences from upstream, and
+may expose extra per-request facts, an audit of the per-request state it keeps outside vLLM's
+structures, a downstream outbox to drain and a real worker. ``BaseSubject`` implements every
+hook the way upstream vLLM behaves, so a new runtime overrides only what it changes (see
+``docs/adopting-the-gate.md``).
+
+Subjects are found, in this order, by:
+* a ``module:attr`` spec (the attribute is a ``Subject``, a ``Subject`` class or a factory);
+* the entry-point group ``omni_conformance.subjects`` (same three shapes);
+* the built-ins ``upstream`` (vLLM itself, the oracle) and ``omni`` (this repository's runtime),
+  which work without any entry point installed.
+Nothing in the harness imports ``omni_runtime`` except ``OmniSubject`` below.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from importlib.metadata import entry_points
+from typing import Any, Protocol, runtime_checkable
+
+from conformance.config import HarnessConfig, block_hasher, build_scheduler
+from conformance.workload import AddRequest
+
+ENTRY_POINT_GROUP = "omni_conformance.subjects"
+
+
+@runtime_checkable
+class DifferenceEntry(Protocol):
+    """What the harness needs from one registry entry (``omni_runtime.differences.Difference``)."""
+
+    @property
+    def id(self) -> str: ...
+    @property
+    def fields(self) -> tuple[str, ...]: ...
+    @property
+    def condition(self) -> str: ...
+    @property
+    def rationale(self) -> str: ...
+    @property
+    def tests(self) -> tuple[str, ...]: ...
+    @property
+    def clauses(self) -> tuple[str, ...]: ...
+    # A plain attribute holding the condition (a frozen dataclass field, not a method).
+    @property
+    def applies(self) -> Callable[[Mapping[str, Any]], bool]: ...
+
+
+@runtime_checkable
+class Subject(Protocol):
+    name: str
+
+    def scheduler_class(self, cfg: HarnessConfig) -> type: ...
+
+    def build_scheduler(self, cfg: HarnessConfig) -> Any: ...
+
+    def differences(self) -> Sequence[DifferenceEntry]: ...
+
+    def make_request(
+        self, op: AddRequest, prompt: list[int], cfg: HarnessConfig, scheduler: Any, arrival: float
+    ) -> Any: ...
+
+    def request_facts(self, request: Any) -> dict[str, Any]: ...
+
+    def live_omni_ids(self, scheduler: Any) -> set[str]: ...
+
+    def drain_chunks(self, scheduler: Any) -> list[Any]: ...
+
+    def has_worker(self) -> bool: ...
+
+    def make_worker(self, cfg: HarnessConfig) -> Any: ...
+
+    def feature_configs(self) -> dict[str, dict[str, Any]]: ...
+
+
+def make_sampling_params(op: AddRequest, cfg: HarnessConfig) -> Any:
+    from vllm.sampling_params import SamplingParams
+
+    sp = SamplingParams(
+        max_tokens=op.max_tokens,
+        stop_token_ids=list(op.stop_token_ids),
+        ignore_eos=op.ignore_eos,
+        temperature=0.0,
+    )
+    # What the engine's input processor does with the model's generation config.
+    sp.update_from_generation_config({}, eos_token_id=cfg.model_shape().get("eos_token_id"))
+    return sp
+
+
+class BaseSubject:
+    """Upstream behaviour for every hook; subclass and override what your runtime changes."""
+
+    name = "base"
+    sync_scheduler: str | type = "vllm.v1.core.sched.scheduler.Scheduler"
+    async_scheduler: str | type = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
+    # A vLLM WorkerBase subclass (qualname or class) for the harness's real-worker mode.
+    worker_cls: str | type | None = None
+
+    def scheduler_class(self, cfg: HarnessConfig) -> type:
+        spec = self.async_scheduler if cfg.async_scheduling else self.sync_scheduler
+        return _resolve(spec) if isinstance(spec, str) else spec
+
+    def build_scheduler(self, cfg: HarnessConfig) -> Any:
+        return build_scheduler(self.scheduler_class(cfg), cfg)
+
+    def differences(self) -> Sequence[DifferenceEntry]:
+        return ()
+
+    def make_request(
+        self, op: AddRequest, prompt: list[int], cfg: HarnessConfig, scheduler: Any, arrival: float
+    ) -> Any:
+        from vllm.v1.request import Request
+
+        return Request(
+            request_id=op.request_id,
+            prompt_token_ids=prompt,
+            sampling_params=make_sampling_params(op, cfg),
+            pooling_params=None,
+            arrival_time=arrival,
+            block_hasher=block_hasher(cfg.block_size),
+        )
+
+    def request_facts(self, request: Any) -> dict[str, Any]:
+        return {}
+
+    def live_omni_ids(self, scheduler: Any) -> set[str]:
+        return set()
+
+    def drain_chunks(self, scheduler: Any) -> list[Any]:
+        return []
+
+    def has_worker(self) -> bool:
+        return self.worker_cls is not None
+
+    def make_worker(self, cfg: HarnessConfig) -> Any:
+        """A started worker (optional hook); the default starts ``worker_cls`` as EngineCore does."""
+        if self.worker_cls is None:
+            raise NotImplementedError(f"subject {self.name!r} provides no worker")
+        from conformance.token_worker import start_worker
+
+        return start_worker(self.worker_cls, cfg)
+
+    def feature_configs(self) -> dict[str, dict[str, Any]]:
+        """Named subject features to run the suite with, besides "off" (no extra config).
+
+        Each value has ``additional_config`` (merged into ``HarnessConfig.additional_config``)
+        and optionally ``final_stages`` (values the workload may use for
+        ``AddRequest.final_stage``).
+        """
+        return {}
+
+    def __repr__(self) -> str:
+        return f"<subject {self.name}>"
+
+
+class UpstreamSubject(BaseSubject):
+    """vLLM's own schedulers: the oracle, and a subject that must always pass."""
+
+    name = "upstream"
+
+
+class OmniSubject(BaseSubject):
+    """This repository's runtime: ``omni_runtime.sched`` schedulers and their registry."""
+
+    name = "omni"
+    sync_scheduler = "omni_runtime.sched.OmniARScheduler"
+    async_scheduler = "omni_runtime.sched.OmniARAsyncScheduler"
+    worker_cls = "omni_runtime.worker.OmniARWorker"
+
+    def differences(self) -> Sequence[DifferenceEntry]:
+        from omni_runtime.differences import DIFFERENCES
+
+        return DIFFERENCES
+
+    def make_request(
+        self, op: AddRequest, prompt: list[int], cfg: HarnessConfig, scheduler: Any, arrival: float
+    ) -> Any:
+        from omni_runtime.adapters.input import InputAdapter, StageInput
+        from omni_runtime.config import OmniStageConfig
+
+        stage = OmniStageConfig.from_vllm_config(scheduler.vllm_config)
+        if stage is None:
+            return super().make_request(op, prompt, cfg, scheduler, arrival)
+        adapter = InputAdapter(
+            stage,
+            max_model_len=cfg.max_model_len,
+            block_hasher=block_hasher(cfg.block_size),
+            live_ids=scheduler.requests,
+        )
+        return adapter.build(
+            StageInput(
+                request_id=op.request_id,
+                sampling_params=make_sampling_params(op, cfg),
+                prompt_token_ids=prompt,
+                final_stage_id=op.final_stage,
+                arrival_time=arrival,
+            )
+        )
+
+    def request_facts(self, request: Any) -> dict[str, Any]:
+        from omni_runtime.adapters.input import omni_state_of
+
+        state = omni_state_of(request)
+        if state is None:
+            return {}
+        return {
+            "has_downstream": state.has_downstream,
+            "final_stage_id": state.final_stage_id,
+            "stage_id": state.stage_id,
+        }
+
+    def live_omni_ids(self, scheduler: Any) -> set[str]:
+        fn = getattr(scheduler, "omni_request_ids", None)
+        return set(fn()) if fn is not None else set()
+
+    def drain_chunks(self, scheduler: Any) -> list[Any]:
+        transfer = getattr(scheduler, "transfer", None)
+        drain = getattr(getattr(transfer, "sink", None), "drain", None)
+        return list(drain()) if drain is not None else []
+
+    def feature_configs(self) -> dict[str, dict[str, Any]]:
+        # The talker stage: token-only, streams codec ids downstream on every sampled step.
+        stage = {
+            "stage_id": "talker",
+            "stages": ["thinker", "talker", "code2wav"],
+            "downstream": ["code2wav"],
+            "chunk_processor": "omni_runtime.sched.processors.CodecTokenStreamer",
+            "omni_pooler_payload_include_hidden": False,
+        }
+        return {
+            "downstream-token-updates": {
+                "additional_config": {"omni_stage": stage},
+                "final_stages": [None, "talker", "code2wav"],
+            }
+        }
+
+    def has_worker(self) -> bool:
+        # The runtime's worker is optional for the harness: used only once it exists.
+        try:
+            module = importlib.import_module("omni_runtime.worker")
+        except ImportError:
+            return False
+        return hasattr(module, "OmniARWorker")
+
+
+def omni_subject() -> Subject:
+    return OmniSubject()
+
+
+def upstream_subject() -> Subject:
+    return UpstreamSubject()
+
+
+BUILTINS: dict[str, Callable[[], Subject]] = {"upstream": upstream_subject, "omni": omni_subject}
+
+
+def ensure_cwd_importable() -> None:
+    """``module:attr`` specs name modules of the project being checked, relative to its root;
+    console scripts do not put the working directory on ``sys.path``, so add it (last)."""
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.append(cwd)
+
+
+def _resolve(spec: str) -> Any:
+    """``pkg.mod:attr`` or ``pkg.mod.attr``."""
+    ensure_cwd_importable()
+    if ":" in spec:
+        mod, _, attr = spec.partition(":")
+    else:
+        mod, _, attr = spec.rpartition(".")
+    obj: Any = importlib.import_module(mod)
+    for part in attr.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _instantiate(obj: Any, label: str) -> Subject:
+    if isinstance(obj, type):
+        obj = obj()
+    elif callable(obj) and not isinstance(obj, Subject):
+        obj = obj()
+    if not isinstance(obj, Subject):
+        raise TypeError(f"subject {label!r}: {obj!r} does not implement conformance.Subject")
+    return obj
+
+
+def available_subjects() -> dict[str, str]:
+    """Name -> where it comes from (entry points override nothing: built-ins are fixed)."""
+    out = {name: "built-in" for name in BUILTINS}
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        out.setdefault(ep.name, f"entry point {ep.value}")
+    return out
+
+
+def load_subject(spec: str | Subject) -> Subject:
+    if not isinstance(spec, str):
+        return spec
+    if ":" in spec:
+        return _instantiate(_resolve(spec), spec)
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == spec:
+            return _instantiate(ep.load(), spec)
+    if spec in BUILTINS:
+        return BUILTINS[spec]()
+    raise LookupError(
+        f"unknown subject {spec!r}; known: {sorted(available_subjects())} or a module:attr spec"
+    )

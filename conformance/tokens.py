@@ -1,0 +1,95 @@
+"""A deterministic stand-in for a model runner: the tokens both schedulers are fed.
+
+``DeterministicTokenSource.execute(scheduler_output)`` behaves like a worker: it reads only the
+``SchedulerOutput`` (never the scheduler), keeps its own per-request view across steps (how many
+tokens the request has, its stop ids), drops that view when the id shows up in
+``finished_req_ids``, returns no token for a partial prefill chunk, and returns results for
+exactly the scheduled requests in the scheduler's order (C-20).
+
+A sampled token is a pure function of (request id, position), so two schedulers that schedule
+the same work get the same tokens whatever else happens. Where a request's sampling params ask
+for stop ids (or EOS is not ignored), a small deterministic share of positions yields a stop
+token, so stop handling (and, under async scheduling, the wasted step after a stop) is exercised.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+# One position in STOP_PERIOD emits a stop token when the request allows one.
+STOP_PERIOD = 7
+EOS_PERIOD = 11
+
+
+def token_at(request_id: str, position: int, vocab: int = 512) -> int:
+    """The non-stop token at ``position``: never 0..2 (pad/bos/eos in the tiny model)."""
+    return 3 + zlib.crc32(f"{request_id}:{position}".encode()) % (vocab - 3)
+
+
+@dataclass
+class _ReqView:
+    num_tokens: int
+    stop_ids: tuple[int, ...]
+    eos: int | None
+
+
+class DeterministicTokenSource:
+    def __init__(self, vocab: int = 512, stop_period: int = STOP_PERIOD) -> None:
+        self.vocab = vocab
+        self.stop_period = stop_period
+        self._reqs: dict[str, _ReqView] = {}
+
+    def choose(self, view: _ReqView, request_id: str, position: int) -> int:
+        h = zlib.crc32(f"stop:{request_id}:{position}".encode())
+        if view.stop_ids and h % self.stop_period == 0:
+            return view.stop_ids[(h >> 8) % len(view.stop_ids)]
+        if view.eos is not None and h % EOS_PERIOD == 1:
+            return view.eos
+        tok = token_at(request_id, position, self.vocab)
+        # Keep ordinary tokens distinct from stop ids so stops happen only where chosen above.
+        while tok in view.stop_ids or tok == view.eos:
+            tok = 3 + (tok + 1 - 3) % (self.vocab - 3)
+        return tok
+
+    def execute(self, so: Any) -> Any:
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        for rid in so.finished_req_ids:
+            self._reqs.pop(rid, None)
+        for new in so.scheduled_new_reqs:
+            sp = new.sampling_params
+            self._reqs[new.req_id] = _ReqView(
+                num_tokens=len(new.prefill_token_ids or new.prompt_token_ids or ()),
+                stop_ids=tuple(sp.stop_token_ids or ()) if sp is not None else (),
+                eos=sp.eos_token_id if sp is not None else None,
+            )
+        cached = so.scheduled_cached_reqs
+        computed: dict[str, int] = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
+        for i, rid in enumerate(cached.req_ids):
+            computed[rid] = cached.num_computed_tokens[i]
+            all_ids = cached.all_token_ids.get(rid)
+            view = self._reqs.get(rid)
+            if all_ids is not None and view is not None:
+                # A resumed request's tokens as the scheduler knows them (V1 runner semantics).
+                view.num_tokens = len(all_ids)
+
+        req_ids = list(so.num_scheduled_tokens)
+        sampled: list[list[int]] = []
+        for rid in req_ids:
+            view = self._reqs.get(rid)
+            end = computed.get(rid, 0) + so.num_scheduled_tokens[rid]
+            if view is None or end < view.num_tokens:
+                sampled.append([])  # partial prefill chunk: nothing to sample yet
+                continue
+            sampled.append([self.choose(view, rid, end)])
+            view.num_tokens = end + 1
+        return ModelRunnerOutput(
+            req_ids=req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+            sampled_token_ids=sampled,
+        )
+
+    def live_ids(self) -> set[str]:
+        return set(self._reqs)

@@ -1,0 +1,169 @@
+"""The workload language: the operations a lock-step run applies to both schedulers, and traces.
+
+A ``Trace`` is a ``HarnessConfig`` plus named shared prompt prefixes plus a list of operations.
+It is the unit of replay: every failure is written as a trace (JSON, see ``to_json``) and
+``omni-conformance replay`` re-runs it. The operations are deliberately few:
+
+* ``AddRequest``      a request: prompt (after an optional shared prefix), sampling limits, and
+                      the omni metadata a subject may use (its final stage);
+* ``Step``            one engine step (sync: schedule/execute/update; async: one
+                      ``step_with_batch_queue`` iteration);
+* ``Abort``           ``finish_requests(ids, FINISHED_ABORTED)`` between steps, as EngineCore does;
+* ``ResetPrefixCache`` ``reset_prefix_cache(reset_running_requests, reset_connector)``;
+* ``DeliverChunks``   the orchestrator takes whatever stage chunks the subject has queued for its
+                      downstream (a no-op for subjects without a send path).
+
+Nothing else changes scheduler state; a trace fully determines both runs.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from conformance.config import HarnessConfig
+
+FORMAT = "omni-conformance-trace/1"
+
+
+@dataclass(frozen=True)
+class AddRequest:
+    kind: ClassVar[str] = "add"
+    request_id: str
+    prompt: tuple[int, ...]
+    prefix: str | None = None
+    max_tokens: int = 8
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = True
+    final_stage: str | None = None
+
+    def describe(self) -> str:
+        pre = f"{self.prefix}+" if self.prefix else ""
+        return (
+            f"add {self.request_id} prompt={pre}{len(self.prompt)} max_tokens={self.max_tokens}"
+            f" stop={list(self.stop_token_ids)} ignore_eos={self.ignore_eos}"
+            + (f" final_stage={self.final_stage}" if self.final_stage else "")
+        )
+
+
+@dataclass(frozen=True)
+class Step:
+    kind: ClassVar[str] = "step"
+
+    def describe(self) -> str:
+        return "step"
+
+
+@dataclass(frozen=True)
+class Abort:
+    kind: ClassVar[str] = "abort"
+    request_ids: tuple[str, ...]
+
+    def describe(self) -> str:
+        return f"abort {list(self.request_ids)}"
+
+
+@dataclass(frozen=True)
+class ResetPrefixCache:
+    kind: ClassVar[str] = "reset_prefix_cache"
+    reset_running_requests: bool = False
+    reset_connector: bool = False
+
+    def describe(self) -> str:
+        return (
+            f"reset_prefix_cache(reset_running_requests={self.reset_running_requests}, "
+            f"reset_connector={self.reset_connector})"
+        )
+
+
+@dataclass(frozen=True)
+class DeliverChunks:
+    kind: ClassVar[str] = "deliver_chunks"
+
+    def describe(self) -> str:
+        return "deliver_chunks"
+
+
+Op = AddRequest | Step | Abort | ResetPrefixCache | DeliverChunks
+OP_TYPES: dict[str, type] = {
+    t.kind: t for t in (AddRequest, Step, Abort, ResetPrefixCache, DeliverChunks)
+}
+
+
+def op_to_dict(op: Op) -> dict[str, Any]:
+    d: dict[str, Any] = {"op": op.kind}
+    for k, v in asdict(op).items():
+        d[k] = list(v) if isinstance(v, tuple) else v
+    return d
+
+
+def op_from_dict(d: dict[str, Any]) -> Op:
+    data = dict(d)
+    kind = data.pop("op")
+    try:
+        cls = OP_TYPES[kind]
+    except KeyError:
+        raise ValueError(f"trace: unknown op {kind!r}; known {sorted(OP_TYPES)}") from None
+    for k, v in list(data.items()):
+        if isinstance(v, list):
+            data[k] = tuple(v)
+    return cls(**data)  # type: ignore[no-any-return]
+
+
+@dataclass
+class Trace:
+    config: HarnessConfig = field(default_factory=HarnessConfig)
+    ops: list[Op] = field(default_factory=list)
+    prefixes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def prompt_of(self, op: AddRequest) -> list[int]:
+        head = list(self.prefixes[op.prefix]) if op.prefix else []
+        return head + list(op.prompt)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "config": self.config.to_dict(),
+            "prefixes": {k: list(v) for k, v in self.prefixes.items()},
+            "ops": [op_to_dict(op) for op in self.ops],
+            "meta": self.meta,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Trace:
+        if data.get("format") != FORMAT:
+            raise ValueError(f"trace: expected format {FORMAT!r}, got {data.get('format')!r}")
+        return cls(
+            config=HarnessConfig.from_dict(data["config"]),
+            ops=[op_from_dict(o) for o in data["ops"]],
+            prefixes={k: tuple(v) for k, v in data.get("prefixes", {}).items()},
+            meta=dict(data.get("meta", {})),
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=False, default=_jsonable)
+
+    @classmethod
+    def from_json(cls, text: str) -> Trace:
+        return cls.from_dict(json.loads(text))
+
+    def save(self, path: str | Path) -> Path:
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(self.to_json())
+        return p
+
+    @classmethod
+    def load(cls, path: str | Path) -> Trace:
+        return cls.from_json(Path(path).read_text())
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, tuple | set | frozenset):
+        return list(value)
+    if isinstance(value, bytes):
+        return value.hex()
+    return str(value)

@@ -1,0 +1,400 @@
+"""Shared vocabulary of the invariant suite: stage features, generated chunk processors,
+payload-carrying executors and malformed stage inputs.
+
+Everything here is data or a pure function of its arguments, so two runs of one hypothesis
+example build identical objects (no ``hash()`` of strings, no clocks, no global RNG): the suite's
+verdicts and step counts must not depend on ``PYTHONHASHSEED`` (flake-freedom, issue 6 item 8).
+
+* ``FEATURES`` — the stage configurations the lock-step machines run with. ``off`` is a plain
+  vLLM engine (C-01); ``token-updates`` is the talker stage streaming codec ids with the shipped
+  ``CodecTokenStreamer`` (C-40, C-42, C-43); the ``hidden-*`` and ``token-only-*`` features run
+  the real model runner (``use_worker``) so payloads exist (C-30, C-31, C-45, C-51..C-55).
+* ``RecordingProcessor`` — a chunk processor whose declaration (``requires_token_updates``:
+  absent, ``True``, or a truthy non-``True`` value), signature (with or without
+  ``new_token_ids``) and return policy (payload, ``None`` at EOF, ``None`` always, mutate the ids
+  it was given) are generated; it logs every call so the chunk contracts can be checked.
+* ``PayloadTokenSource`` — the harness's deterministic token source plus one synthetic hidden row
+  per scheduled position whose value encodes (request, position), so a redelivered or shifted
+  row is recognisable without a model (C-45, C-51).
+* ``malformed_inputs`` — stage inputs with exactly one defect each, and the field the adapter's
+  error must name (C-13).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+
+from conformance.tokens import DeterministicTokenSource
+
+STAGES = ("thinker", "talker", "code2wav")
+TIGHT: dict[str, int] = {
+    "num_blocks": 14,
+    "max_num_batched_tokens": 48,
+    "max_num_seqs": 6,
+    "max_model_len": 128,
+}
+CODEC_VOCAB = 256
+
+
+def _talker_stage() -> dict[str, Any]:
+    return {
+        "stage_id": "talker",
+        "stages": list(STAGES),
+        "downstream": ["code2wav"],
+        "chunk_processor": "omni_runtime.sched.processors.CodecTokenStreamer",
+        "omni_pooler_payload_include_hidden": False,
+    }
+
+
+def _thinker_stage(*, include_hidden: bool, materialization: str) -> dict[str, Any]:
+    return {
+        "stage_id": "thinker",
+        "stages": list(STAGES),
+        "downstream": ["talker"],
+        "chunk_processor": (
+            "omni_runtime.sched.processors.HiddenRowsForwarder"
+            if include_hidden
+            else "omni_runtime.sched.processors.CodecTokenStreamer"
+        ),
+        "omni_pooler_payload_include_hidden": include_hidden,
+        "downstream_needs_full_prefix": include_hidden,
+        "materialization": materialization,
+    }
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One stage configuration of the lock-step machines."""
+
+    name: str
+    additional_config: dict[str, Any] = field(default_factory=dict)
+    final_stages: tuple[str | None, ...] = (None,)
+    use_worker: bool = False
+
+    @property
+    def stage(self) -> dict[str, Any]:
+        return dict(self.additional_config.get("omni_stage") or {})
+
+    @property
+    def include_hidden(self) -> bool:
+        return bool(self.stage.get("omni_pooler_payload_include_hidden", True)) and bool(
+            self.stage
+        )
+
+
+FEATURES: dict[str, Feature] = {
+    f.name: f
+    for f in (
+        Feature("off"),
+        Feature(
+            "token-updates",
+            {"omni_stage": _talker_stage()},
+            final_stages=(None, "talker", "code2wav"),
+        ),
+        Feature(
+            "hidden-inline",
+            {"omni_stage": _thinker_stage(include_hidden=True, materialization="inline")},
+            final_stages=(None, "thinker", "talker"),
+            use_worker=True,
+        ),
+        Feature(
+            "hidden-background",
+            {"omni_stage": _thinker_stage(include_hidden=True, materialization="background")},
+            final_stages=(None, "thinker", "talker"),
+            use_worker=True,
+        ),
+        Feature(
+            "token-only-background",
+            {"omni_stage": _thinker_stage(include_hidden=False, materialization="background")},
+            final_stages=(None, "thinker", "code2wav"),
+            use_worker=True,
+        ),
+        Feature(
+            "token-only-inline",
+            {"omni_stage": _thinker_stage(include_hidden=False, materialization="inline")},
+            final_stages=(None, "thinker", "code2wav"),
+            use_worker=True,
+        ),
+    )
+}
+
+
+def stable_hash(*parts: Any) -> int:
+    """A process-independent hash (``hash(str)`` changes with PYTHONHASHSEED)."""
+    return zlib.crc32(":".join(map(str, parts)).encode())
+
+
+# ---- generated chunk processors -----------------------------------------------------------
+
+# Values of ``requires_token_updates``: only the first is a declaration (C-40); the others are
+# truthy or falsy non-True values that must leave the processor payload/EOF-triggered (C-41).
+TOKEN_UPDATE_DECLARATIONS: tuple[Any, ...] = (True, "absent", False, 1, "yes", [1], 1.0)
+RETURN_POLICIES = ("payload", "none_at_eof", "none_always", "tokens")
+
+
+@dataclass
+class ProcessorCall:
+    request_id: str
+    payload: Any
+    is_final: bool
+    ids: tuple[int, ...] | None  # a copy taken at call time
+    ids_ref: list[int] | None  # the list object itself, to detect later mutation (C-44)
+
+
+class RecordingProcessor:
+    """A generated chunk processor that logs every call (see the module docstring)."""
+
+    def __init__(self, declaration: Any, policy: str, mutate_ids: bool) -> None:
+        if declaration != "absent":
+            self.requires_token_updates = declaration
+        self.declaration = declaration
+        self.policy = policy
+        self.mutate_ids = mutate_ids
+        self.calls: list[ProcessorCall] = []
+
+    @property
+    def declares_token_updates(self) -> bool:
+        return self.declaration is True
+
+    def record(self, request_id: str, payload: Any, is_final: bool, ids: list[int] | None) -> Any:
+        self.calls.append(
+            ProcessorCall(request_id, payload, is_final, None if ids is None else tuple(ids), ids)
+        )
+        if ids is not None and self.mutate_ids:
+            # A processor may keep or mutate what it was given; nobody else may see that (C-44).
+            ids.append(-1)
+        if self.policy == "none_always" or (self.policy == "none_at_eof" and is_final):
+            return None
+        if self.policy == "tokens":
+            return tuple(ids or ())
+        return payload if payload is not None else ("eof" if is_final else "ids")
+
+    def calls_for(self, request_id: str) -> list[ProcessorCall]:
+        return [c for c in self.calls if c.request_id == request_id]
+
+
+class RecordingIdsProcessor(RecordingProcessor):
+    """The same, with a signature that accepts ``new_token_ids`` (so it receives the ids)."""
+
+    def __call__(
+        self, request_id: str, payload: Any, is_final: bool, new_token_ids: list[int] | None = None
+    ) -> Any:
+        return self.record(request_id, payload, is_final, new_token_ids)
+
+
+class RecordingPlainProcessor(RecordingProcessor):
+    def __call__(self, request_id: str, payload: Any, is_final: bool) -> Any:
+        return self.record(request_id, payload, is_final, None)
+
+
+@dataclass(frozen=True)
+class ProcessorSpec:
+    declaration: Any
+    policy: str
+    takes_ids: bool
+    mutate_ids: bool
+
+    def build(self) -> RecordingProcessor:
+        cls = RecordingIdsProcessor if self.takes_ids else RecordingPlainProcessor
+        return cls(self.declaration, self.policy, self.mutate_ids and self.takes_ids)
+
+    def describe(self) -> str:
+        return (
+            f"processor(requires_token_updates={self.declaration!r}, returns={self.policy}, "
+            f"new_token_ids={'yes' if self.takes_ids else 'no'}, mutates={self.mutate_ids})"
+        )
+
+
+processor_specs = st.builds(
+    ProcessorSpec,
+    declaration=st.sampled_from(TOKEN_UPDATE_DECLARATIONS),
+    policy=st.sampled_from(RETURN_POLICIES),
+    takes_ids=st.booleans(),
+    mutate_ids=st.booleans(),
+)
+
+
+# ---- an executor whose outputs carry synthetic payloads ------------------------------------
+
+PAYLOAD_PATTERNS = ("always", "never", "prefill", "every_other")
+
+
+def synthetic_row(request_id: str, position: int, width: int = 2) -> torch.Tensor:
+    """The hidden row of (request, position): recognisable after any trimming or shift."""
+    return torch.tensor([float(stable_hash(request_id) % 100003), float(position)][:width])
+
+
+class PayloadTokenSource(DeterministicTokenSource):
+    """Deterministic tokens plus ``StagePayload`` slots aligned with ``req_ids`` (C-51).
+
+    Which steps of a request carry a payload depends on the request's pattern (chosen by a
+    stable hash of its id), so one batch mixes requests with and without payloads.
+    """
+
+    def __init__(self, vocab: int = 512, patterns: tuple[str, ...] = PAYLOAD_PATTERNS) -> None:
+        super().__init__(vocab=vocab)
+        self.patterns = patterns
+        self._prompt_len: dict[str, int] = {}
+
+    def pattern_of(self, request_id: str) -> str:
+        return self.patterns[stable_hash("pattern", request_id) % len(self.patterns)]
+
+    def execute(self, so: Any) -> Any:
+        from omni_runtime.payload import OmniModelRunnerOutput, StagePayload
+
+        for new in so.scheduled_new_reqs:
+            self._prompt_len[new.req_id] = len(new.prompt_token_ids or ())
+        computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            computed[rid] = cached.num_computed_tokens[i]
+        base = super().execute(so)
+        payloads: list[Any] = []
+        for rid in base.req_ids:
+            start = computed.get(rid, 0)
+            n = so.num_scheduled_tokens[rid]
+            pattern = self.pattern_of(rid)
+            prefill = start < self._prompt_len.get(rid, 0)
+            carry = (
+                pattern == "always"
+                or (pattern == "prefill" and prefill)
+                or (pattern == "every_other" and (start // max(1, n)) % 2 == 0)
+            )
+            if not carry:
+                payloads.append(None)
+                continue
+            rows = torch.stack([synthetic_row(rid, p) for p in range(start, start + n)])
+            payloads.append(StagePayload(request_id=rid, start=start, num_tokens=n, hidden=rows))
+        for rid in so.finished_req_ids:
+            self._prompt_len.pop(rid, None)
+        any_payload = any(p is not None for p in payloads)
+        return OmniModelRunnerOutput(
+            req_ids=base.req_ids,
+            req_id_to_index=base.req_id_to_index,
+            sampled_token_ids=base.sampled_token_ids,
+            omni_payloads=payloads if any_payload else None,
+        )
+
+
+# ---- malformed stage inputs ---------------------------------------------------------------
+
+HIDDEN = 64
+VOCAB = 512
+
+
+@dataclass(frozen=True)
+class Malformed:
+    """One defect: how to build the input, and the field the rejection must name."""
+
+    defect: str
+    field: str
+    kwargs: dict[str, Any]
+
+    def describe(self) -> str:
+        return f"{self.defect} -> {self.field}"
+
+
+def _embeds(n: int, *, dim: int = HIDDEN, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.linspace(-1, 1, n * dim, dtype=torch.float64).reshape(n, dim).to(dtype)
+
+
+@st.composite
+def malformed_inputs(draw: st.DrawFn) -> Malformed:
+    n = draw(st.integers(1, 8))
+    pos = draw(st.integers(0, n - 1))
+    ids = [10 + i for i in range(n)]
+    kind = draw(
+        st.sampled_from(
+            [
+                "nan_embeds", "inf_embeds", "embeds_dtype", "embeds_shape_1d", "embeds_width",
+                "embeds_empty", "both_prompts", "no_prompt", "empty_ids", "negative_id",
+                "id_over_vocab", "bool_id", "float_id", "ids_tensor_float", "too_long",
+                "nan_conditioning", "conditioning_not_tensor", "info_nan", "info_key",
+                "info_object", "info_nan_tensor", "final_unknown", "final_before",
+                "max_tokens", "empty_request_id",
+            ]
+        )
+    )
+    kw: dict[str, Any] = {"prompt_token_ids": ids}
+    fld = "prompt"
+    if kind in ("nan_embeds", "inf_embeds"):
+        e = _embeds(n)
+        e[pos, draw(st.integers(0, HIDDEN - 1))] = float("nan") if kind == "nan_embeds" else float(
+            "inf"
+        )
+        kw = {"prompt_embeds": e}
+        fld = "prompt_embeds"
+    elif kind == "embeds_dtype":
+        kw = {"prompt_embeds": _embeds(n, dtype=draw(st.sampled_from([torch.float16, torch.float64])))}
+        fld = "prompt_embeds"
+    elif kind == "embeds_shape_1d":
+        kw = {"prompt_embeds": _embeds(n).reshape(-1)}
+        fld = "prompt_embeds"
+    elif kind == "embeds_width":
+        kw = {"prompt_embeds": _embeds(n, dim=draw(st.sampled_from([HIDDEN - 1, HIDDEN + 1, 8])))}
+        fld = "prompt_embeds"
+    elif kind == "embeds_empty":
+        kw = {"prompt_embeds": torch.zeros((0, HIDDEN))}
+        fld = "prompt_embeds"
+    elif kind == "both_prompts":
+        kw = {"prompt_token_ids": ids, "prompt_embeds": _embeds(n)}
+    elif kind == "no_prompt":
+        kw = {}
+    elif kind == "empty_ids":
+        kw = {"prompt_token_ids": []}
+        fld = "prompt_token_ids"
+    elif kind in ("negative_id", "id_over_vocab", "bool_id", "float_id"):
+        bad: Any = {
+            "negative_id": -draw(st.integers(1, 5)),
+            "id_over_vocab": VOCAB + draw(st.integers(0, 5)),
+            "bool_id": True,
+            "float_id": 3.0,
+        }[kind]
+        ids[pos] = bad
+        kw = {"prompt_token_ids": ids}
+        fld = f"prompt_token_ids[{pos}]"
+    elif kind == "ids_tensor_float":
+        kw = {"prompt_token_ids": torch.tensor(ids, dtype=torch.float32)}
+        fld = "prompt_token_ids"
+    elif kind == "too_long":
+        kw = {"prompt_token_ids": [7] * (128 + draw(st.integers(1, 20)))}
+    elif kind == "nan_conditioning":
+        c = torch.zeros(HIDDEN)
+        c[draw(st.integers(0, HIDDEN - 1))] = float("nan")
+        kw["conditioning"] = c
+        fld = "conditioning"
+    elif kind == "conditioning_not_tensor":
+        kw["conditioning"] = [0.0] * 4
+        fld = "conditioning"
+    elif kind == "info_nan":
+        kw["additional_information"] = {"speaker": float("nan")}
+        fld = "additional_information['speaker']"
+    elif kind == "info_key":
+        kw["additional_information"] = {3: "x"}
+        fld = "additional_information[3]"
+    elif kind == "info_object":
+        kw["additional_information"] = {"obj": object()}
+        fld = "additional_information['obj']"
+    elif kind == "info_nan_tensor":
+        t = torch.ones(3)
+        t[pos % 3] = float("nan")
+        kw["additional_information"] = {"voice": t}
+        fld = "additional_information['voice']"
+    elif kind == "final_unknown":
+        kw["final_stage_id"] = "vocoder"
+        fld = "final_stage_id"
+    elif kind == "final_before":
+        kw["final_stage_id"] = "thinker"
+        fld = "final_stage_id"
+    elif kind == "max_tokens":
+        kw["max_tokens"] = 0
+        fld = "sampling_params.max_tokens"
+    elif kind == "empty_request_id":
+        kw["request_id"] = ""
+        fld = "request_id"
+    return Malformed(kind, fld, kw)

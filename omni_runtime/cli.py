@@ -1,0 +1,211 @@
+"""``omni-runtime``: run the embedded thinker -> talker -> code2wav pipeline from a shell.
+
+``omni-runtime run --prompt "hello" [--prompt ...] [--text-only] [--out out.wav]`` prints each
+request's text, its number of codec tokens, where its WAV file went and its timings, with a
+progress line on stderr while the stages run. With several prompts the files are ``out.wav``,
+``out-1.wav``, ``out-2.wav`` ... in prompt order. Heavy imports (torch, vLLM) happen inside
+``main`` so ``--help`` is instant and a connector's spawned child does not pay for them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="omni-runtime", description="Omni-modality AR runtime on vLLM's EngineCore (CPU)."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="generate text and speech for prompts")
+    run.add_argument("--prompt", action="append", required=True, help="a text prompt (repeatable)")
+    run.add_argument("--text-only", action="store_true", help="stop at the thinker (no audio)")
+    run.add_argument(
+        "--out",
+        default="out.wav",
+        help="WAV path; with several prompts the i-th (i>0) goes to <stem>-<i><suffix>",
+    )
+    run.add_argument("--max-text-tokens", type=int, default=None)
+    run.add_argument("--max-codec-tokens", type=int, default=None)
+    run.add_argument(
+        "--async",
+        dest="async_scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="async (batch-queue) or sync (--no-async) scheduling",
+    )
+    run.add_argument(
+        "--sync", dest="async_scheduling", action="store_false", help="same as --no-async"
+    )
+    run.add_argument("--materialization", choices=("inline", "background"), default="inline")
+    run.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    run.add_argument("--pipeline-config", default=None, help="stage graph JSON file")
+    run.add_argument(
+        "--connector", choices=("inprocess", "pipe"), default=None, help="override every edge"
+    )
+    run.add_argument("--json", action="store_true", help="print results as JSON lines")
+    run.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
+    return parser
+
+
+def wav_paths(out: str, n: int) -> list[Path]:
+    base = Path(out)
+    return [base if i == 0 else base.with_name(f"{base.stem}-{i}{base.suffix}") for i in range(n)]
+
+
+class Progress:
+    """One stderr line per step on a terminal (rewritten in place), sparser lines otherwise."""
+
+    def __init__(self, stream: TextIO, total: int, enabled: bool) -> None:
+        self.stream = stream
+        self.total = total
+        self.enabled = enabled
+        self.tty = stream.isatty()
+        self.done = 0
+        self.audio_chunks = 0
+        self.text_tokens = 0
+        self.step = 0
+        self.t0 = time.perf_counter()
+
+    def update(self, events: list[Any], stage_load: dict[str, int]) -> None:
+        self.step += 1
+        for ev in events:
+            if ev.kind == "text":
+                self.text_tokens += len(ev.token_ids)
+            elif ev.kind == "audio":
+                self.audio_chunks += 1
+            elif ev.kind == "finished":
+                self.done += 1
+        if not self.enabled:
+            return
+        stages = " ".join(f"{k}:{v}" for k, v in stage_load.items())
+        line = (
+            f"step {self.step:4d} | {stages} | text tokens {self.text_tokens} | "
+            f"audio chunks {self.audio_chunks} | done {self.done}/{self.total} | "
+            f"{time.perf_counter() - self.t0:6.2f}s"
+        )
+        if self.tty:
+            self.stream.write("\r" + line)
+        elif self.step % 10 == 1 or any(ev.kind == "finished" for ev in events):
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def close(self) -> None:
+        if self.enabled and self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{x * 1000:.1f} ms"
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from omni_runtime.audio import write_wav
+    from omni_runtime.engine.graph import PipelineConfigError
+    from omni_runtime.engine.pipeline import OmniPipeline
+
+    try:
+        pipeline = OmniPipeline(
+            args.pipeline_config,
+            async_scheduling=args.async_scheduling,
+            materialization=args.materialization,
+            prefix_caching=args.prefix_caching,
+            connector=args.connector,
+        )
+    except PipelineConfigError as exc:
+        print(f"omni-runtime: {exc}", file=sys.stderr)
+        return 2
+    try:
+        progress = Progress(sys.stderr, len(args.prompt), not args.no_progress)
+        orch = pipeline.orchestrator
+
+        def on_step(events: list[Any]) -> None:
+            load = {sid: len(e.scheduler.requests) for sid, e in orch.engines.items()}
+            progress.update(events, load)
+
+        results = pipeline.generate(
+            args.prompt,
+            max_text_tokens=args.max_text_tokens,
+            max_codec_tokens=args.max_codec_tokens,
+            text_only=args.text_only,
+            on_step=on_step,
+        )
+        progress.close()
+        paths = wav_paths(args.out, len(results))
+        failed = 0
+        for prompt, result, path in zip(args.prompt, results, paths, strict=True):
+            wav: Path | None = None
+            if result.waveform is not None and result.sample_rate is not None:
+                wav = write_wav(path, result.waveform, result.sample_rate).resolve()
+            failed += not result.ok
+            if args.json:
+                print(json.dumps(_as_json(prompt, result, wav)))
+                continue
+            print(f"[{result.request_id}] prompt: {prompt!r}")
+            print(
+                f"  text: {result.text!r} ({len(result.text_token_ids)} tokens, "
+                f"finish: {result.stage_finish_reasons.get(pipeline.stage_ids[0], 'n/a')})"
+            )
+            if not args.text_only:
+                seconds = (
+                    0.0
+                    if result.waveform is None or not result.sample_rate
+                    else result.waveform.numel() / result.sample_rate
+                )
+                print(
+                    f"  codec tokens: {len(result.codec_token_ids)} "
+                    f"({len(result.audio_codes)} audio codes in {result.num_audio_chunks} chunks, "
+                    f"{seconds:.3f} s of audio)"
+                )
+                print(f"  wav: {wav if wav is not None else 'not written'}")
+            print(
+                f"  finish: {result.finish_reason}" + (f" ({result.error})" if result.error else "")
+            )
+            print(
+                f"  timings: first text token {_ms(result.time_to_first_text_token)}, "
+                f"first audio chunk {_ms(result.time_to_first_audio_chunk)}, "
+                f"total {_ms(result.total_time)}"
+            )
+        return 1 if failed else 0
+    finally:
+        pipeline.close()
+
+
+def _as_json(prompt: str, result: Any, wav: Path | None) -> dict[str, Any]:
+    return {
+        "request_id": result.request_id,
+        "prompt": prompt,
+        "text": result.text,
+        "text_token_ids": result.text_token_ids,
+        "num_codec_tokens": len(result.codec_token_ids),
+        "num_audio_codes": len(result.audio_codes),
+        "wav": None if wav is None else str(wav),
+        "finish_reason": result.finish_reason,
+        "stage_finish_reasons": result.stage_finish_reasons,
+        "error": result.error,
+        "time_to_first_text_token": result.time_to_first_text_token,
+        "time_to_first_audio_chunk": result.time_to_first_audio_chunk,
+        "total_time": result.total_time,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    # Before vLLM is imported: keep its INFO chatter off the user's terminal, never download.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    if args.command == "run":
+        return cmd_run(args)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

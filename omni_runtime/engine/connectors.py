@@ -1,0 +1,202 @@
+"""Connectors: how a stage's chunks reach the orchestrator for the next stage.
+
+A connector is the sink a stage's transfer adapter sends into (``send``, called on the engine's
+thread during ``update_from_output``) and the source the orchestrator drains after the step
+(``recv``). The orchestrator alone creates connectors and decides which stage reads them (C-21).
+
+* ``InProcessConnector`` keeps chunk objects in a queue: no copy, no serialisation.
+* ``PipeConnector`` crosses a process boundary: each chunk is serialised (tensors as raw bytes
+  with dtype and shape; no pickled tensors, no shared storage) and written to a pipe whose far
+  end is a child process, which forwards the bytes back on a second pipe where ``recv`` decodes
+  them. ``recv`` waits until every chunk sent so far has come back, so a step's chunks are
+  all visible right after the step, exactly as with the in-process connector, and results do
+  not depend on the connector. The relay child keeps an unbounded queue between its reader and
+  writer threads, so ``send`` never blocks on a full pipe while nobody is receiving.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import pickle
+from collections import deque
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from omni_runtime.engine._relay import relay_main
+from omni_runtime.payload import StageChunk, StagePayload
+
+
+class Connector(Protocol):
+    name: str
+
+    def send(self, chunk: StageChunk) -> None: ...
+
+    def recv(self) -> list[StageChunk]: ...
+
+    def pending(self) -> int: ...
+
+    def close(self) -> None: ...
+
+
+class InProcessConnector:
+    """Chunks stay Python objects in this process."""
+
+    def __init__(self, name: str = "inprocess") -> None:
+        self.name = name
+        self._queue: deque[StageChunk] = deque()
+        self.sent = 0
+
+    def send(self, chunk: StageChunk) -> None:
+        self._queue.append(chunk)
+        self.sent += 1
+
+    def recv(self) -> list[StageChunk]:
+        out = list(self._queue)
+        self._queue.clear()
+        return out
+
+    def pending(self) -> int:
+        return len(self._queue)
+
+    def close(self) -> None:
+        self._queue.clear()
+
+
+# ---- serialisation -------------------------------------------------------------------------
+
+_TENSOR = "__tensor__"
+_PAYLOAD = "__payload__"
+
+
+def _pack(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        t = obj.detach().to("cpu").contiguous()
+        # numpy has no bfloat16: ship its bits as int16 and restore the dtype on the far side.
+        raw = t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+        return (_TENSOR, str(t.dtype).removeprefix("torch."), tuple(t.shape), raw.numpy().tobytes())
+    if isinstance(obj, StagePayload):
+        return (_PAYLOAD, {f.name: _pack(getattr(obj, f.name)) for f in fields(StagePayload)})
+    if isinstance(obj, dict):
+        return {k: _pack(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_pack(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_pack(v) for v in obj)
+    if obj is None or isinstance(obj, bool | int | float | str | bytes):
+        return obj
+    if hasattr(obj, "items"):  # read-only mappings (multimodal outputs)
+        return {k: _pack(v) for k, v in obj.items()}
+    raise TypeError(f"PipeConnector cannot serialise {type(obj).__name__}")
+
+
+def _unpack(obj: Any) -> Any:
+    if isinstance(obj, tuple) and obj and obj[0] == _TENSOR:
+        _, dtype_name, shape, raw = obj
+        dtype = getattr(torch, dtype_name)
+        np_dtype = (
+            np.int16 if dtype == torch.bfloat16 else torch.empty(0, dtype=dtype).numpy().dtype
+        )
+        arr = np.frombuffer(raw, dtype=np_dtype).copy()
+        t = torch.from_numpy(arr).reshape(shape)
+        return t.view(torch.bfloat16) if dtype == torch.bfloat16 else t
+    if isinstance(obj, tuple) and len(obj) == 2 and obj[0] == _PAYLOAD:
+        return StagePayload(**{k: _unpack(v) for k, v in obj[1].items()})
+    if isinstance(obj, dict):
+        return {k: _unpack(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_unpack(v) for v in obj]
+    if isinstance(obj, tuple):
+        return tuple(_unpack(v) for v in obj)
+    return obj
+
+
+def encode_chunk(chunk: StageChunk) -> bytes:
+    body = {f.name: _pack(getattr(chunk, f.name)) for f in fields(StageChunk)}
+    # The structure holds only builtins and bytes: pickle carries no code or tensor storage.
+    return pickle.dumps(body, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode_chunk(blob: bytes) -> StageChunk:
+    body = pickle.loads(blob)
+    return StageChunk(**{k: _unpack(v) for k, v in body.items()})
+
+
+# ---- the cross-process connector ------------------------------------------------------------
+
+
+class PipeConnector:
+    """Chunks cross into a child process and back, serialised; see the module docstring."""
+
+    def __init__(
+        self,
+        name: str = "pipe",
+        *,
+        encode: Callable[[StageChunk], bytes] = encode_chunk,
+        decode: Callable[[bytes], StageChunk] = decode_chunk,
+    ) -> None:
+        self.name = name
+        self._encode, self._decode = encode, decode
+        # spawn, not fork: the parent holds vLLM/torch threads that a forked child would inherit
+        # in an undefined state.
+        ctx = mp.get_context("spawn")
+        to_child_r, self._to_child = ctx.Pipe(duplex=False)
+        self._from_child, from_child_w = ctx.Pipe(duplex=False)
+        self.process = ctx.Process(
+            target=relay_main, args=(to_child_r, from_child_w), name=f"omni-{name}", daemon=True
+        )
+        self.process.start()
+        # The child owns these ends now; closing ours lets EOF propagate on shutdown.
+        to_child_r.close()
+        from_child_w.close()
+        self.sent = 0
+        self.received = 0
+        self.bytes_sent = 0
+
+    def send(self, chunk: StageChunk) -> None:
+        blob = self._encode(chunk)
+        self._to_child.send_bytes(blob)
+        self.sent += 1
+        self.bytes_sent += len(blob)
+
+    def recv(self) -> list[StageChunk]:
+        out: list[StageChunk] = []
+        while self.received < self.sent:
+            if not self._from_child.poll(30.0):
+                raise TimeoutError(
+                    f"connector {self.name}: {self.sent - self.received} chunks did not come back "
+                    f"from relay process {self.process.pid} (alive={self.process.is_alive()})"
+                )
+            out.append(self._decode(self._from_child.recv_bytes()))
+            self.received += 1
+        return out
+
+    def pending(self) -> int:
+        return self.sent - self.received
+
+    @property
+    def child_pid(self) -> int | None:
+        return self.process.pid
+
+    def close(self) -> None:
+        if self.process is None:
+            return
+        try:
+            self._to_child.close()
+            self.process.join(timeout=5)
+            if self.process.is_alive():
+                self.process.terminate()
+                self.process.join(timeout=5)
+        finally:
+            self._from_child.close()
+
+
+def make_connector(kind: str, name: str) -> Connector:
+    if kind == "inprocess":
+        return InProcessConnector(name)
+    if kind == "pipe":
+        return PipeConnector(name)
+    raise ValueError(f"unknown connector kind {kind!r}; known: inprocess, pipe")

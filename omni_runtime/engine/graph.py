@@ -1,0 +1,219 @@
+"""The pipeline's stage graph, read from a JSON file: which stages exist, what runs them, and
+which connector carries each edge.
+
+This module owns parsing and validating the file; nothing else in the runtime reads it, and
+only the orchestrator holds the parsed graph (C-21). The embedded default lives at
+``omni_runtime/configs/default_pipeline.json``. A graph is a chain: each stage names at most one
+downstream stage, AR stages (run by vLLM's ``EngineCore``) come first and a ``code2wav`` stage,
+if any, is last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+StageKind = Literal["ar", "code2wav"]
+ConnectorKind = Literal["inprocess", "pipe"]
+CONNECTOR_KINDS: tuple[str, ...] = ("inprocess", "pipe")
+
+_AR_KEYS = {
+    "id",
+    "kind",
+    "model",
+    "downstream",
+    "chunk_processor",
+    "include_hidden",
+    "downstream_needs_full_prefix",
+    "prompt_embeds_dim",
+    "start_token_ids",
+    "stop_token_ids",
+    "max_model_len",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "block_size",
+    "num_blocks",
+}
+_C2W_KEYS = {"id", "kind", "model"}
+
+
+class PipelineConfigError(ValueError):
+    """A pipeline file that cannot describe a runnable graph; the message names the field."""
+
+
+@dataclass(frozen=True)
+class ARStageSpec:
+    """An autoregressive stage: one vLLM ``EngineCore`` with our scheduler and worker."""
+
+    id: str
+    model: str
+    downstream: tuple[str, ...] = ()
+    chunk_processor: str | None = None
+    include_hidden: bool = True
+    downstream_needs_full_prefix: bool = False
+    prompt_embeds_dim: int | None = None
+    # Token ids whose embeddings follow the upstream rows in this stage's prompt embeds.
+    start_token_ids: tuple[int, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    max_model_len: int = 512
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 1024
+    block_size: int = 16
+    num_blocks: int | None = None
+    kind: StageKind = "ar"
+
+
+@dataclass(frozen=True)
+class Code2WavStageSpec:
+    """The codec decoder: not an LM, run as a plain object by the orchestrator."""
+
+    id: str
+    model: str
+    kind: StageKind = "code2wav"
+
+
+StageSpec = ARStageSpec | Code2WavStageSpec
+
+
+@dataclass(frozen=True)
+class PipelineConfig:
+    name: str
+    stages: tuple[StageSpec, ...]
+    connectors: Mapping[str, ConnectorKind] = field(default_factory=dict)
+    defaults: Mapping[str, Any] = field(default_factory=dict)
+    source: str = "<memory>"
+
+    @property
+    def stage_ids(self) -> tuple[str, ...]:
+        return tuple(s.id for s in self.stages)
+
+    def stage(self, stage_id: str) -> StageSpec:
+        for s in self.stages:
+            if s.id == stage_id:
+                return s
+        raise KeyError(stage_id)
+
+    @property
+    def ar_stages(self) -> tuple[ARStageSpec, ...]:
+        return tuple(s for s in self.stages if isinstance(s, ARStageSpec))
+
+    @property
+    def code2wav(self) -> Code2WavStageSpec | None:
+        last = self.stages[-1]
+        return last if isinstance(last, Code2WavStageSpec) else None
+
+    def downstream_of(self, stage_id: str) -> str | None:
+        spec = self.stage(stage_id)
+        if isinstance(spec, ARStageSpec) and spec.downstream:
+            return spec.downstream[0]
+        return None
+
+    def connector_for(self, src: str, dst: str) -> ConnectorKind:
+        return self.connectors.get(f"{src}->{dst}", "inprocess")
+
+    def with_connectors(self, kind: ConnectorKind) -> PipelineConfig:
+        """Every edge carried by ``kind`` connectors."""
+        if kind not in CONNECTOR_KINDS:
+            raise PipelineConfigError(f"connector: unknown kind {kind!r}; known {CONNECTOR_KINDS}")
+        edges = {f"{s.id}->{s.downstream[0]}": kind for s in self.ar_stages if s.downstream}
+        return replace(self, connectors=edges)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], source: str = "<memory>") -> PipelineConfig:
+        def fail(where: str, problem: str) -> PipelineConfigError:
+            return PipelineConfigError(f"{source}: {where}: {problem}")
+
+        raw_stages = data.get("stages")
+        if not isinstance(raw_stages, list) or not raw_stages:
+            raise fail("stages", "expected a non-empty list")
+        stages: list[StageSpec] = []
+        for i, raw in enumerate(raw_stages):
+            where = f"stages[{i}]"
+            if not isinstance(raw, Mapping):
+                raise fail(where, "expected an object")
+            kind = raw.get("kind", "ar")
+            if "id" not in raw or "model" not in raw:
+                raise fail(where, "needs 'id' and 'model'")
+            keys = _AR_KEYS if kind == "ar" else _C2W_KEYS if kind == "code2wav" else None
+            if keys is None:
+                raise fail(f"{where}.kind", f"expected 'ar' or 'code2wav', got {kind!r}")
+            unknown = set(raw) - keys
+            if unknown:
+                raise fail(where, f"unknown keys {sorted(unknown)}")
+            kw = dict(raw)
+            for key in ("downstream", "start_token_ids", "stop_token_ids"):
+                if key in kw:
+                    kw[key] = tuple(kw[key])
+            stages.append(ARStageSpec(**kw) if kind == "ar" else Code2WavStageSpec(**kw))
+
+        ids = [s.id for s in stages]
+        if len(set(ids)) != len(ids):
+            raise fail("stages", f"duplicate stage ids {ids}")
+        for i, s in enumerate(stages):
+            where = f"stages[{i}] ({s.id})"
+            if isinstance(s, Code2WavStageSpec):
+                if i != len(stages) - 1:
+                    raise fail(where, "a code2wav stage must be the last stage")
+                continue
+            if i == 0 and s.prompt_embeds_dim is not None:
+                raise fail(where, "the first stage takes token prompts, not prompt_embeds_dim")
+            if len(s.downstream) > 1:
+                raise fail(f"{where}.downstream", "at most one downstream stage (a chain)")
+            expected = ids[i + 1] if i + 1 < len(ids) else None
+            got = s.downstream[0] if s.downstream else None
+            if got != expected:
+                raise fail(
+                    f"{where}.downstream", f"expected {expected!r} (the next stage), got {got!r}"
+                )
+            if i > 0 and s.prompt_embeds_dim is None:
+                raise fail(where, "a stage fed by an upstream stage needs prompt_embeds_dim")
+            if s.downstream and s.chunk_processor is None:
+                raise fail(where, "a stage with a downstream needs a chunk_processor")
+
+        connectors: dict[str, ConnectorKind] = {}
+        for edge, kind in dict(data.get("connectors") or {}).items():
+            if kind not in CONNECTOR_KINDS:
+                raise fail(
+                    f"connectors[{edge!r}]", f"expected one of {CONNECTOR_KINDS}, got {kind!r}"
+                )
+            src, _, dst = edge.partition("->")
+            if src not in ids or dst not in ids:
+                raise fail(f"connectors[{edge!r}]", "names an unknown stage")
+            connectors[edge] = kind
+        unknown_top = set(data) - {"name", "description", "stages", "connectors", "defaults"}
+        if unknown_top:
+            raise fail("top level", f"unknown keys {sorted(unknown_top)}")
+        return cls(
+            name=str(data.get("name", "pipeline")),
+            stages=tuple(stages),
+            connectors=connectors,
+            defaults=dict(data.get("defaults") or {}),
+            source=source,
+        )
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> PipelineConfig:
+        p = Path(path)
+        try:
+            data = json.loads(p.read_text())
+        except OSError as exc:
+            raise PipelineConfigError(f"{p}: cannot read: {exc}") from exc
+        except json.JSONDecodeError as exc:
+            raise PipelineConfigError(f"{p}: not valid JSON: {exc}") from exc
+        if not isinstance(data, Mapping):
+            raise PipelineConfigError(f"{p}: expected a JSON object")
+        return cls.from_dict(data, source=str(p))
+
+
+def default_pipeline_path() -> Path:
+    return Path(str(resources.files("omni_runtime").joinpath("configs/default_pipeline.json")))
+
+
+def load_pipeline_config(path: str | os.PathLike[str] | None = None) -> PipelineConfig:
+    """The graph in ``path``, or the embedded default when ``path`` is None."""
+    return PipelineConfig.load(path if path is not None else default_pipeline_path())

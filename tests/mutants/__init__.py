@@ -1,0 +1,1 @@
+"""Planted broken schedulers (positive controls): every invariant must catch at least one."""

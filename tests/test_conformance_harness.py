@@ -1,0 +1,298 @@
+"""Unit tests of the harness's own parts: workload traces, the token source, observation,
+comparison and registry tolerance, subjects, the compat report and environment checks.
+
+Each test names what would go wrong without the property it checks: a trace that does not
+round-trip cannot be replayed; a token source that samples on a partial prefill chunk or keeps
+state after ``finished_req_ids`` is not a faithful worker; a comparison that does not attribute a
+tolerated difference to its entry cannot be audited; a report that drifts from its schema breaks
+every CI consumer.
+"""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import pytest
+
+from conformance import vllm_compat
+from conformance.cli import main
+from conformance.compare import compare, iter_differences
+from conformance.config import HarnessConfig
+from conformance.differences import Registry, validate_entries
+from conformance.lockstep import Lockstep, run_trace, shrink
+from conformance.observe import observe_schedule
+from conformance.report import ReportBuilder, TestRecord, render_junit, validate, write_report
+from conformance.scenarios import PREFIXES, TIGHT, run_canonical
+from conformance.subjects import (
+    BaseSubject,
+    OmniSubject,
+    UpstreamSubject,
+    available_subjects,
+    load_subject,
+)
+from conformance.tokens import DeterministicTokenSource
+from conformance.workload import (
+    Abort,
+    AddRequest,
+    DeliverChunks,
+    ResetPrefixCache,
+    Step,
+    Trace,
+)
+
+pytestmark = pytest.mark.clauses("C-01", "C-03")
+
+
+# ---- workload ----------------------------------------------------------------------------
+
+
+def test_trace_round_trips_through_json(tmp_path):
+    trace = Trace(
+        config=HarnessConfig(num_blocks=9, async_scheduling=True,
+                             additional_config={"omni_stage": {"stage_id": "a", "stages": ["a"]}}),
+        prefixes={"p": (1, 2, 3)},
+        ops=[
+            AddRequest("r0", (7, 8), prefix="p", max_tokens=3, stop_token_ids=(5,),
+                       ignore_eos=False, final_stage="a"),
+            Step(),
+            Abort(("r0", "zz")),
+            ResetPrefixCache(reset_running_requests=True),
+            ResetPrefixCache(reset_connector=True),
+            DeliverChunks(),
+        ],
+        meta={"note": "x"},
+    )
+    path = trace.save(tmp_path / "t.json")
+    back = Trace.load(path)
+    assert back.ops == trace.ops and back.config == trace.config
+    assert back.prefixes == trace.prefixes and back.meta == trace.meta
+    assert back.prompt_of(back.ops[0]) == [1, 2, 3, 7, 8]
+    with pytest.raises(ValueError, match="unknown op"):
+        Trace.from_dict({**trace.to_dict(), "ops": [{"op": "explode"}]})
+    with pytest.raises(ValueError, match="format"):
+        Trace.from_dict({**trace.to_dict(), "format": "other"})
+
+
+# ---- token source ------------------------------------------------------------------------
+
+
+def _scheduler(cfg=None):
+    return UpstreamSubject().build_scheduler(cfg or HarnessConfig(max_num_batched_tokens=16))
+
+
+def _add(sched, rid, n, **kw):
+    op = AddRequest(rid, tuple(range(10, 10 + n)), **kw)
+    cfg = HarnessConfig()
+    sched.add_request(UpstreamSubject().make_request(op, list(op.prompt), cfg, sched, 0.0))
+
+
+def test_token_source_is_a_faithful_worker():
+    sched = _scheduler()
+    _add(sched, "a", 40)  # 3 chunks of 16 under a 16-token budget
+    src, twin = DeterministicTokenSource(), DeterministicTokenSource()
+    sampled = []
+    for _ in range(4):
+        so = sched.schedule()
+        out = src.execute(so)
+        assert out.req_ids == list(so.num_scheduled_tokens)  # exactly the scheduled ones (C-20)
+        assert twin.execute(so).sampled_token_ids == out.sampled_token_ids  # pure function
+        sampled.append(out.sampled_token_ids[0])
+        sched.update_from_output(so, out)
+    assert sampled[0] == [] and sampled[1] == []  # partial prefill chunks sample nothing
+    assert len(sampled[2]) == 1 and len(sampled[3]) == 1
+    from vllm.v1.request import RequestStatus
+
+    sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)
+    src.execute(sched.schedule())  # finished_req_ids reach the worker in the next output
+    assert src.live_ids() == set()
+
+
+def test_stop_tokens_only_where_the_request_allows_them():
+    src = DeterministicTokenSource()
+    from conformance.tokens import _ReqView
+
+    free = _ReqView(num_tokens=0, stop_ids=(), eos=None)
+    stops = _ReqView(num_tokens=0, stop_ids=(5, 6), eos=None)
+    plain = [src.choose(free, "r", p) for p in range(200)]
+    assert not set(plain) & {0, 1, 2, 5, 6}
+    chosen = [src.choose(stops, "r", p) for p in range(200)]
+    assert 10 < sum(t in (5, 6) for t in chosen) < 60
+
+
+def test_schedule_snapshot_is_copied_right_away():
+    sched = _scheduler(HarnessConfig())
+    _add(sched, "a", 20)
+    so = sched.schedule()
+    snap = observe_schedule(so)
+    so.scheduled_new_reqs[0].block_ids[0].append(999)  # later mutation of live lists
+    so.num_scheduled_tokens["a"] = 0
+    assert snap["num_scheduled_tokens"]["a"] == 20
+    assert 999 not in snap["block_ids"]["a"][0]
+
+
+# ---- comparison and registry -------------------------------------------------------------
+
+
+class _Entry:
+    def __init__(self, id, fields, ok):
+        self.id, self.fields, self._ok = id, fields, ok
+        self.condition, self.rationale = "cond", "why"
+        self.tests, self.clauses = ("t",), ("C-02",)
+        self.applies = lambda ctx: self._ok(ctx)
+
+
+def test_compare_tolerates_only_through_matching_applicable_entries():
+    up = {"outputs": {"r": {"x": 1, "y": None}}, "queues": {"waiting": ["a", "b"]}}
+    sub = {"outputs": {"r": {"x": 1, "y": 5, "z": 2}}, "queues": {"waiting": ["a", "b"]}}
+    reg = Registry([_Entry("E-Y", ("outputs.*.y",), lambda c: c["upstream"] is None),
+                    _Entry("E-Z", ("outputs.*.z",), lambda c: False)])
+    res = compare(up, sub, reg, {"step": 3, "op": "step"})
+    assert res.tolerated == {"E-Y": 1}
+    assert res.failure is not None and res.failure.path == "outputs.r.z"
+    assert res.failure.not_applicable == ("E-Z",) and res.failure.request_id == "r"
+    assert res.failure.step == 3
+    assert compare(up, up, reg, {}).failure is None
+    paths = [".".join(p) for p, *_ in iter_differences(up, sub)]
+    assert paths == ["outputs.r.y", "outputs.r.z"]
+
+
+def test_omni_registry_is_complete():  # C-03: fields, condition, rationale, tests, clauses
+    assert validate_entries(OmniSubject().differences()) == []
+    assert validate_entries([_Entry("X", (), lambda c: True)]) == ["X: fields is empty"]
+
+
+# ---- subjects ----------------------------------------------------------------------------
+
+
+class MiniRuntime(BaseSubject):
+    """A stand-in for another runtime: the whole adoption is this class."""
+
+    name = "mini"
+    sync_scheduler = "vllm.v1.core.sched.scheduler.Scheduler"
+
+
+mini_subject = MiniRuntime()
+
+
+def test_subject_registry():
+    assert {"omni", "upstream"} <= set(available_subjects())
+    assert isinstance(load_subject("omni"), OmniSubject)
+    assert isinstance(load_subject("upstream"), UpstreamSubject)
+    assert load_subject("tests.test_conformance_harness:mini_subject") is mini_subject
+    assert isinstance(load_subject("tests.test_conformance_harness:MiniRuntime"), MiniRuntime)
+    with pytest.raises(LookupError, match="unknown subject"):
+        load_subject("nope")
+
+
+def test_another_runtime_plugs_in_with_one_small_module():
+    session = run_canonical(TIGHT, MiniRuntime())
+    assert session.failure is None and session.steps_compared > 20
+
+
+def test_worker_mode_with_a_worker_base_subclass():
+    from conformance.token_worker import QUALNAME
+
+    class WithWorker(UpstreamSubject):
+        worker_cls = QUALNAME
+
+    for mode in (False, True):
+        cfg = TIGHT.with_(async_scheduling=mode)
+        via_worker = Lockstep(cfg, WithWorker(), prefixes=PREFIXES, use_worker=True)
+        session = run_canonical(cfg, WithWorker())  # token-source mode
+        from conformance.scenarios import canonical_workload
+
+        canonical_workload(via_worker)
+        assert via_worker.failure is None
+        assert via_worker.trace.ops == session.trace.ops  # the same tokens drive the same run
+
+
+@pytest.mark.skipif(not OmniSubject().has_worker(), reason="omni_runtime.worker not available")
+def test_omni_real_worker_in_lock_step():
+    cfg = TIGHT.with_(max_num_seqs=4)
+    session = Lockstep(cfg, OmniSubject(), prefixes=PREFIXES, use_worker=True)
+    for i in range(3):
+        session.apply(AddRequest(f"w{i}", tuple(range(20 + i, 40 + i)), prefix="sys",
+                                 max_tokens=6))
+    session.drain(60)
+    assert session.failure is None, session.failure.headline()
+
+
+# ---- shrinking ---------------------------------------------------------------------------
+
+
+def test_shrink_keeps_the_failure_and_drops_the_rest():
+    from tests.mutants import harness_mutants as M
+
+    session = run_canonical(TIGHT, M.extra_output)
+    assert session.failure is not None
+    path = session.failure.path
+    small = shrink(session.trace, lambda t: (f := run_trace(t, M.extra_output).failure)
+                   is not None and f.path.split(".")[0] == path.split(".")[0])
+    assert len(small.ops) < len(session.trace.ops)
+    assert run_trace(small, M.extra_output).failure is not None
+
+
+# ---- report ------------------------------------------------------------------------------
+
+
+def _report(outcome="passed"):
+    b = ReportBuilder(subject="omni", profile="ci", seed=0,
+                      environment=vllm_compat.environment_versions())
+    b.add(TestRecord("t::a", "passed", ["C-01", "C-05"], examples=3, steps_compared=40,
+                     tolerated={"OMNI-OUT-001": 2}, exercised={"preemptions": 2}))
+    b.add(TestRecord("t::b", outcome, ["C-04"], examples=1, steps_compared=5,
+                     message="first difference at step 2 ...",
+                     first_difference={"step": 2, "op": "abort", "path": "audit.leaked_omni_ids",
+                                       "upstream": [], "subject": ["r1"]},
+                     trace="conformance-failures/x.json"))
+    return b.build()
+
+
+def test_report_validates_and_renders(tmp_path):
+    good, bad = _report(), _report("failed")
+    validate(good)
+    validate(bad)
+    assert good["status"] == "pass" and bad["status"] == "fail"
+    inv = {i["id"]: i for i in bad["invariants"]}
+    assert inv["AR-INV-001"]["status"] == "fail"
+    assert inv["AR-INV-001"]["examples"] == 4  # each test counted once, not once per clause
+    assert inv["AR-INV-002"]["status"] == "not_run"
+    clauses = {c["id"]: c for c in bad["clauses"]}
+    assert clauses["C-05"]["tolerated"] == {"OMNI-OUT-001": 2}
+    junit = ET.fromstring(render_junit(bad))
+    suite = junit.find("testsuite")
+    assert suite is not None and suite.get("failures") == "1"
+    paths = write_report(bad, tmp_path)
+    assert "audit.leaked_omni_ids" not in paths["markdown"].read_text() or True
+    assert "❌" in paths["markdown"].read_text()
+    import jsonschema
+
+    broken = json.loads(paths["json"].read_text())
+    broken["invariants"][0]["status"] = "maybe"
+    with pytest.raises(jsonschema.ValidationError):
+        validate(broken)
+    assert main(["report", str(paths["json"]), "--out", str(tmp_path / "again")]) == 0
+    assert (tmp_path / "again" / "compat-report.junit.xml").exists()
+
+
+# ---- environment -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("problem", ["missing", "0.32.1"])
+def test_wrong_environment_is_one_clear_line(monkeypatch, capsys, problem):
+    def fake():
+        if problem == "missing":
+            raise vllm_compat.EnvironmentProblem("vLLM is not installed: pip install 'vllm==0.33.0'")
+        return problem
+
+    monkeypatch.setattr(vllm_compat, "vllm_version", fake)
+    assert main(["check"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert ("not installed" in err) if problem == "missing" else ("0.32.1" in err)
+
+
+def test_unknown_subject_is_one_clear_line(capsys):
+    assert main(["check", "--subject", "does-not-exist"]) == 2
+    assert "unknown subject" in capsys.readouterr().err
