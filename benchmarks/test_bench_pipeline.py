@@ -28,7 +28,10 @@ def async_scheduling(request) -> bool:
 
 @pytest.mark.parametrize("stream_audio", [True, False], ids=["streaming", "full"])
 def test_bench_pipeline(benchmark, async_scheduling, stream_audio) -> None:
-    with OmniPipeline(async_scheduling=async_scheduling, stream_audio=stream_audio) as p:
+    # torch_threads=None: benchmarks/conftest.py sets the thread count (OMNI_BENCH_TORCH_THREADS).
+    with OmniPipeline(
+        async_scheduling=async_scheduling, stream_audio=stream_audio, torch_threads=None
+    ) as p:
         p.generate(PROMPTS[:2], max_text_tokens=2, max_codec_tokens=2)  # warm-up
         runs: list[list] = []
 

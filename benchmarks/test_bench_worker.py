@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from safetensors.torch import save_file
 from vllm import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -51,8 +50,14 @@ def _stage(**kw: Any) -> OmniStageConfig:
 
 
 def _setup(
-    model_path: str, model: LlamaLM, n: int, *, max_tokens: int, prompt_len: int,
-    stage: OmniStageConfig | None = None, budget: int | None = None,
+    model_path: str,
+    model: LlamaLM,
+    n: int,
+    *,
+    max_tokens: int,
+    prompt_len: int,
+    stage: OmniStageConfig | None = None,
+    budget: int | None = None,
 ) -> tuple[Scheduler, OmniARModelRunner]:
     cfg = HarnessConfig(
         model=model_path,
@@ -151,7 +156,7 @@ def test_payload_critical_path(benchmark, thinker_dir, tmp_path, variant) -> Non
 
     times: dict[str, list[float]] = {"inline": [], "background": []}
     for _ in range(3):  # warm-up
-        for mode, r in runners.items():
+        for r in runners.values():
             finish(critical(r)[1])
     for _ in range(25):  # alternate so machine drift hits both modes equally
         for mode, r in runners.items():
@@ -209,8 +214,12 @@ def test_bytes_per_token(benchmark, thinker_dir, include_hidden) -> None:
             model=thinker_dir, skip_tokenizer_init=True, max_model_len=256, dtype="float32"
         ),
         scheduler_config=SchedulerConfig(
-            max_num_seqs=8, max_num_batched_tokens=256, max_model_len=256,
-            enable_chunked_prefill=True, async_scheduling=False, is_encoder_decoder=False,
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+            max_model_len=256,
+            enable_chunked_prefill=True,
+            async_scheduling=False,
+            is_encoder_decoder=False,
             scheduler_cls="omni_runtime.sched.OmniARScheduler",
         ),
         cache_config=CacheConfig(block_size=16, enable_prefix_caching=False),
@@ -230,7 +239,9 @@ def test_bytes_per_token(benchmark, thinker_dir, include_hidden) -> None:
                 adapter.build(
                     StageInput(
                         request_id=f"b{totals['tokens']}-{i}",
-                        sampling_params=SamplingParams(max_tokens=32, ignore_eos=True, temperature=0),
+                        sampling_params=SamplingParams(
+                            max_tokens=32, ignore_eos=True, temperature=0
+                        ),
                         prompt_token_ids=[5 + (i * 7 + j) % 500 for j in range(24)],
                         arrival_time=0.0,
                     )

@@ -75,6 +75,8 @@ class Lockstep:
         oracle: Subject | None = None,
         use_worker: bool = False,
     ) -> None:
+        if use_worker:
+            config = subject.worker_config(config)
         self.config = config
         self.subject = subject
         worker_src = subject if use_worker else None
@@ -286,14 +288,25 @@ def shrink(
     still_fails: Callable[[Trace], bool],
     *,
     budget: int = 200,
+    time_budget: float = 20.0,
 ) -> Trace:
-    """Delta-debugging over operations: drop chunks, then single ops, while the failure persists."""
+    """Delta-debugging over operations: drop chunks, then single ops, while the failure persists.
+
+    Bounded by ``budget`` re-runs and ``time_budget`` seconds: a CI gate must fail fast, and a
+    partly shrunk trace still replays.
+    """
+    import time
+
     ops = list(trace.ops)
     runs = 0
+    deadline = time.monotonic() + time_budget
 
     def attempt(candidate: list[Op]) -> bool:
         nonlocal runs
         runs += 1
+        if time.monotonic() > deadline:
+            runs = budget
+            return False
         return still_fails(Trace(trace.config, candidate, trace.prefixes, dict(trace.meta)))
 
     chunk = max(1, len(ops) // 2)

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 
 if TYPE_CHECKING:  # the plugin loads in every pytest run here: keep vLLM and torch out of it
     from conformance.config import HarnessConfig
@@ -38,8 +38,15 @@ _COMMON: dict[str, Any] = {
     "print_blob": True,
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
 }
+# ci: no hypothesis shrink phase. Shrinking a 50-step program can take minutes against a broken
+# subject; the harness's own bounded delta-debugging shrinks the saved trace instead.
 settings.register_profile(
-    "ci", max_examples=CI_EXAMPLES, derandomize=True, stateful_step_count=50, **_COMMON
+    "ci",
+    max_examples=CI_EXAMPLES,
+    derandomize=True,
+    stateful_step_count=50,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),
+    **_COMMON,
 )
 settings.register_profile("dev", max_examples=CI_EXAMPLES, stateful_step_count=50, **_COMMON)
 settings.register_profile(
@@ -123,10 +130,17 @@ class ConformanceRecorder:
         self.sessions = []
 
     def fail(self, session: Any, name: str, *, do_shrink: bool = True) -> None:
-        """Save the (shrunk) failing trace and raise the first difference as the test failure."""
+        """Save the (shrunk) failing trace and raise the first difference as the test failure.
+
+        ``do_shrink=False`` means "hypothesis shrinks this example"; when the active profile has
+        no shrink phase (``ci``), the harness's bounded shrinker runs instead, so every saved
+        trace is a shrunk one.
+        """
         from conformance.lockstep import SubjectBroken
         from conformance.replay import record_failure
 
+        if not do_shrink and Phase.shrink not in settings().phases:
+            do_shrink = True
         path, diff = record_failure(
             session,
             subject_spec=self.subject_spec,

@@ -40,6 +40,8 @@ CLAUSES: dict[str, str] = {
 
 @dataclass
 class TestRecord:
+    __test__ = False  # not a pytest test class, despite the name
+
     nodeid: str
     outcome: str  # passed | failed | skipped | error
     clauses: list[str] = field(default_factory=list)

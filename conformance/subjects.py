@@ -75,6 +75,8 @@ class Subject(Protocol):
 
     def make_worker(self, cfg: HarnessConfig) -> Any: ...
 
+    def worker_config(self, cfg: HarnessConfig) -> HarnessConfig: ...
+
     def feature_configs(self) -> dict[str, dict[str, Any]]: ...
 
 
@@ -136,6 +138,10 @@ class BaseSubject:
 
     def has_worker(self) -> bool:
         return self.worker_cls is not None
+
+    def worker_config(self, cfg: HarnessConfig) -> HarnessConfig:
+        """The config to use in worker mode (e.g. pointing ``model`` at real weights)."""
+        return cfg
 
     def make_worker(self, cfg: HarnessConfig) -> Any:
         """A started worker (optional hook); the default starts ``worker_cls`` as EngineCore does."""
@@ -246,6 +252,12 @@ class OmniSubject(BaseSubject):
         except ImportError:
             return False
         return hasattr(module, "OmniARWorker")
+
+    def worker_config(self, cfg: HarnessConfig) -> HarnessConfig:
+        from omni_runtime.models import model_dir
+
+        # The real worker needs real weights: the runtime's generated thinker model.
+        return cfg.with_(model=str(model_dir("thinker")))
 
 
 def omni_subject() -> Subject:

@@ -9,7 +9,12 @@
   others complete with the same outputs as in a clean run.
 * A worker fault (the talker worker raising after a step that touched one request) fails only
   that request; a request still in the thinker at that time completes.
-* A code2wav decoder fault fails only its request.
+* A code2wav decoder fault fails only its request; a talker input its adapter rejects ends
+  its request with an error naming the limit.
+* A worker fault before the forward leaves hashed-but-unwritten blocks: they are evicted, so a
+  retry of the same prompt equals a clean run (positive control: without the eviction the
+  retry reads garbage KV and its tokens differ).
+* Random aborts at random steps keep one outcome per request and leave survivors unchanged.
 Each runs under sync and async scheduling (async with background materialization, the case
 with steps in flight when the fault or abort lands).
 """
@@ -56,7 +61,7 @@ def test_abort_mid_stream_leaves_nothing_behind(pipeline) -> None:
     )
     events = []
     aborted_talk = aborted_think = False
-    while p.orchestrator.has_work():
+    while p.has_work():
         step_events = p.step()
         events.extend(step_events)
         if not aborted_think:
@@ -206,4 +211,92 @@ def test_decoder_fault_fails_only_its_request(pipeline, monkeypatch) -> None:
     monkeypatch.undo()
     assert results[0].finish_reason == "error" and "decoder fault" in results[0].error
     assert results[1].ok
+    assert_clean(p)
+
+
+def test_downstream_rejection_is_an_error_outcome(tmp_path) -> None:
+    """A talker input its adapter refuses (prompt over the talker's max_model_len) ends that
+    request with an error naming the stage, field and limit; the others complete."""
+    import json
+
+    from omni_runtime.engine.graph import default_pipeline_path
+
+    raw = json.loads(default_pipeline_path().read_text())
+    raw["stages"][1]["max_model_len"] = 48
+    path = tmp_path / "small_talker.json"
+    path.write_text(json.dumps(raw))
+    with OmniPipeline(path, async_scheduling=False) as p:
+        results = p.generate(["x" * 60, "short"], max_text_tokens=3, max_codec_tokens=8)
+        assert results[0].finish_reason == "error"
+        assert "thinker -> talker" in results[0].error and "max_model_len 48" in results[0].error
+        assert results[0].stages == ["thinker"] and len(results[0].text_token_ids) == 3
+        assert results[1].ok
+        assert_clean(p)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_random_aborts_keep_every_invariant(pipeline, seed) -> None:
+    """Aborts at random steps, of requests in random stages: one outcome per request, the
+    survivors' outputs equal an undisturbed run, and nothing is left behind."""
+    import random
+
+    p = pipeline
+    rng = random.Random(seed)
+    prompts = [f"random abort {seed} request {i}" for i in range(6)]
+    limits = dict(max_text_tokens=5, max_codec_tokens=20)
+    undisturbed = {
+        i: r
+        for i, r in enumerate(
+            p.generate(prompts, **limits, request_ids=[f"u{seed}-{i}" for i in range(6)])
+        )
+    }
+    ids = p.submit(prompts, **limits, request_ids=[f"r{seed}-{i}" for i in range(6)])
+    victims = set(rng.sample(ids, 3))
+    events = []
+    while p.has_work():
+        events.extend(p.step())
+        live = [rid for rid in victims if rid in p.orchestrator._tracks]
+        if live and rng.random() < 0.3:
+            p.abort([rng.choice(live)])
+    assert terminal_counts(events) == Counter(ids)
+    outcome = {e.request_id: e.result for e in events if e.kind == "finished"}
+    assert any(r.finish_reason == "abort" for r in outcome.values())  # the test did abort
+    for i, rid in enumerate(ids):
+        r = outcome[rid]
+        if r.finish_reason == "abort":
+            assert rid in victims
+            continue
+        ref = undisturbed[i]
+        assert r.ok
+        assert (r.text_token_ids, r.codec_token_ids) == (ref.text_token_ids, ref.codec_token_ids)
+        assert torch.equal(r.waveform, ref.waveform)
+    assert_clean(p)
+
+
+def test_fault_before_the_worker_ran_does_not_poison_the_prefix_cache(pipeline, monkeypatch):
+    """The worker raises before computing a prefill: the blocks the scheduler already hashed
+    for it hold no KV. A retry of the same prompt must not hit them (it must equal a clean
+    run), and the finished ids the failed step carried still reach the runner."""
+    p = pipeline
+    prompt = "poisoned prefix? " * 4  # 68 bytes: four full 16-token blocks
+    [clean] = p.generate([prompt], max_text_tokens=4, max_codec_tokens=8)
+    assert p.orchestrator.engines["thinker"].scheduler.reset_prefix_cache()
+    worker = p.orchestrator.engines["thinker"].core.model_executor.driver_worker.worker
+    real_execute = worker.execute_model
+
+    def faulty_execute(so):
+        if any(r.req_id == "bad" for r in so.scheduled_new_reqs):
+            raise RuntimeError("injected fault before the forward")
+        return real_execute(so)
+
+    monkeypatch.setattr(worker, "execute_model", faulty_execute)
+    [bad] = p.generate([prompt], max_text_tokens=4, max_codec_tokens=8, request_ids=["bad"])
+    monkeypatch.undo()
+    assert bad.finish_reason == "error" and "before the forward" in bad.error
+    [retry] = p.generate([prompt], max_text_tokens=4, max_codec_tokens=8)
+    assert retry.ok
+    assert (retry.text_token_ids, retry.codec_token_ids) == (
+        clean.text_token_ids,
+        clean.codec_token_ids,
+    )
     assert_clean(p)

@@ -47,6 +47,15 @@ from omni_runtime.worker.sampler import Sampler, SamplingState
 MAX_TOKENS = 6
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _single_torch_thread():
+    """Tiny models on 2 shared cores: one intra-op thread avoids OpenMP spin-wait stalls."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def thinker_dir() -> str:
     return str(model_dir("thinker"))
@@ -398,8 +407,12 @@ def test_sampler_masks_and_seeds() -> None:
     logits2 = logits.clone()
     logits2[1] = logits[0]
     b = [
-        sampler.sample(logits2, [_state(temperature=1.0), s2, _state(), _state()], [[]] * 4,
-                       [[], [0] * k, [], []])[1]
+        sampler.sample(
+            logits2,
+            [_state(temperature=1.0), s2, _state(), _state()],
+            [[]] * 4,
+            [[], [0] * k, [], []],
+        )[1]
         for k in range(20)
     ]
     assert a == b
@@ -429,3 +442,27 @@ def test_worker_memory_budget(thinker_dir) -> None:
 
 def model_num_layers(worker: OmniARWorker) -> int:
     return worker.runner.model.num_layers
+
+
+# ---- AR-INV-003, statically -------------------------------------------------------------------
+
+FORBIDDEN_PREFIXES = ("omni_runtime.engine", "omni_runtime.sched", "vllm.v1.engine", "vllm.engine")
+
+
+def test_worker_imports_no_engine_or_routing_code() -> None:
+    """import-linter cannot express external sub-packages; this checks direct imports."""
+    import ast
+    from pathlib import Path
+
+    import omni_runtime.worker as pkg
+
+    offenders = []
+    for path in Path(pkg.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names: list[str] = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names = [node.module]
+            offenders += [(path.name, n) for n in names if n.startswith(FORBIDDEN_PREFIXES)]
+    assert offenders == []

@@ -58,6 +58,15 @@ MAX_TOKENS = 10
 WORKER = "omni_runtime.worker.OmniARWorker"
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _single_torch_thread():
+    """Tiny models on 2 shared cores: one intra-op thread avoids OpenMP spin-wait stalls."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def thinker_dir() -> str:
     return str(model_dir("thinker"))
@@ -117,7 +126,9 @@ def make_engine(
     scheduler_cls = None
     if stage is not None:
         scheduler_cls = (
-            "omni_runtime.sched.OmniARAsyncScheduler" if async_ else "omni_runtime.sched.OmniARScheduler"
+            "omni_runtime.sched.OmniARAsyncScheduler"
+            if async_
+            else "omni_runtime.sched.OmniARScheduler"
         )
     vc = VllmConfig(
         model_config=ModelConfig(
@@ -384,8 +395,16 @@ def test_token_only_same_tokens_no_hidden_conditioning_crosses(thinker_dir) -> N
     token_only = _omni_run(thinker_dir, _stage(omni_pooler_payload_include_hidden=False), **sp)
     assert token_only.tokens == full.tokens
     assert all(c.payload is None or c.payload.hidden is None for c in token_only.chunks)
-    cond_full = {c.request_id: c.payload.conditioning for c in full.chunks if c.payload and c.payload.conditioning is not None}
-    cond_tok = [(c.request_id, c.payload.conditioning) for c in token_only.chunks if c.payload and c.payload.conditioning is not None]
+    cond_full = {
+        c.request_id: c.payload.conditioning
+        for c in full.chunks
+        if c.payload and c.payload.conditioning is not None
+    }
+    cond_tok = [
+        (c.request_id, c.payload.conditioning)
+        for c in token_only.chunks
+        if c.payload and c.payload.conditioning is not None
+    ]
     # Exactly one conditioning per request, equal to the include-hidden run's.
     assert sorted(r for r, _ in cond_tok) == sorted(f"o{i}" for i in range(len(PROMPTS)))
     for rid, cond in cond_tok:
@@ -399,7 +418,9 @@ def test_token_only_same_tokens_no_hidden_conditioning_crosses(thinker_dir) -> N
 
 
 def test_connector_collected_on_engine_thread_once_per_step(thinker_dir) -> None:
-    ec = make_engine(thinker_dir, async_=True, budget=32, stage=_stage(materialization="background"))
+    ec = make_engine(
+        thinker_dir, async_=True, budget=32, stage=_stage(materialization="background")
+    )
     runner = runner_of(ec)
     calls: list[int] = []
     samples = 0
@@ -504,7 +525,6 @@ def test_vllm_llm_generates(thinker_dir, monkeypatch) -> None:
         scheduler_cls="omni_runtime.sched.OmniARScheduler",
         max_model_len=MAX_MODEL_LEN,
         max_num_seqs=4,
-        async_scheduling=False,
         dtype="float32",
     )
     try:

@@ -71,6 +71,8 @@ class RequestResult:
     num_audio_chunks: int = 0
     stages: list[str] = field(default_factory=list)
     stage_finish_reasons: dict[str, str] = field(default_factory=dict)
+    # Per AR stage, prompt tokens its prefix cache served (absent: no report from that stage).
+    cached_prompt_tokens: dict[str, int] = field(default_factory=dict)
     error: str | None = None
     time_to_first_text_token: float | None = None
     time_to_first_audio_chunk: float | None = None
@@ -109,6 +111,7 @@ class _Track:
     rows: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     held_codes: list[torch.Tensor] = field(default_factory=list)
     reasons: dict[str, str] = field(default_factory=dict)
+    cached: dict[str, int] = field(default_factory=dict)
     awaiting_eof: str | None = None
     t_first_text: float | None = None
     t_first_audio: float | None = None
@@ -152,7 +155,6 @@ class Orchestrator:
             raise
         self._tracks: dict[str, _Track] = {}
         self._events: deque[PipelineEvent] = deque()
-        self.results: dict[str, RequestResult] = {}
         self.steps = 0
 
     # ---- graph facts (kept here, C-21) --------------------------------------------------------
@@ -231,10 +233,20 @@ class Orchestrator:
         self._drain_connectors()
         return aborted
 
+    def discard_outcomes(self, request_ids: Sequence[str]) -> None:
+        """Drop queued events of requests the client never learned about (failed submit)."""
+        drop = set(request_ids)
+        self._events = deque(e for e in self._events if e.request_id not in drop)
+
     # ---- stepping -----------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return bool(self._tracks) or any(e.has_work() for e in self.engines.values())
+        """Requests in flight, stages still releasing state, or events not yet returned."""
+        return (
+            bool(self._tracks)
+            or bool(self._events)
+            or any(e.has_work() for e in self.engines.values())
+        )
 
     def unfinished(self) -> list[str]:
         return [rid for rid, t in self._tracks.items() if not t.done]
@@ -254,6 +266,13 @@ class Orchestrator:
                 for chunk in conn.recv():
                     self._on_chunk(sid, chunk)
             self._check_eof(sid)
+        if self._tracks and not any(e.has_work() for e in self.engines.values()):
+            # No stage holds these requests any more and nothing is in flight: without this
+            # they would never get an outcome (C-62).
+            for track in list(self._tracks.values()):
+                self._finish(
+                    track, ERROR, f"stalled: no stage holds the request (last {track.stage})"
+                )
         events = list(self._events)
         self._events.clear()
         return events
@@ -269,6 +288,8 @@ class Orchestrator:
         track = self._tracks.get(out.request_id)
         if track is None or track.done or track.stage != sid:
             return
+        if out.num_cached_tokens is not None:
+            track.cached[sid] = out.num_cached_tokens
         if out.new_token_ids:
             if sid == self.first_stage:
                 if track.t_first_text is None:
@@ -294,6 +315,10 @@ class Orchestrator:
             track.awaiting_eof = sid
 
     def _on_chunk(self, sid: str, chunk: StageChunk) -> None:
+        if chunk.source_stage != sid:
+            # Only the orchestrator decides where a stage's chunks go (C-21): a chunk that
+            # names another source arrived on the wrong edge.
+            raise RuntimeError(f"chunk {chunk.ref} arrived on the {sid!r} edge")
         track = self._tracks.get(chunk.request_id)
         if track is None or track.done or track.stage != sid:
             return  # e.g. the EOF an abort caused: the outcome is already decided
@@ -435,6 +460,7 @@ class Orchestrator:
             num_audio_chunks=len(track.audio),
             stages=list(track.stages),
             stage_finish_reasons=dict(track.reasons),
+            cached_prompt_tokens=dict(track.cached),
             error=error,
             time_to_first_text_token=None
             if track.t_first_text is None
@@ -448,11 +474,7 @@ class Orchestrator:
         track.audio.clear()
         track.held_codes.clear()
         del self._tracks[rid]
-        self.results[rid] = result
         self._events.append(PipelineEvent("finished", rid, result=result))
-
-    def pop_result(self, request_id: str) -> RequestResult | None:
-        return self.results.pop(request_id, None)
 
     # ---- audits and teardown ------------------------------------------------------------------
 

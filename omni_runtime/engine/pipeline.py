@@ -65,6 +65,7 @@ class OmniPipeline:
             seed=seed,
         )
         self.orchestrator = Orchestrator(config, self.options, stream_audio=stream_audio)
+        self._backlog: list[PipelineEvent] = []
         self._ids = itertools.count()
 
     # ---- properties ----------------------------------------------------------------------------
@@ -101,18 +102,41 @@ class OmniPipeline:
             raise ValueError(f"{len(request_ids)} request ids for {len(items)} prompts")
         limits = self._limits(max_text_tokens, max_codec_tokens)
         ids: list[str] = []
-        for i, prompt in enumerate(items):
-            rid = request_ids[i] if request_ids is not None else f"req-{next(self._ids)}"
-            token_ids = text_codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
-            self.orchestrator.add(rid, token_ids, max_tokens=limits, text_only=text_only)
-            ids.append(rid)
+        try:
+            for i, prompt in enumerate(items):
+                rid = request_ids[i] if request_ids is not None else f"req-{next(self._ids)}"
+                token_ids = text_codec.encode(prompt) if isinstance(prompt, str) else list(prompt)
+                self.orchestrator.add(rid, token_ids, max_tokens=limits, text_only=text_only)
+                ids.append(rid)
+        except Exception:
+            # All or nothing: the caller never learns these ids, so they must not run.
+            if ids:
+                self.orchestrator.abort(ids)
+                self.orchestrator.discard_outcomes(ids)
+            raise
         return ids
 
-    def step(self) -> list[PipelineEvent]:
+    def _advance(self) -> list[PipelineEvent]:
         events = self.orchestrator.step()
         for ev in events:
             if ev.result is not None:
                 ev.result.text = text_codec.decode(ev.result.text_token_ids)
+        return events
+
+    def _split(self, events: list[PipelineEvent], wanted: set[str]) -> list[PipelineEvent]:
+        """Events of ``wanted`` requests; the rest wait in the backlog for ``step``/``drain``."""
+        mine = [ev for ev in events if ev.request_id in wanted]
+        self._backlog.extend(ev for ev in events if ev.request_id not in wanted)
+        return mine
+
+    def has_work(self) -> bool:
+        return bool(self._backlog) or self.orchestrator.has_work()
+
+    def step(self) -> list[PipelineEvent]:
+        """One step of every stage; returns new events (and any held for this caller)."""
+        events, self._backlog = self._backlog, []
+        if self.orchestrator.has_work():
+            events.extend(self._advance())
         return events
 
     def abort(self, request_ids: str | Sequence[str]) -> list[str]:
@@ -123,7 +147,7 @@ class OmniPipeline:
     def drain(self) -> list[PipelineEvent]:
         """Step until no request is left and every stage has released everything."""
         events: list[PipelineEvent] = []
-        while self.orchestrator.has_work():
+        while self.has_work():
             events.extend(self.step())
         return events
 
@@ -137,7 +161,11 @@ class OmniPipeline:
         request_ids: Sequence[str] | None = None,
         on_step: Callable[[list[PipelineEvent]], Any] | None = None,
     ) -> list[RequestResult]:
-        """Run prompts to completion; results in prompt order."""
+        """Run prompts to completion; results in prompt order.
+
+        Requests submitted earlier keep running alongside; their events are kept for the next
+        ``step``/``drain`` call rather than returned here.
+        """
         ids = self.submit(
             prompts,
             max_text_tokens=max_text_tokens,
@@ -147,12 +175,14 @@ class OmniPipeline:
         )
         wanted = set(ids)
         results: dict[str, RequestResult] = {}
-        while self.orchestrator.has_work():
-            events = self.step()
+        while len(results) < len(ids):
+            if not self.orchestrator.has_work():
+                missing = [rid for rid in ids if rid not in results]
+                raise RuntimeError(f"pipeline went idle without outcomes for {missing}")
+            events = self._split(self._advance(), wanted)
             for ev in events:
-                if ev.result is not None and ev.request_id in wanted:
+                if ev.result is not None:
                     results[ev.request_id] = ev.result
-                    self.orchestrator.pop_result(ev.request_id)
             if on_step is not None:
                 on_step(events)
         return [results[rid] for rid in ids]
@@ -166,9 +196,9 @@ class OmniPipeline:
         text_only: bool = False,
         request_ids: Sequence[str] | None = None,
     ) -> Iterator[PipelineEvent]:
-        """Events as they are produced: ``text`` (new thinker ids), ``audio`` (one decoded chunk
-        of one request, while its talker still generates) and ``finished`` (its outcome).
-        Closing the iterator early aborts the requests it started."""
+        """Events of these prompts as they are produced: ``text`` (new thinker ids), ``audio``
+        (one decoded chunk of one request, while its talker still generates) and ``finished``
+        (its outcome, last). Closing the iterator early aborts the requests it started."""
         ids = self.submit(
             prompts,
             max_text_tokens=max_text_tokens,
@@ -179,17 +209,16 @@ class OmniPipeline:
         wanted = set(ids)
         open_ids = set(ids)
         try:
-            while self.orchestrator.has_work():
-                for ev in self.step():
-                    if ev.request_id in wanted:
-                        if ev.kind == "finished":
-                            open_ids.discard(ev.request_id)
-                            self.orchestrator.pop_result(ev.request_id)
-                        yield ev
+            while open_ids:
+                for ev in self._split(self._advance(), wanted):
+                    if ev.kind == "finished":
+                        open_ids.discard(ev.request_id)
+                    yield ev
         finally:
             if open_ids:
+                # The consumer is gone: abort, and drop the outcomes nobody will read.
                 self.abort(sorted(open_ids))
-                self.drain()
+                self.orchestrator.discard_outcomes(sorted(open_ids))
 
     # ---- audits and teardown -------------------------------------------------------------------
 

@@ -74,6 +74,10 @@ class StageOutput:
     new_token_ids: list[int]
     finish_reason: str | None = None
     error: str | None = None
+    # Refs of the chunks this step sent downstream for the request (``OmniEngineCoreOutput``).
+    chunk_refs: list[str] = field(default_factory=list)
+    # Prompt tokens served by the prefix cache (on the request's first output only).
+    num_cached_tokens: int | None = None
 
 
 @dataclass
@@ -226,7 +230,18 @@ class StageEngine:
         for eco in (outputs or {}).values():
             for out in eco.outputs:
                 reason = None if out.finish_reason is None else str(out.finish_reason)
-                result.outputs.append(StageOutput(out.request_id, list(out.new_token_ids), reason))
+                refs = getattr(out, "omni_chunk_refs", None) or []
+                stats = getattr(out, "prefill_stats", None)
+                result.outputs.append(
+                    StageOutput(
+                        out.request_id,
+                        list(out.new_token_ids),
+                        reason,
+                        None,
+                        list(refs),
+                        None if stats is None else int(stats.num_cached_tokens),
+                    )
+                )
         return result
 
     def _fail_touched(self, exc: BaseException) -> list[StageOutput]:
@@ -241,7 +256,22 @@ class StageEngine:
         logger.warning(
             "stage %s: step fault %r fails requests %s", self.stage_id, exc, sorted(live)
         )
+        kv = self.scheduler.kv_cache_manager
+        # The scheduler registered block hashes for this step's positions when it scheduled
+        # them, but the worker may never have written their KV: those blocks must not serve
+        # prefix hits (a retry of the same prompt would read garbage). Evicting every block of
+        # the failed requests is conservative; blocks other requests hold stay allocated.
+        suspect: set[int] = set()
+        for rid in live:
+            for group in kv.get_block_ids(rid):
+                suspect.update(group)
+        # The failed step may not have reached the worker at all; its finished ids are sent
+        # again with the next step (dropping an unknown id is a no-op for the runner).
+        for so in failed_steps:
+            self.scheduler.finished_req_ids.update(so.finished_req_ids)
         finished = self.scheduler.finish_requests(live, RequestStatus.FINISHED_ERROR)
+        if suspect:
+            kv.evict_blocks(suspect)
         return [
             StageOutput(r.request_id, [], "error", f"{self.stage_id}: {type(exc).__name__}: {exc}")
             for r in finished
@@ -268,7 +298,7 @@ class StageEngine:
             "transfer_progress": sorted(transfer.progress) if transfer is not None else [],
             "processor_buffers": sorted(pending()) if callable(pending) else [],
             "outbox": len(sink) if isinstance(sink, OutboxSink) else 0,
-            "runner_requests": sorted(self.runner.requests),
+            "runner_requests": sorted(getattr(self.runner, "requests", {})),
             "batch_queue": len(self.core.batch_queue or ()),
             "in_flight": len(self._in_flight),
         }

@@ -99,7 +99,7 @@ class RequestState:
 
 @dataclass
 class ExecutedStep:
-    """What ``execute_model`` leaves for ``sample_tokens``: views of the runner's buffers."""
+    """What ``execute_model`` leaves for ``sample_tokens``; row numbers index ``hidden_buf``."""
 
     req_ids: list[str]
     num_tokens: int
@@ -130,7 +130,10 @@ class OmniARModelRunner:
         self.payloads_enabled = stage is not None and stage.has_downstream
         self.include_hidden = bool(stage and stage.omni_pooler_payload_include_hidden)
         self.full_prefix = bool(
-            self.payloads_enabled and self.include_hidden and stage and stage.downstream_needs_full_prefix
+            self.payloads_enabled
+            and self.include_hidden
+            and stage
+            and stage.downstream_needs_full_prefix
         )
         self.producers = self._producers(stage.multimodal_outputs if stage else ())
         postprocess = getattr(model, "omni_postprocess", None)
@@ -199,21 +202,21 @@ class OmniARModelRunner:
         return {layer_name(i): spec for i in range(self.model.num_layers)}
 
     def kv_bytes_per_token(self) -> int:
-        return (
-            PagedKVCache.bytes_per_block(
-                num_layers=self.model.num_layers,
-                block_size=1,
-                num_kv_heads=self.model.num_kv_heads,
-                head_dim=self.model.head_dim,
-                dtype=self.dtype,
-            )
+        return PagedKVCache.bytes_per_block(
+            num_layers=self.model.num_layers,
+            block_size=1,
+            num_kv_heads=self.model.num_kv_heads,
+            head_dim=self.model.head_dim,
+            dtype=self.dtype,
         )
 
     def initialize_kv_cache(self, kv_cache_config: KVCacheConfig) -> None:
         geo = compat.kv_cache_geometry(kv_cache_config)
         expected = {layer_name(i) for i in range(self.model.num_layers)}
         if set(geo.layer_names) != expected:
-            raise ValueError(f"KV cache layers {sorted(geo.layer_names)} != model's {sorted(expected)}")
+            raise ValueError(
+                f"KV cache layers {sorted(geo.layer_names)} != model's {sorted(expected)}"
+            )
         self.block_size = geo.block_size
         self.kv = PagedKVCache(
             num_layers=self.model.num_layers,

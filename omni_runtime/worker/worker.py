@@ -15,6 +15,7 @@ platform makes it the default for ``worker_cls="auto"``.
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ logger = logging.getLogger(__name__)
 # Default KV cache budget when neither ``kv_cache_memory_bytes`` nor a block override is set:
 # room for every sequence at full length, capped so a CPU host is not asked for gigabytes.
 DEFAULT_KV_CACHE_CAP_BYTES = 512 * 1024 * 1024
+# Intra-op torch threads for the worker process (unset: torch's default is left alone).
+TORCH_THREADS_ENV = "OMNI_RUNTIME_TORCH_THREADS"
 
 
 class OmniARWorker(WorkerBase):
@@ -57,6 +60,11 @@ class OmniARWorker(WorkerBase):
 
     def init_device(self) -> None:
         self.device = torch.device("cpu")
+        # Small stage models run fastest single-threaded, and on a shared host OpenMP spin-waits
+        # of several intra-op threads cost far more than they save; the operator decides.
+        threads = os.environ.get(TORCH_THREADS_ENV)
+        if threads:
+            torch.set_num_threads(int(threads))
 
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         dtype = self.model_config.dtype

@@ -1,0 +1,57 @@
+"""``omni-conformance check`` is the project's CI gate: it must fail, loudly and precisely.
+
+Run end to end (a real ``pytest -m invariants`` subprocess on the installed suite) against a
+planted broken subject given as ``module:attr``: the exit code is non-zero, the output names the
+first difference (field path), the compat report is written in all three formats and validates
+against its schema, and the failing trace is saved where ``replay`` finds it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conformance.report import validate
+
+pytestmark = pytest.mark.clauses("C-01", "C-03")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _check(tmp_path: Path, subject: str) -> tuple[subprocess.CompletedProcess, Path, Path]:
+    report_dir, failures = tmp_path / "report", tmp_path / "failures"
+    env = {**os.environ, "PYTHONHASHSEED": "0"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "conformance.cli", "check", "--subject", subject,
+         "--report-dir", str(report_dir), "--failures-dir", str(failures), "-n", "1",
+         "--profile", "ci", "--tests", "invariants/test_ar_inv_001_lockstep.py", "--", "-x"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )
+    return proc, report_dir, failures
+
+
+def test_check_fails_on_a_broken_subject_and_names_the_first_difference(tmp_path):
+    proc, report_dir, failures = _check(tmp_path, "tests.mutants.harness_mutants:forward_free")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    assert "first difference" in out and "block_pool.free_order" in out, out[-3000:]
+    report = json.loads((report_dir / "compat-report.json").read_text())
+    validate(report)
+    assert report["status"] == "fail"
+    assert report["subject"] == "tests.mutants.harness_mutants:forward_free"
+    assert {"vllm", "torch", "python"} <= set(report["environment"])
+    inv = {i["id"]: i for i in report["invariants"]}
+    assert inv["AR-INV-001"]["status"] == "fail"
+    assert (report_dir / "compat-report.md").read_text().startswith("## omni-conformance: FAIL")
+    assert "<failure" in (report_dir / "compat-report.junit.xml").read_text()
+    saved = sorted(failures.glob("*.json"))
+    assert saved, "no failure trace written"
+    replay = subprocess.run(
+        [sys.executable, "-m", "conformance.cli", "replay", str(saved[0])],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )
+    assert replay.returncode == 1 and "block_pool.free_order" in replay.stdout
