@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 TINY_MODEL = Path(__file__).parent / "assets" / "tiny-llama"
+BUNDLED_TINY = "conformance:assets/tiny-llama"
 
 # V2 runner folds resumed requests into scheduled_new_reqs; both sides must agree on one flavour.
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -46,10 +47,17 @@ class HarnessConfig:
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        # Saved traces must replay on another machine: name bundled models relative to us.
+        if Path(self.model).resolve() == TINY_MODEL.resolve():
+            d["model"] = BUNDLED_TINY
+        return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HarnessConfig:
+        data = dict(data)
+        if data.get("model") == BUNDLED_TINY:
+            data["model"] = str(TINY_MODEL)
         return cls(**data)
 
     def model_shape(self) -> dict[str, Any]:

@@ -13,11 +13,13 @@ tests can assert that a situation really happened rather than trusting the gener
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from conformance import vllm_compat as vc
 from conformance.compare import Comparison, FieldDifference, compare
 from conformance.config import HarnessConfig
 from conformance.differences import Registry
@@ -93,7 +95,7 @@ class Lockstep:
         self._cfg_dict = config.to_dict()
         self._arrivals = 0
         self._last_up: dict[str, Any] | None = None
-        self.initial_free = self.up.scheduler.kv_cache_manager.block_pool.get_num_free_blocks()
+        self.initial_free = vc.num_free_blocks(vc.block_pool(self.up.scheduler))
 
     # ---- operations ------------------------------------------------------------------------
 
@@ -180,12 +182,12 @@ class Lockstep:
         for rid in op.request_ids:
             req = sched.requests.get(rid)
             if req is None:
-                state = "finished_unreported" if rid in sched.finished_req_ids else "unknown"
-            elif req.is_finished():
+                state = "finished_unreported" if rid in vc.finished_unreported(sched) else "unknown"
+            elif vc.is_finished(req):
                 state = "finished_unreported"
-            elif req.status.name == "PREEMPTED":
+            elif vc.status_name(req) == "PREEMPTED":
                 state = "preempted"
-            elif req.status.name == "RUNNING":
+            elif vc.status_name(req) == "RUNNING":
                 state = "in_flight" if rid in in_queue else "running"
             else:
                 state = "waiting"
@@ -247,7 +249,7 @@ class Lockstep:
         problems = []
         for label, side in (("upstream", self.up), ("subject", self.sub)):
             sched = side.scheduler
-            free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+            free = vc.num_free_blocks(vc.block_pool(sched))
             if free != self.initial_free:
                 problems.append(f"{label}: {free} free blocks, expected {self.initial_free}")
             if sched.requests:
@@ -288,7 +290,7 @@ def shrink(
     still_fails: Callable[[Trace], bool],
     *,
     budget: int = 200,
-    time_budget: float = 20.0,
+    time_budget: float | None = None,
 ) -> Trace:
     """Delta-debugging over operations: drop chunks, then single ops, while the failure persists.
 
@@ -297,6 +299,8 @@ def shrink(
     """
     import time
 
+    if time_budget is None:
+        time_budget = float(os.environ.get("OMNI_CONFORMANCE_SHRINK_SECONDS", "20"))
     ops = list(trace.ops)
     runs = 0
     deadline = time.monotonic() + time_budget

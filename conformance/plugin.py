@@ -244,13 +244,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def _first_line(report: pytest.TestReport) -> str:
+    """The failure's one-line message: the first difference's headline when there is one."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    crash_msg = str(crash.message) if crash is not None else ""
+    for line in crash_msg.splitlines():
+        if "first difference" in line:
+            return line.split("SubjectBroken: ", 1)[-1].strip()
     text = str(report.longrepr) if report.longrepr is not None else ""
     for line in text.splitlines():
-        if "first difference" in line:
-            return line.strip().lstrip("E").strip()
-    crash = getattr(report.longrepr, "reprcrash", None)
-    if crash is not None:
-        return str(crash.message).splitlines()[0][:300]
+        if line.startswith("E") and "first difference" in line:
+            return line[1:].strip().split("SubjectBroken: ", 1)[-1]
+    if crash_msg:
+        return crash_msg.splitlines()[0][:300]
     lines = [ln for ln in text.splitlines() if ln.strip()]
     return lines[-1][:300] if lines else report.outcome
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from conformance import vllm_compat as vc
 from conformance.config import HarnessConfig
 from conformance.driver import AsyncDriver
 from conformance.workload import Abort, AddRequest, DeliverChunks, ResetPrefixCache, Step
@@ -59,7 +60,7 @@ class _Script:
         return self.s.up.scheduler
 
     def ids_with(self, status: str) -> list[str]:
-        return [rid for rid, r in self.up().requests.items() if r.status.name == status]
+        return [rid for rid, r in self.up().requests.items() if vc.status_name(r) == status]
 
     def step_until(self, cond: Any, limit: int = 40) -> bool:
         for _ in range(limit):
@@ -105,8 +106,8 @@ def canonical_workload(session: Any, *, final_stages: tuple[str | None, ...] = (
     if running := w.ids_with("RUNNING"):
         w.op(Abort((running[-1],)))
     # Finished but not yet reported to the worker: abort right after it stopped.
-    w.step_until(lambda: bool(w.up().finished_req_ids))
-    if fin := sorted(w.up().finished_req_ids):
+    w.step_until(lambda: bool(vc.finished_unreported(w.up())))
+    if fin := sorted(vc.finished_unreported(w.up())):
         w.op(Abort(tuple(fin[:2])))
     w.op(DeliverChunks())
     # Reset while blocks are held (upstream refuses), then forcibly (running requests preempted).

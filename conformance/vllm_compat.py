@@ -128,6 +128,15 @@ def scheduler_queues(scheduler: Any) -> dict[str, Any]:
     }
 
 
+def finished_unreported(scheduler: Any) -> set[str]:
+    """Ids finished since the last ``schedule()``: the worker has not been told yet."""
+    return set(scheduler.finished_req_ids)
+
+
+def status_name(request: Any) -> str:
+    return str(request.status.name)
+
+
 def live_request_ids(scheduler: Any) -> list[str]:
     return list(scheduler.requests)
 

@@ -144,7 +144,23 @@ class Trace:
         )
 
     def to_json(self) -> str:
-        return json.dumps(self.to_dict(), indent=1, sort_keys=False, default=_jsonable)
+        """Readable JSON: one line per operation and per prefix, so diffs of traces are small."""
+        d = self.to_dict()
+
+        def dump(v: Any) -> str:
+            return json.dumps(v, default=_jsonable)
+
+        prefixes = ",\n".join(f"  {dump(k)}: {dump(v)}" for k, v in d["prefixes"].items())
+        ops = ",\n".join(f"  {dump(o)}" for o in d["ops"])
+        return (
+            "{\n"
+            f' "format": {dump(d["format"])},\n'
+            f' "config": {dump(d["config"])},\n'
+            f' "prefixes": {{\n{prefixes}\n }},\n'
+            f' "ops": [\n{ops}\n ],\n'
+            f' "meta": {json.dumps(d["meta"], indent=1, default=_jsonable)}\n'
+            "}\n"
+        )
 
     @classmethod
     def from_json(cls, text: str) -> Trace:

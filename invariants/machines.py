@@ -379,7 +379,7 @@ def ledger_problems(session: AuditedLockstep, feature: Feature) -> list[str]:
     chunks_by_req: dict[str, list[Any]] = {}
     for chunk in session.sub.chunks:
         chunks_by_req.setdefault(chunk.request_id, []).append(chunk)
-    streams_codec = stage.get("chunk_processor", "").endswith("CodecTokenStreamer")
+    streams_codec = (stage.get("chunk_processor") or "").endswith("CodecTokenStreamer")
     include_hidden = stage.get("omni_pooler_payload_include_hidden", True)
     for rid, entry in session.ledger.items():
         facts = session.facts.get(rid, {})
@@ -644,3 +644,60 @@ def main_thread() -> bool:
 
 
 ProblemCheck = Callable[[AuditedLockstep], list[str]]
+
+
+# ---- runner-level driving (C-22, C-30, C-31, C-50..C-54) -----------------------------------
+
+
+class RunnerExec:
+    """Drives a model runner as the uni executor does; ``after_sample`` runs between
+    ``sample_tokens`` returning and the output being collected (where C-52 scribbles)."""
+
+    def __init__(self, runner: Any, after_sample: Callable[[Any], None] | None = None) -> None:
+        self.runner = runner
+        self.after_sample = after_sample
+
+    def execute(self, so: Any) -> Any:
+        out = self.runner.execute_model(so)
+        if out is None:
+            out = self.runner.sample_tokens(None)
+            if self.after_sample is not None:
+                self.after_sample(self.runner)
+        get = getattr(out, "get_output", None)
+        return get() if get is not None else out
+
+
+def drive_runners(
+    workload: list[Any],
+    cfg: HarnessConfig,
+    execs: list[Any],
+    on_step: Callable[[int, Any, Any, list[Any]], None],
+    *,
+    subject: Any = None,
+    max_steps: int = 200,
+) -> int:
+    """Upstream's scheduler schedules ``workload``; every executor runs each ``SchedulerOutput``
+    (the first one's result updates the scheduler); ``on_step(step, scheduler, so, outputs)``
+    checks them. Returns the number of steps."""
+    from vllm.v1.request import RequestStatus
+
+    from conformance.subjects import UpstreamSubject
+    from invariants.strategies import job_prompt
+
+    subject = subject or WorkerSubject()
+    sched = UpstreamSubject().build_scheduler(cfg.with_(additional_config={}))
+    for i, job in enumerate(workload):
+        prompt = job_prompt(i, job)
+        op = AddRequest(f"j{i}", tuple(prompt), max_tokens=job.max_tokens)
+        sched.add_request(UpstreamSubject().make_request(op, prompt, cfg, sched, float(i)))
+    steps = 0
+    while sched.has_requests() and steps < max_steps:
+        for i, job in enumerate(workload):
+            if job.abort_after == steps and f"j{i}" in sched.requests:
+                sched.finish_requests([f"j{i}"], RequestStatus.FINISHED_ABORTED)
+        so = sched.schedule()
+        outs = [e.execute(so) for e in execs]
+        on_step(steps, sched, so, outs)
+        sched.update_from_output(so, outs[0])
+        steps += 1
+    return steps

@@ -398,3 +398,35 @@ def malformed_inputs(draw: st.DrawFn) -> Malformed:
         kw["request_id"] = ""
         fld = "request_id"
     return Malformed(kind, fld, kw)
+
+
+# ---- request batches for runner-level properties ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Job:
+    """One request of a runner-level workload: shared prefix, own length, limit, abort step."""
+
+    prefix: int
+    length: int
+    max_tokens: int
+    abort_after: int | None
+
+
+PREFIX_TOKENS: dict[int, list[int]] = {0: [], 1: list(range(40, 72)), 2: list(range(300, 348))}
+
+jobs = st.lists(
+    st.builds(
+        Job,
+        prefix=st.integers(0, 2),
+        length=st.integers(1, 30),
+        max_tokens=st.integers(1, 12),
+        abort_after=st.none() | st.integers(0, 8),
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+def job_prompt(i: int, job: Job) -> list[int]:
+    return PREFIX_TOKENS[job.prefix] + [100 + (i * 37 + k) % 200 for k in range(job.length)]

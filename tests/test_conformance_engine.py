@@ -36,22 +36,37 @@ def _run_engine(scheduler_cls: str, async_: bool) -> tuple[list, dict]:
     from vllm.v1.request import Request
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-    cfg = HarnessConfig(async_scheduling=async_, num_blocks=12, max_model_len=128,
-                        max_num_batched_tokens=64)
-    vc = build_vllm_config(cfg, scheduler_cls=scheduler_cls, worker_cls=QUALNAME,
-                           num_gpu_blocks_override=cfg.num_blocks)
+    cfg = HarnessConfig(
+        async_scheduling=async_, num_blocks=12, max_model_len=128, max_num_batched_tokens=64
+    )
+    vc = build_vllm_config(
+        cfg,
+        scheduler_cls=scheduler_cls,
+        worker_cls=QUALNAME,
+        num_gpu_blocks_override=cfg.num_blocks,
+    )
     engine = EngineCore(vc, UniProcExecutor, log_stats=False)
-    facts = {"scheduler": type(engine.scheduler).__name__, "preemptions": 0,
-             "batch_queue": engine.batch_queue_size}
+    facts = {
+        "scheduler": type(engine.scheduler).__name__,
+        "preemptions": 0,
+        "batch_queue": engine.batch_queue_size,
+    }
     try:
         shared = list(range(50, 66))
         for i in range(6):
-            sp = SamplingParams(max_tokens=40, ignore_eos=True,
-                                stop_token_ids=[5, 6] if i % 3 == 1 else None)
-            engine.add_request(Request(
-                f"e{i}", shared + list(range(100 + 7 * i, 110 + 7 * i)), sp, None,
-                arrival_time=float(i), block_hasher=block_hasher(cfg.block_size),
-            ))
+            sp = SamplingParams(
+                max_tokens=40, ignore_eos=True, stop_token_ids=[5, 6] if i % 3 == 1 else None
+            )
+            engine.add_request(
+                Request(
+                    f"e{i}",
+                    shared + list(range(100 + 7 * i, 110 + 7 * i)),
+                    sp,
+                    None,
+                    arrival_time=float(i),
+                    block_hasher=block_hasher(cfg.block_size),
+                )
+            )
         steps: list = []
         for n in range(200):
             if not engine.scheduler.has_requests() and not engine.batch_queue:
@@ -63,10 +78,13 @@ def _run_engine(scheduler_cls: str, async_: bool) -> tuple[list, dict]:
                 facts["preemptions"],
                 sum(r.num_preemptions for r in engine.scheduler.requests.values()),
             )
-            steps.append(sorted(
-                (o.request_id, tuple(o.new_token_ids), str(o.finish_reason), o.stop_reason)
-                for eco in (out or {}).values() for o in eco.outputs
-            ))
+            steps.append(
+                sorted(
+                    (o.request_id, tuple(o.new_token_ids), str(o.finish_reason), o.stop_reason)
+                    for eco in (out or {}).values()
+                    for o in eco.outputs
+                )
+            )
         facts["left"] = len(engine.scheduler.requests)
         return steps, facts
     finally:

@@ -49,12 +49,22 @@ pytestmark = pytest.mark.clauses("C-01", "C-03")
 
 def test_trace_round_trips_through_json(tmp_path):
     trace = Trace(
-        config=HarnessConfig(num_blocks=9, async_scheduling=True,
-                             additional_config={"omni_stage": {"stage_id": "a", "stages": ["a"]}}),
+        config=HarnessConfig(
+            num_blocks=9,
+            async_scheduling=True,
+            additional_config={"omni_stage": {"stage_id": "a", "stages": ["a"]}},
+        ),
         prefixes={"p": (1, 2, 3)},
         ops=[
-            AddRequest("r0", (7, 8), prefix="p", max_tokens=3, stop_token_ids=(5,),
-                       ignore_eos=False, final_stage="a"),
+            AddRequest(
+                "r0",
+                (7, 8),
+                prefix="p",
+                max_tokens=3,
+                stop_token_ids=(5,),
+                ignore_eos=False,
+                final_stage="a",
+            ),
             Step(),
             Abort(("r0", "zz")),
             ResetPrefixCache(reset_running_requests=True),
@@ -145,8 +155,12 @@ class _Entry:
 def test_compare_tolerates_only_through_matching_applicable_entries():
     up = {"outputs": {"r": {"x": 1, "y": None}}, "queues": {"waiting": ["a", "b"]}}
     sub = {"outputs": {"r": {"x": 1, "y": 5, "z": 2}}, "queues": {"waiting": ["a", "b"]}}
-    reg = Registry([_Entry("E-Y", ("outputs.*.y",), lambda c: c["upstream"] is None),
-                    _Entry("E-Z", ("outputs.*.z",), lambda c: False)])
+    reg = Registry(
+        [
+            _Entry("E-Y", ("outputs.*.y",), lambda c: c["upstream"] is None),
+            _Entry("E-Z", ("outputs.*.z",), lambda c: False),
+        ]
+    )
     res = compare(up, sub, reg, {"step": 3, "op": "step"})
     assert res.tolerated == {"E-Y": 1}
     assert res.failure is not None and res.failure.path == "outputs.r.z"
@@ -180,7 +194,9 @@ def test_subject_registry():
     assert isinstance(load_subject("omni"), OmniSubject)
     assert isinstance(load_subject("upstream"), UpstreamSubject)
     # (pytest imports this file under another module name, so compare by class name.)
-    assert type(load_subject("tests.test_conformance_harness:mini_subject")).__name__ == "MiniRuntime"
+    assert (
+        type(load_subject("tests.test_conformance_harness:mini_subject")).__name__ == "MiniRuntime"
+    )
     assert load_subject("tests.test_conformance_harness:MiniRuntime").name == "mini"
     with pytest.raises(LookupError, match="unknown subject"):
         load_subject("nope")
@@ -213,8 +229,7 @@ def test_omni_real_worker_in_lock_step():
     cfg = TIGHT.with_(max_num_seqs=4)
     session = Lockstep(cfg, OmniSubject(), prefixes=PREFIXES, use_worker=True)
     for i in range(3):
-        session.apply(AddRequest(f"w{i}", tuple(range(20 + i, 40 + i)), prefix="sys",
-                                 max_tokens=6))
+        session.apply(AddRequest(f"w{i}", tuple(range(20 + i, 40 + i)), prefix="sys", max_tokens=6))
     session.drain(60)
     assert session.failure is None, session.failure.headline()
 
@@ -228,8 +243,13 @@ def test_shrink_keeps_the_failure_and_drops_the_rest():
     session = run_canonical(TIGHT, M.extra_output)
     assert session.failure is not None
     path = session.failure.path
-    small = shrink(session.trace, lambda t: (f := run_trace(t, M.extra_output).failure)
-                   is not None and f.path.split(".")[0] == path.split(".")[0])
+    small = shrink(
+        session.trace,
+        lambda t: (
+            (f := run_trace(t, M.extra_output).failure) is not None
+            and f.path.split(".")[0] == path.split(".")[0]
+        ),
+    )
     assert len(small.ops) < len(session.trace.ops)
     assert run_trace(small, M.extra_output).failure is not None
 
@@ -238,15 +258,38 @@ def test_shrink_keeps_the_failure_and_drops_the_rest():
 
 
 def _report(outcome="passed"):
-    b = ReportBuilder(subject="omni", profile="ci", seed=0,
-                      environment=vllm_compat.environment_versions())
-    b.add(TestRecord("t::a", "passed", ["C-01", "C-05"], examples=3, steps_compared=40,
-                     tolerated={"OMNI-OUT-001": 2}, exercised={"preemptions": 2}))
-    b.add(TestRecord("t::b", outcome, ["C-04"], examples=1, steps_compared=5,
-                     message="first difference at step 2 ...",
-                     first_difference={"step": 2, "op": "abort", "path": "audit.leaked_omni_ids",
-                                       "upstream": [], "subject": ["r1"]},
-                     trace="conformance-failures/x.json"))
+    b = ReportBuilder(
+        subject="omni", profile="ci", seed=0, environment=vllm_compat.environment_versions()
+    )
+    b.add(
+        TestRecord(
+            "t::a",
+            "passed",
+            ["C-01", "C-05"],
+            examples=3,
+            steps_compared=40,
+            tolerated={"OMNI-OUT-001": 2},
+            exercised={"preemptions": 2},
+        )
+    )
+    b.add(
+        TestRecord(
+            "t::b",
+            outcome,
+            ["C-04"],
+            examples=1,
+            steps_compared=5,
+            message="first difference at step 2 ...",
+            first_difference={
+                "step": 2,
+                "op": "abort",
+                "path": "audit.leaked_omni_ids",
+                "upstream": [],
+                "subject": ["r1"],
+            },
+            trace="conformance-failures/x.json",
+        )
+    )
     return b.build()
 
 
@@ -283,7 +326,9 @@ def test_report_validates_and_renders(tmp_path):
 def test_wrong_environment_is_one_clear_line(monkeypatch, capsys, problem):
     def fake():
         if problem == "missing":
-            raise vllm_compat.EnvironmentProblem("vLLM is not installed: pip install 'vllm==0.33.0'")
+            raise vllm_compat.EnvironmentProblem(
+                "vLLM is not installed: pip install 'vllm==0.33.0'"
+            )
         return problem
 
     monkeypatch.setattr(vllm_compat, "vllm_version", fake)

@@ -75,8 +75,8 @@ def test_blocks_freed_in_forward_order(mode):
     live_after = set(seen[diff.step][1]["requests"])
     freed = live_before - live_after
     preempted = any(
-        f["num_preemptions"] > seen[diff.step - 1][1]["requests"].get(r, {}).get(
-            "num_preemptions", 0)
+        f["num_preemptions"]
+        > seen[diff.step - 1][1]["requests"].get(r, {}).get("num_preemptions", 0)
         for r, f in seen[diff.step][1]["requests"].items()
     )
     assert freed or preempted, "caught on an op that freed no request's blocks"

@@ -50,9 +50,9 @@ def _assert_exercised(session, mode):
     assert st["max_tokens"] >= 1, st
     for form in ("plain", "running", "connector"):
         assert st[f"reset_{form}"] >= 1, st
-    assert 1 <= st["reset_succeeded"] < st["reset_plain"] + st["reset_running"] + st[
-        "reset_connector"
-    ], st  # at least one refused reset (blocks held) and one that went through
+    assert (
+        1 <= st["reset_succeeded"] < st["reset_plain"] + st["reset_running"] + st["reset_connector"]
+    ), st  # at least one refused reset (blocks held) and one that went through
     assert session.steps_compared >= 25
 
 

@@ -332,3 +332,21 @@ def test_codec_streamer_groups_and_flushes():
     assert s("r", None, False, new_token_ids=[4, 300, 5]).tolist() == [1, 2, 3, 4]
     assert s("r", None, True, new_token_ids=[6]).tolist() == [5, 6]
     assert s.pending_request_ids() == set()
+
+
+def test_processor_fault_on_the_terminal_step_still_ends_once():  # C-43, C-61
+    def fails_at_eof(request_id, payload, is_final, new_token_ids=None):
+        if is_final:
+            raise RuntimeError("flush exploded")
+        return new_token_ids
+
+    fails_at_eof.requires_token_updates = True
+    sched = make(processor=fails_at_eof)
+    add(sched, "a", list(range(10, 30)), max_tokens=3)
+    results = run_to_completion(sched)
+    finals = [o for _, res in results for eco in res.values() for o in eco.outputs
+              if o.finish_reason is not None]
+    assert [(o.request_id, str(o.finish_reason)) for o in finals] == [("a", "error")]
+    eofs = [c for c in sched.transfer.sink.drain() if c.is_final]
+    assert [(c.request_id, c.finish_reason, c.data) for c in eofs] == [("a", "error", None)]
+    assert sched.omni_request_ids() == set() and not sched.has_requests()

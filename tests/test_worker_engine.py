@@ -12,7 +12,8 @@ What these tests prove:
   merges deliver the cached prompt rows, equal (to fp tolerance) to a run without the cache.
 * C-30 / C-31 — token-only and include-hidden runs give identical tokens; token-only chunks
   carry no hidden rows but still carry each request's prefill conditioning, equal to the
-  include-hidden run's.
+  include-hidden run's; the conditioning arrives exactly once even when vLLM drops the step
+  that carried it (``reset_prefix_cache(reset_running_requests=True)`` with that step in flight).
 * C-54 — connector output is collected on the engine's thread once per executed step, payloads
   are built on the builder thread, and a builder error surfaces from ``EngineCore.step``.
 * Sampling — seeded random sampling gives a request the same tokens alone or in a batch.
@@ -412,6 +413,31 @@ def test_token_only_same_tokens_no_hidden_conditioning_crosses(thinker_dir) -> N
     # Each request still gets exactly one terminal delivery.
     finals = sorted(c.request_id for c in token_only.chunks if c.is_final)
     assert finals == sorted(f"o{i}" for i in range(len(PROMPTS)))
+
+
+@pytest.mark.parametrize("include_hidden", [False, True], ids=["token_only", "hidden"])
+def test_conditioning_survives_forced_preemption_in_flight(thinker_dir, include_hidden) -> None:
+    """reset_prefix_cache(reset_running_requests=True) while the prefill-completing step is in
+    flight: vLLM drops that step's output (token and payload) and recomputes; the conditioning
+    must still arrive exactly once, and greedy tokens stay those of the undisturbed run."""
+    stage = _stage(omni_pooler_payload_include_hidden=include_hidden)
+    ec = make_engine(thinker_dir, async_=True, budget=256, stage=stage)
+    try:
+        wave = [r for w in _omni_waves(ec, stage, PROMPTS[:1]) for r in w]
+        run = Run(ec)
+        for r in wave:
+            ec.add_request(r)
+        run.step()  # schedules and executes the whole prefill; its output is still in flight
+        assert ec.reset_prefix_cache(reset_running_requests=True) in (True, False)
+        while run.busy():
+            run.step()
+    finally:
+        ec.shutdown()
+    conds = sorted(
+        c.request_id for c in run.chunks if c.payload and c.payload.conditioning is not None
+    )
+    assert conds == ["o0"]
+    assert run.tokens["o0"] == _omni_run(thinker_dir, stage, prompts=PROMPTS[:1]).tokens["o0"]
 
 
 # ---- C-54: connector thread and builder errors ----------------------------------------------

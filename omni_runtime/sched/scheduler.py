@@ -21,10 +21,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import msgspec
+
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
@@ -50,6 +52,8 @@ class OmniARScheduler(Scheduler):
         # delivery is decided after upstream has finished its pass.
         self._freed_in_update: dict[str, tuple[OmniRequestState, str]] = {}
         self._in_update = False
+        # Requests being failed because their processor raised: their EOF skips the processor.
+        self._failing: set[str] = set()
 
     # ---- request lifecycle -------------------------------------------------------------
 
@@ -62,7 +66,12 @@ class OmniARScheduler(Scheduler):
                 if self._in_update:
                     self._freed_in_update[request.request_id] = (state, reason)
                 else:
-                    self.transfer.on_terminated(request.request_id, state, reason)
+                    self.transfer.on_terminated(
+                        request.request_id,
+                        state,
+                        reason,
+                        call_processor=request.request_id not in self._failing,
+                    )
         return result
 
     def finish_requests(
@@ -139,7 +148,7 @@ class OmniARScheduler(Scheduler):
         if sent:
             outputs = self._attach_chunk_refs(outputs, by_id, sent)
         if failures:
-            self._fail_requests_of(failures, outputs)
+            self._fail_requests_of(failures, outputs, captured)
         return outputs
 
     def _attach_chunk_refs(
@@ -169,24 +178,50 @@ class OmniARScheduler(Scheduler):
         self,
         failures: dict[str, BaseException],
         outputs: dict[int, EngineCoreOutputs] | None = None,
-    ) -> None:
-        """Finish, with an error reason, the requests whose processor or connector raised."""
-        if failures:
-            live = [rid for rid in failures if rid in self.requests]
+        captured: dict[str, OmniRequestState] | None = None,
+    ) -> dict[int, EngineCoreOutputs] | None:
+        """Finish, with an error reason, the requests whose processor or connector raised (C-61).
+
+        A live request is finished as upstream finishes any errored request; one that already
+        ended on this very step (its terminal delivery is what failed) gets its output's finish
+        reason turned into an error and a bare EOF, so downstream still sees exactly one end.
+        """
+        assert self.transfer is not None
+        if not failures:
+            return outputs
+        live = [rid for rid in failures if rid in self.requests]
+        self._failing.update(live)
+        try:
             errored = super().finish_requests(live, RequestStatus.FINISHED_ERROR)
-            if outputs is not None:
-                for request in errored:
-                    outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(
-                        EngineCoreOutput(
-                            request_id=request.request_id,
-                            new_token_ids=[],
-                            finish_reason=request.get_finished_reason(),
-                            trace_headers=request.trace_headers,
-                        )
-                    )
-            assert self.transfer is not None
-            # The error EOF itself may fail on a broken connector; it is not retried.
+        finally:
+            self._failing.clear()
+        if outputs is None:
             self.transfer.take_failures()
+            return None
+        for request in errored:
+            outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(
+                EngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=request.get_finished_reason(),
+                    trace_headers=request.trace_headers,
+                )
+            )
+        ended = {rid for rid in failures if rid not in self.requests and rid not in live}
+        if ended:
+            for eco in outputs.values():
+                for i, out in enumerate(eco.outputs):
+                    if out.request_id in ended and out.finish_reason is not None:
+                        eco.outputs[i] = msgspec.structs.replace(
+                            out, finish_reason=FinishReason.ERROR
+                        )
+            for rid in ended:
+                state = (captured or {}).get(rid)
+                if state is not None:
+                    self.transfer.on_terminated(rid, state, "error", call_processor=False)
+        # The error EOF itself may fail on a broken connector; it is not retried.
+        self.transfer.take_failures()
+        return outputs
 
     # ---- introspection for audits ------------------------------------------------------
 

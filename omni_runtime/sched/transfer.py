@@ -140,12 +140,23 @@ class ChunkTransferAdapter:
             return None
         return self._deliver(request_id, prog, new_token_ids, payload, finish_reason)
 
-    def on_terminated(self, request_id: str, state: OmniRequestState, finish_reason: str) -> StageChunk | None:
-        """A request left the scheduler outside a model step (abort, error): its EOF delivery."""
+    def on_terminated(
+        self,
+        request_id: str,
+        state: OmniRequestState,
+        finish_reason: str,
+        *,
+        call_processor: bool = True,
+    ) -> StageChunk | None:
+        """A request left the scheduler outside a model step (abort, error): its EOF delivery.
+
+        ``call_processor=False`` sends a bare EOF: used when the processor itself is what failed,
+        so calling it again would only fail again.
+        """
         if not state.has_downstream:
             return None
         prog = self.progress.get(request_id) or TransferProgress()
-        return self._deliver(request_id, prog, [], None, finish_reason)
+        return self._deliver(request_id, prog, [], None, finish_reason, call_processor)
 
     def _deliver(
         self,
@@ -154,10 +165,11 @@ class ChunkTransferAdapter:
         new_token_ids: list[int],
         payload: StagePayload | None,
         finish_reason: str | None,
+        call_processor: bool = True,
     ) -> StageChunk | None:
         is_final = finish_reason is not None
         data: Any = payload
-        processor = self.processor
+        processor = self.processor if call_processor else None
         if processor is not None:
             try:
                 if self._pass_ids:

@@ -77,6 +77,10 @@ class RequestState:
     num_computed_tokens: int
     sampling: SamplingState
     conditioning_sent: bool = False
+    # Output index of the token sampled in the step that carried the conditioning. If the
+    # scheduler later reports fewer outputs, it dropped that step's output (stale output of a
+    # forced preemption) and with it the payload: the conditioning must be sent again.
+    conditioning_output_index: int = -1
     # First schedule after (re)start with a prefix-cache hit: deliver the cached rows (C-55).
     merge_pending: bool = False
     block_table: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
@@ -250,6 +254,11 @@ class OmniARModelRunner:
             embeds = new.prompt_embeds
             if embeds is not None:
                 embeds = embeds.to(device=self.device, dtype=self.dtype)
+            # V2-flavour resumption re-sends a known request as new (with its prefill ids):
+            # it keeps its sampling and conditioning state. Otherwise the request is new (or a
+            # streaming update) and starts afresh.
+            if prefill_ids is None:
+                old = None
             sampling = (
                 old.sampling
                 if old is not None
@@ -268,8 +277,10 @@ class OmniARModelRunner:
                 num_computed_tokens=new.num_computed_tokens,
                 sampling=sampling,
                 conditioning_sent=old.conditioning_sent if old is not None else False,
+                conditioning_output_index=old.conditioning_output_index if old is not None else -1,
                 merge_pending=self.full_prefix and new.num_computed_tokens > 0,
             )
+            self._recheck_conditioning(st)
             self.requests[new.req_id] = st
 
         for upd in compat.cached_request_updates(so):
@@ -280,11 +291,17 @@ class OmniARModelRunner:
             elif 0 <= upd.num_output_tokens < len(st.token_ids) - st.prompt_len:
                 # The scheduler dropped tokens this runner sampled (stale async output).
                 del st.token_ids[st.prompt_len + upd.num_output_tokens :]
+            self._recheck_conditioning(st)
             if upd.resumed:
                 st.replace_blocks(upd.new_block_ids[0] if upd.new_block_ids else [])
                 st.merge_pending = self.full_prefix and upd.num_computed_tokens > 0
             elif upd.new_block_ids is not None and upd.new_block_ids[0]:
                 st.block_ids.extend(upd.new_block_ids[0])
+
+    @staticmethod
+    def _recheck_conditioning(st: RequestState) -> None:
+        if st.conditioning_sent and len(st.output_ids) <= st.conditioning_output_index:
+            st.conditioning_sent = False
 
     # ---- the step -------------------------------------------------------------------------
 
@@ -354,6 +371,7 @@ class OmniARModelRunner:
             if self.payloads_enabled and not st.conditioning_sent and c < st.prompt_len <= end:
                 cond = off + st.prompt_len - 1 - c
                 st.conditioning_sent = True
+                st.conditioning_output_index = len(st.token_ids) - st.prompt_len
             cond_rows.append(cond)
             if st.merge_pending:
                 st.merge_pending = False

@@ -118,7 +118,9 @@ ForwardFree, ForwardFreeAsync = _pair(_ForwardFree, "ForwardFree")
 ShortPrefixHit, ShortPrefixHitAsync = _pair(_ShortPrefixHit, "ShortPrefixHit")
 LeakyTransfer, LeakyTransferAsync = _pair(_LeakyTransfer, "LeakyTransfer")
 ExtraOutput, ExtraOutputAsync = _pair(_ExtraOutput, "ExtraOutput")
-OmniFieldsEverywhere, OmniFieldsEverywhereAsync = _pair(_OmniFieldsEverywhere, "OmniFieldsEverywhere")
+OmniFieldsEverywhere, OmniFieldsEverywhereAsync = _pair(
+    _OmniFieldsEverywhere, "OmniFieldsEverywhere"
+)
 
 
 class MutantSubject(OmniSubject):

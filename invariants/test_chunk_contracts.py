@@ -1,0 +1,167 @@
+"""Chunk processors and token updates (C-40..C-45), with generated processors.
+
+A lock-step program (upstream vs the omni scheduler, ``invariants.machines``) runs a downstream
+stage whose executor attaches synthetic hidden rows to some steps of some requests
+(``PayloadTokenSource``: every step, none, prefill only or every other step, per request, so one
+batch mixes payload and payload-less requests) while requests whose final stage is this stage
+(no downstream) and requests with a downstream consumer are mixed in every batch. The chunk
+processor is generated first (``@initialize``): ``requires_token_updates`` absent, ``True`` or a
+truthy value that is not ``True`` (1, "yes", [1], 1.0) or False; a signature with or without
+``new_token_ids``; returning the payload, the ids, ``None`` at EOF or ``None`` always; mutating
+the id list it was handed or not. Every call is logged.
+
+What can fail, and why:
+
+* C-40 — a ``True`` declaration with an ids-taking signature: the ids over all calls must equal
+  the request's accepted tokens (every nonempty list, also on steps without a payload).
+* C-41 — without that exact declaration, a non-final call must carry a tensor payload.
+* C-42 — a request final at this stage causes no processor call and no chunk.
+* C-43 — every request with a downstream gets exactly one final call, as its last call, and one
+  EOF chunk, even when the processor returns ``None`` for it.
+* C-44 — the ids a processor received must not change after the call (except by the processor
+  itself); a processor mutating its list must not change what the scheduler emits (the lock-step
+  comparison with upstream sees that); the ids are the accepted ids after stop trimming (C-40's
+  equality).
+* C-45 — no position's row is delivered twice, even after preemption and recompute (tight block
+  budget; rows encode their position), and each row belongs to its request (C-51).
+
+Positive controls: mutants ``truthy_token_updates``, ``no_eof_when_processor_returns_none``,
+``double_eof_on_abort``, ``final_stage_request_sends``, ``ids_not_copied``,
+``redelivery_after_preemption``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import settings
+from hypothesis.stateful import initialize
+
+from invariants.machines import (
+    InvariantMachine,
+    WorkerSubject,
+    harness_config,
+    machine_class,
+    run_machine,
+)
+from invariants.strategies import (
+    FEATURES,
+    Feature,
+    PayloadTokenSource,
+    ProcessorSpec,
+    processor_specs,
+    stable_hash,
+)
+
+pytestmark = [pytest.mark.invariants]
+
+CHUNK_FEATURE = Feature(
+    "chunk-contracts",
+    {
+        "omni_stage": {
+            **FEATURES["token-updates"].stage,
+            "chunk_processor": None,
+        }
+    },
+    final_stages=(None, "talker", "code2wav"),
+)
+
+
+class ChunkMachine(InvariantMachine):
+    """The audited lock-step machine with a generated processor and payload-carrying steps."""
+
+    spec: ProcessorSpec | None = None
+
+    def __init__(self) -> None:
+        super().__init__()
+        for side in (self.session.up, self.session.sub):
+            checker = side.executor  # the session's CheckingExecutor
+            checker.inner = PayloadTokenSource()
+        self.processor = None
+
+    @initialize(spec=processor_specs)
+    def choose_processor(self, spec: ProcessorSpec) -> None:
+        self.spec = spec
+        self.processor = spec.build()
+        self.session.sub.scheduler.transfer.set_processor(self.processor)
+        self.session.trace.meta["processor"] = spec.describe()
+
+    def teardown(self) -> None:
+        try:
+            super().teardown()
+        finally:
+            type(self).last_ops = max(type(self).last_ops, 0)
+        if self.session.failure is None and not self.session.problems and self.processor:
+            problems = processor_problems(self.session, self.processor, self.spec)
+            if problems:
+                raise AssertionError(f"{self.spec.describe()}: {problems[0]}"
+                                     + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+
+
+def processor_problems(session, proc, spec: ProcessorSpec) -> list[str]:
+    problems: list[str] = []
+    chunks_by_req: dict[str, list] = {}
+    for c in session.sub.chunks:
+        chunks_by_req.setdefault(c.request_id, []).append(c)
+    for rid, entry in session.ledger.items():
+        calls = proc.calls_for(rid)
+        if not session.facts.get(rid, {}).get("has_downstream"):
+            if calls:
+                problems.append(f"C-42: {rid} is final here but the processor was called {len(calls)}x")
+            continue
+        finals = [c for c in calls if c.is_final]
+        if len(finals) != 1 or not calls or not calls[-1].is_final:
+            problems.append(f"C-43: {rid}: {len(finals)} final processor calls of {len(calls)}")
+        if spec.declaration is True and spec.takes_ids:
+            got = [t for c in calls for t in (c.ids or ())]
+            if got != entry.emitted:
+                problems.append(
+                    f"C-40/C-44: {rid}: processor saw ids {got} but the request accepted "
+                    f"{entry.emitted}"
+                )
+        if spec.declaration is not True:
+            for c in calls:
+                if not c.is_final and (c.payload is None or not c.payload.has_tensors):
+                    problems.append(
+                        f"C-41: {rid}: processor with requires_token_updates="
+                        f"{spec.declaration!r} called on a step without a tensor payload"
+                    )
+                    break
+        for c in calls:
+            if c.ids_ref is not None:
+                expected = list(c.ids) + ([-1] if spec.mutate_ids else [])
+                if list(c.ids_ref) != expected:
+                    problems.append(
+                        f"C-44: {rid}: ids handed to the processor changed after the call: "
+                        f"{c.ids} -> {list(c.ids_ref)}"
+                    )
+                    break
+        seen: list[int] = []
+        owner = float(stable_hash(rid) % 100003)
+        for c in sorted(chunks_by_req.get(rid, []), key=lambda c: c.seq):
+            p = c.payload
+            if p is None or p.hidden is None:
+                continue
+            if p.hidden.shape[0] and not torch.all(p.hidden[:, 0] == owner):
+                problems.append(f"C-51: {rid}: chunk {c.seq} carries another request's rows")
+            seen.extend(int(x) for x in p.hidden[:, 1].tolist())
+        if len(seen) != len(set(seen)) or seen != sorted(seen):
+            dup = sorted({x for x in seen if seen.count(x) > 1})
+            problems.append(f"C-45: {rid}: positions delivered twice or out of order {dup or seen}")
+    return problems
+
+
+def chunk_machine(recorder, mode: str, *, subject=None, name: str = "chunk") -> type[ChunkMachine]:
+    cfg = harness_config(CHUNK_FEATURE, mode=mode, prefix=True)
+    base = machine_class(recorder, cfg, CHUNK_FEATURE, subject=subject or WorkerSubject(), name=name)
+    return type(f"Chunk_{mode}", (ChunkMachine, base), {})
+
+
+@pytest.mark.clauses("C-40", "C-41", "C-42", "C-43", "C-44", "C-45")
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_chunk_contracts(conformance, mode):
+    machine = chunk_machine(conformance, mode, name=f"chunk-{mode}")
+    s = settings.default
+    outcome = run_machine(machine, settings(s, max_examples=s.max_examples * 3, database=None))
+    if outcome.error is not None:
+        raise outcome.error

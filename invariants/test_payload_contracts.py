@@ -1,0 +1,132 @@
+"""Token-only payloads and payload construction (C-30, C-31, C-50, C-51, C-55).
+
+Runner-level properties: upstream's scheduler schedules a generated batch (shared prefixes, a
+tight block pool so preemption happens, aborts at generated steps) and the same
+``SchedulerOutput`` stream is executed by an include-hidden runner and a token-only runner of the
+same weights (``invariants.machines.drive_runners``).
+
+What can fail, and why:
+
+* C-30 — token-only payloads carry hidden rows, or the token streams differ from the
+  include-hidden run (logits and sampling must not depend on the payload mode).
+* C-31 — the prefill conditioning of a request is missing in token-only mode, or differs from
+  the include-hidden run's.
+* C-50 — a token-only step on which no request completes its prompt (so there is neither a hidden
+  nor a multimodal payload to deliver) still builds payload objects (``omni_payloads`` not None).
+* C-51 — a payload slot does not belong to its request, or its rows are not exactly the
+  request's scheduled positions ``[num_computed, num_computed + num_scheduled)`` (or, with a
+  prefix-cache merge, ``[0, num_computed + num_scheduled)``, C-55).
+
+The lock-step machines check the same clauses end to end (chunk ledger, rows against a
+full-recompute reference, C-55 coverage from position 0) in ``test_ar_inv_001_parity.py``.
+Positive controls: mutants ``token_only_builds_hidden``, ``conditioning_dropped_token_only``,
+``payload_slot_shifted``, ``payloads_on_empty_steps``, ``prefix_merge_missing_rows``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+
+from invariants.machines import (
+    CheckingExecutor,
+    RunnerExec,
+    WorkerSubject,
+    drive_runners,
+    harness_config,
+)
+from invariants.strategies import STAGES, Feature, Job, jobs
+
+pytestmark = [pytest.mark.invariants]
+
+
+def thinker_feature(*, include_hidden: bool, full_prefix: bool, materialization: str = "inline"):
+    stage = {
+        "stage_id": "thinker",
+        "stages": list(STAGES),
+        "downstream": ["talker"],
+        "omni_pooler_payload_include_hidden": include_hidden,
+        "downstream_needs_full_prefix": full_prefix,
+        "materialization": materialization,
+    }
+    return Feature(f"thinker-{include_hidden}-{full_prefix}", {"omni_stage": stage}, use_worker=True)
+
+
+def check_token_only(workload: list[Job], *, subject=None, prefix: bool = True) -> int:
+    subject = subject or WorkerSubject()
+    cfg_h = harness_config(thinker_feature(include_hidden=True, full_prefix=True), mode="sync",
+                           prefix=prefix)
+    cfg_t = harness_config(thinker_feature(include_hidden=False, full_prefix=False), mode="sync",
+                           prefix=prefix)
+    execs = [CheckingExecutor(RunnerExec(subject.make_worker(c))) for c in (cfg_h, cfg_t)]
+
+    def on_step(step, sched, so, outs) -> None:
+        for e in execs:
+            assert not e.problems, e.problems[0]
+        hid, tok = outs
+        assert tok.sampled_token_ids == hid.sampled_token_ids, (
+            f"C-30: step {step}: token-only sampled {tok.sampled_token_ids}, "
+            f"include-hidden {hid.sampled_token_ids}"
+        )
+        computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        for i, rid in enumerate(cached.req_ids):
+            computed[rid] = cached.num_computed_tokens[i]
+        crossing = set()
+        for rid, n in so.num_scheduled_tokens.items():
+            plen = sched.requests[rid].num_prompt_tokens
+            if computed[rid] < plen <= computed[rid] + n:
+                crossing.add(rid)
+        tp = tok.omni_payloads
+        if not crossing:
+            assert tp is None, (
+                f"C-50: step {step}: token-only step with nothing to deliver built "
+                f"{sum(p is not None for p in tp)} payload objects ({len(tp)} slots)"
+            )
+        hp = hid.omni_payloads or [None] * len(hid.req_ids)
+        tp = tp or [None] * len(tok.req_ids)
+        for rid, h, t in zip(hid.req_ids, hp, tp, strict=True):
+            n = so.num_scheduled_tokens[rid]
+            assert h is not None, f"C-51: step {step}: include-hidden slot of {rid} is empty"
+            end = computed[rid] + n
+            assert h.start + h.hidden.shape[0] == end and h.start in (0, computed[rid]), (
+                f"C-51/C-55: step {step}: {rid}'s rows cover [{h.start}, "
+                f"{h.start + h.hidden.shape[0]}), scheduled [{computed[rid]}, {end})"
+            )
+            if t is not None:
+                assert t.hidden is None or t.hidden.shape[0] == 0, (
+                    f"C-30: step {step}: token-only payload of {rid} carries hidden rows"
+                )
+                assert (t.start, t.num_tokens) == (computed[rid], n), (
+                    f"C-51: step {step}: token-only payload of {rid} covers "
+                    f"[{t.start}, +{t.num_tokens}), scheduled [{computed[rid]}, +{n})"
+                )
+            hc = h.conditioning
+            tc = None if t is None else t.conditioning
+            if hc is not None or rid in crossing:
+                assert tc is not None or hc is None, (
+                    f"C-31: step {step}: {rid}'s prefill conditioning is missing in token-only mode"
+                )
+                if hc is not None:
+                    assert torch.equal(hc, tc), f"C-31: step {step}: {rid}'s conditioning differs"
+
+    try:
+        return drive_runners(workload, cfg_h, execs, on_step, subject=subject)
+    finally:
+        for e in execs:
+            e.inner.runner.shutdown()
+
+
+@pytest.mark.clauses("C-30", "C-31", "C-50", "C-51", "C-55")
+@pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "noprefix"])
+def test_token_only_payloads(prefix):
+    total = [0]
+
+    @settings(settings.default, max_examples=settings.default.max_examples * 2, database=None)
+    @given(jobs)
+    def prop(workload: list[Job]) -> None:
+        total[0] += check_token_only(workload, prefix=prefix)
+
+    prop()
+    assert total[0] > 0
