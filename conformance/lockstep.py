@@ -115,6 +115,8 @@ class Lockstep:
             req = self.sub.scheduler.requests.get(op.request_id)
             if req is not None:
                 self.facts[op.request_id] = self.subject.request_facts(req)
+        for rid, more in self.subject.scheduler_facts(self.sub.scheduler).items():
+            self.facts.setdefault(rid, {}).update(more)
         ctx = {
             "config": self._cfg_dict,
             "subject_state": self.facts,

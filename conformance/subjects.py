@@ -67,6 +67,8 @@ class Subject(Protocol):
 
     def request_facts(self, request: Any) -> dict[str, Any]: ...
 
+    def scheduler_facts(self, scheduler: Any) -> dict[str, dict[str, Any]]: ...
+
     def live_omni_ids(self, scheduler: Any) -> set[str]: ...
 
     def drain_chunks(self, scheduler: Any) -> list[Any]: ...
@@ -128,6 +130,10 @@ class BaseSubject:
         )
 
     def request_facts(self, request: Any) -> dict[str, Any]:
+        return {}
+
+    def scheduler_facts(self, scheduler: Any) -> dict[str, dict[str, Any]]:
+        """Per-request facts that arise later than ``add`` (merged after every operation)."""
         return {}
 
     def live_omni_ids(self, scheduler: Any) -> set[str]:
@@ -219,6 +225,11 @@ class OmniSubject(BaseSubject):
             "final_stage_id": state.final_stage_id,
             "stage_id": state.stage_id,
         }
+
+    def scheduler_facts(self, scheduler: Any) -> dict[str, dict[str, Any]]:
+        # OMNI-ERR-001's condition: requests whose chunk processor or connector raised.
+        fn = getattr(scheduler, "omni_failed_request_ids", None)
+        return {rid: {"transfer_failed": True} for rid in fn()} if fn is not None else {}
 
     def live_omni_ids(self, scheduler: Any) -> set[str]:
         fn = getattr(scheduler, "omni_request_ids", None)

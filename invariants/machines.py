@@ -47,14 +47,43 @@ from conformance.subjects import OmniSubject
 from conformance.workload import Abort, AddRequest, DeliverChunks, Step
 from invariants.strategies import CODEC_VOCAB, Feature
 
+# Two xdist workers on two cores: torch's default of one thread per core makes each worker's tiny
+# ops wait for the other's (measured: a 2 s property took 100 s). ``tests/conftest.py`` pins this
+# too, but ``pytest invariants`` alone does not load it.
+torch.set_num_threads(1)
+
 _PKG = Path(__file__).resolve().parent.parent / "omni_runtime"
 # Frames from these folders must never be on the stack of a send (C-21).
 WORKER_CODE = (str(_PKG / "worker") + "/", str(_PKG / "models") + "/")
 
-# Attributes the omni schedulers add to vLLM's (C-12). The runtime declares request attributes
-# (``DECLARED_REQUEST_ATTRIBUTES``) but not scheduler ones; this is the audited list until it
-# does (see the report's API requests).
-DECLARED_SCHEDULER_ATTRIBUTES = frozenset({"omni_stage", "transfer", "_freed_in_update", "_in_update"})
+# Attributes the omni schedulers add to vLLM's (C-12): the runtime's own declaration when it
+# exports one (``omni_runtime.sched.DECLARED_SCHEDULER_ATTRIBUTES``), else exactly what the omni
+# scheduler classes assign in their own source (read with ``ast``), so anything that attaches
+# state to a scheduler from elsewhere at run time is caught.
+def declared_scheduler_attributes() -> frozenset[str]:
+    import ast
+
+    import omni_runtime.sched as sched_pkg
+
+    declared = getattr(sched_pkg, "DECLARED_SCHEDULER_ATTRIBUTES", None)
+    if declared is not None:
+        return frozenset(declared)
+    if "sched" not in _DECLARED:
+        names: set[str] = set()
+        tree = ast.parse((_PKG / "sched" / "scheduler.py").read_text())
+        for node in ast.walk(tree):
+            targets = (
+                node.targets if isinstance(node, ast.Assign)
+                else [node.target] if isinstance(node, ast.AnnAssign) else []
+            )
+            for t in targets:
+                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                    names.add(t.attr)
+        _DECLARED["sched"] = frozenset(names)
+    return _DECLARED["sched"]
+
+
+_DECLARED: dict[str, frozenset[str]] = {}
 # The scheduler's send path: its outbox legitimately holds chunks (with tensors) until delivery.
 SEND_PATH_ATTRIBUTES = frozenset({"transfer"})
 # Upstream fields whose upstream meaning is a tensor (prompt embeds enter through vLLM's field).
@@ -328,11 +357,9 @@ def audit_scheduler(up_sched: Any, sub_sched: Any) -> list[str]:
     problems: list[str] = []
     up_attrs = set(vars(up_sched))
     added = set(vars(sub_sched)) - up_attrs
-    if not added <= DECLARED_SCHEDULER_ATTRIBUTES:
-        problems.append(
-            f"C-12: scheduler attributes {sorted(added - DECLARED_SCHEDULER_ATTRIBUTES)} "
-            "are not declared"
-        )
+    declared = declared_scheduler_attributes()
+    if not added <= declared:
+        problems.append(f"C-12: scheduler attributes {sorted(added - declared)} are not declared")
     for name, value in vars(sub_sched).items():
         if name in SEND_PATH_ATTRIBUTES or name == "requests":
             continue
@@ -544,7 +571,7 @@ class InvariantMachine(LockstepMachine):
     subject: Any = None
     feature: Feature = Feature("off")
     check_hf: bool = False
-    # Set on every run so the mutant self-test can read the failing program's length.
+    # Set on every run so the mutant self-test can read the failing program's length (rules).
     last_ops: int = 0
 
     def __init__(self) -> None:
@@ -555,10 +582,14 @@ class InvariantMachine(LockstepMachine):
         )
         self.counter = 0
         self.ended: list[str] = []
+        # Rules run so far: hypothesis checks invariants once before the first rule and after
+        # every rule, so this counts the program's operations as hypothesis prints them.
+        self.rules_run = -1
         type(self).last_ops = 0
 
     def _fail_on_problems(self) -> None:
-        type(self).last_ops = len(self.session.trace.ops)
+        self.rules_run += 1
+        type(self).last_ops = max(self.rules_run, 0)
         if self.session.problems:
             raise AssertionError(_describe(self.session, self.session.problems))
 
@@ -569,19 +600,15 @@ class InvariantMachine(LockstepMachine):
 
     def teardown(self) -> None:
         try:
-            type(self).last_ops = len(self.session.trace.ops)
-            ops_before_drain = type(self).last_ops
             if self.session.failure is None and not self.session.problems:
                 self.session.drain()
                 if self.session.failure is not None:
-                    type(self).last_ops = ops_before_drain
                     self.recorder.fail(self.session, self.name, do_shrink=False)
                 problems = list(self.session.problems)
                 problems += self.session.conservation_problems()
                 problems += ledger_problems(self.session, self.feature)
                 if self.check_hf:
                     problems += hf_problems(self.session)
-                type(self).last_ops = ops_before_drain
                 if problems:
                     raise AssertionError(_describe(self.session, problems))
         finally:

@@ -130,3 +130,24 @@ def test_token_only_payloads(prefix):
 
     prop()
     assert total[0] > 0
+
+
+@pytest.mark.clauses("C-31")
+def test_conditioning_survives_stale_reset():
+    """Regression (found by this suite): add, step (the prefill is in flight), then
+    ``reset_prefix_cache(reset_running_requests=True)`` under async scheduling drops the
+    in-flight step as stale; the prefill conditioning must still be delivered exactly once."""
+    from conformance.workload import AddRequest, ResetPrefixCache, Step
+    from invariants.machines import AuditedLockstep, ledger_problems
+    from invariants.strategies import FEATURES
+
+    feat = FEATURES["hidden-inline"]
+    session = AuditedLockstep(harness_config(feat, mode="async", prefix=True), WorkerSubject(),
+                              use_worker=True)
+    session.apply(AddRequest("a", tuple(range(100, 130)), max_tokens=4, final_stage="talker"))
+    session.apply(Step())
+    session.apply(ResetPrefixCache(reset_running_requests=True))
+    session.drain()
+    problems = ledger_problems(session, feat)
+    session.shutdown()
+    assert not problems, problems

@@ -341,3 +341,11 @@ def test_wrong_environment_is_one_clear_line(monkeypatch, capsys, problem):
 def test_unknown_subject_is_one_clear_line(capsys):
     assert main(["check", "--subject", "does-not-exist"]) == 2
     assert "unknown subject" in capsys.readouterr().err
+
+
+def test_paired_fixtures(paired_schedulers, paired_drivers):
+    up, sub = paired_schedulers(TIGHT)
+    assert type(up).__name__ == "Scheduler" and type(sub).__name__ == "OmniARScheduler"
+    d_up, d_sub = paired_drivers(TIGHT.with_(async_scheduling=True))
+    assert d_up.mode == d_sub.mode == "async"
+    assert type(d_sub.scheduler).__name__ == "OmniARAsyncScheduler"

@@ -72,9 +72,9 @@ class _LeakyTransfer:
             return
         original = transfer.on_terminated
 
-        def keep_progress(request_id: str, state: Any, finish_reason: str):
+        def keep_progress(request_id: str, state: Any, finish_reason: str, **kw: Any):
             saved = transfer.progress.get(request_id)
-            chunk = original(request_id, state, finish_reason)
+            chunk = original(request_id, state, finish_reason, **kw)
             if saved is not None:
                 transfer.progress[request_id] = saved  # the planted leak
             return chunk

@@ -1,0 +1,539 @@
+"""Runtime mutants: named, deliberately broken variants of ``omni_runtime`` (positive controls).
+
+Every invariant in ``invariants/`` must kill at least one of these (STYLE.md section 3): a check
+that no mutant can fail is a check that never fails. Each mutant is applied only inside the test
+that uses it — a subclass (scheduler, runner, subject) or a ``unittest.mock.patch`` of one
+attribute, undone on exit — never by a flag in the runtime. ``tests/test_mutant_selftest.py``
+runs each mutant's property and asserts that it is caught, with a short counterexample.
+
+A mutant names the clause it breaks and the property (``probe``) that must catch it; probes are
+defined in the self-test. Mutants wrap the runtime's methods with ``*args, **kwargs`` where they
+can, so signature changes in the runtime do not silently disarm them; one that can no longer
+find what it patches raises ``MutantNotApplicable`` (the self-test reports it as a failure).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+from unittest import mock
+
+import torch
+
+
+class MutantNotApplicable(RuntimeError):
+    """The runtime no longer has what this mutant breaks: update the mutant."""
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    clause: str
+    probe: str
+    description: str
+    apply: Callable[[], contextlib.AbstractContextManager[Any]]
+
+
+def _require(obj: Any, name: str) -> None:
+    if not hasattr(obj, name):
+        raise MutantNotApplicable(f"{obj!r} has no attribute {name!r}")
+
+
+# ---- subjects whose scheduler or runner is a broken subclass ------------------------------
+
+
+def _subject_with(*, scheduler_mixin: type | None = None, runner_cls: type | None = None) -> Any:
+    from invariants.machines import WorkerSubject
+    from omni_runtime.sched import OmniARAsyncScheduler, OmniARScheduler
+
+    attrs: dict[str, Any] = {}
+    if scheduler_mixin is not None:
+        name = scheduler_mixin.__name__
+        attrs["sync_scheduler"] = type(f"{name}Sync", (scheduler_mixin, OmniARScheduler), {})
+        attrs["async_scheduler"] = type(f"{name}Async", (scheduler_mixin, OmniARAsyncScheduler), {})
+    if runner_cls is not None:
+        attrs["runner_cls"] = runner_cls
+    return type("MutantSubject", (WorkerSubject,), attrs)()
+
+
+@contextlib.contextmanager
+def _subject(subject: Any) -> Iterator[Any]:
+    yield subject
+
+
+# Scheduler mixins ---------------------------------------------------------------------------
+
+
+class RequeuePreemptedAtBack:
+    """C-01/C-07: a preempted request goes to the back of the waiting queue, not the front."""
+
+    def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = super()._preempt_request(request, *args, **kwargs)  # type: ignore[misc]
+        self.waiting.remove_request(request)  # type: ignore[attr-defined]
+        self.waiting.add_request(request)  # type: ignore[attr-defined]
+        return result
+
+
+class FreeBlocksReversed:
+    """C-05: a finished request's blocks return to the free queue head-first (eviction order)."""
+
+    def _free_request_blocks(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        for mgr in self.kv_cache_manager.coordinator.single_type_managers:  # type: ignore[attr-defined]
+            blocks = mgr.req_to_blocks.get(request.request_id)
+            if blocks:
+                blocks.reverse()
+        return super()._free_request_blocks(request, *args, **kwargs)  # type: ignore[misc]
+
+
+class FinalStageRequestSends:
+    """C-42: a request whose final stage is this one still gets an EOF delivery on free."""
+
+    def _free_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        from omni_runtime.adapters import omni_state_of
+
+        result = super()._free_request(request, *args, **kwargs)  # type: ignore[misc]
+        state = omni_state_of(request)
+        transfer = getattr(self, "transfer", None)
+        if transfer is not None and state is not None and not state.has_downstream:
+            # The decision reads metadata that claims a consumer the request does not have.
+            forged = dataclasses.replace(state, downstream=("code2wav",))
+            transfer.on_terminated(request.request_id, forged, str(request.get_finished_reason()))
+        return result
+
+
+_LAST_SCHEDULER: list[Any] = []
+
+
+class PublishesTransfer:
+    """Half of ``send_from_worker``: makes the scheduler's send path reachable from a runner."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        _LAST_SCHEDULER[:] = [self]
+
+
+# Runner subclasses ---------------------------------------------------------------------------
+
+
+def _runner_base() -> type:
+    from omni_runtime.worker import OmniARModelRunner
+
+    return OmniARModelRunner
+
+
+def _map_output(out: Any, fn: Callable[[Any], None]) -> Any:
+    """Apply ``fn`` to the plain output, now (inline) or when it is collected (background)."""
+    inner = getattr(out, "_output", None)
+    if inner is None:
+        fn(out)
+        return out
+    get = out.get_output
+
+    def get_output() -> Any:
+        result = get()
+        fn(result)
+        return result
+
+    out.get_output = get_output
+    return out
+
+
+def _worker_extra_request() -> type:
+    class WorkerExtraRequest(_runner_base()):  # type: ignore[misc]
+        """C-20: results for a request that was not scheduled."""
+
+        def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+            def add(o: Any) -> None:
+                o.req_ids = [*o.req_ids, "ghost"]
+                o.req_id_to_index = {rid: i for i, rid in enumerate(o.req_ids)}
+                o.sampled_token_ids = [*o.sampled_token_ids, [3]]
+                if getattr(o, "omni_payloads", None) is not None:
+                    o.omni_payloads = [*o.omni_payloads, None]
+
+            return _map_output(super().sample_tokens(*args, **kwargs), add)
+
+    return WorkerExtraRequest
+
+
+def _worker_missing_request() -> type:
+    class WorkerMissingRequest(_runner_base()):  # type: ignore[misc]
+        """C-20: the last scheduled request's result is missing."""
+
+        def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+            def drop(o: Any) -> None:
+                if len(o.req_ids) > 1:
+                    o.req_ids = o.req_ids[:-1]
+                    o.req_id_to_index = {rid: i for i, rid in enumerate(o.req_ids)}
+                    o.sampled_token_ids = o.sampled_token_ids[:-1]
+                    if getattr(o, "omni_payloads", None) is not None:
+                        o.omni_payloads = o.omni_payloads[:-1]
+
+            return _map_output(super().sample_tokens(*args, **kwargs), drop)
+
+    return WorkerMissingRequest
+
+
+def _send_from_worker() -> type:
+    base = _runner_base()
+    _require(base, "collect_connector_output")
+
+    class SendFromWorker(base):  # type: ignore[misc,valid-type]
+        """C-21: the runner pushes a chunk into the scheduler's sink while it samples."""
+
+        def collect_connector_output(self, *args: Any, **kwargs: Any) -> Any:
+            from omni_runtime.payload import StageChunk
+
+            sched = _LAST_SCHEDULER[0] if _LAST_SCHEDULER else None
+            transfer = getattr(sched, "transfer", None)
+            if transfer is not None:
+                for rid in list(self.requests)[:1]:
+                    transfer.sink.send(
+                        StageChunk(rid, "thinker", 10_000, (), None, None, False)
+                    )
+            return super().collect_connector_output(*args, **kwargs)
+
+    return SendFromWorker
+
+
+def _token_only_builds_hidden() -> type:
+    class TokenOnlyBuildsHidden(_runner_base()):  # type: ignore[misc]
+        """C-30: the token-only switch is ignored: hidden rows are copied and delivered."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            if self.payloads_enabled and not self.include_hidden:
+                self.include_hidden = True
+                self.builder.include_hidden = True
+
+    return TokenOnlyBuildsHidden
+
+
+def _conditioning_dropped_token_only() -> type:
+    base = _runner_base()
+    _require(base, "_finish_payloads")
+
+    class ConditioningDroppedTokenOnly(base):  # type: ignore[misc,valid-type]
+        """C-31: in token-only mode the prefill conditioning is not handed to the builder."""
+
+        def _finish_payloads(self, output: Any, step: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.include_hidden:
+                step.conditioning_rows = [-1] * len(step.conditioning_rows)
+            return super()._finish_payloads(output, step, *args, **kwargs)
+
+    return ConditioningDroppedTokenOnly
+
+
+def _payloads_on_empty_steps() -> type:
+    class PayloadsOnEmptySteps(_runner_base()):  # type: ignore[misc]
+        """C-50: a do-nothing postprocess makes every step build per-request payload objects."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self.postprocess = _identity
+            self.builder.postprocess = _identity
+
+    return PayloadsOnEmptySteps
+
+
+def _identity(payload: Any) -> Any:
+    return payload
+
+
+def _runner_reads_stage_graph() -> type:
+    class RunnerReadsStageGraph(_runner_base()):  # type: ignore[misc]
+        """C-22: what the runner returns depends on which stages follow."""
+
+        def sample_tokens(self, *args: Any, **kwargs: Any) -> Any:
+            def shift(o: Any) -> None:
+                if self.stage is not None and len(self.stage.stages) == 2:
+                    o.sampled_token_ids = [[(t + 1) % 512 for t in s] for s in o.sampled_token_ids]
+
+            return _map_output(super().sample_tokens(*args, **kwargs), shift)
+
+    return RunnerReadsStageGraph
+
+
+# ---- patches of one attribute -------------------------------------------------------------
+
+
+def _patch(target: Any, name: str, make: Callable[[Any], Any]) -> contextlib.AbstractContextManager:
+    _require(target, name)
+    return mock.patch.object(target, name, make(getattr(target, name)))
+
+
+def _truthy_token_updates():
+    import omni_runtime.sched.transfer as transfer
+
+    return _patch(
+        transfer,
+        "requires_token_updates",
+        lambda _orig: lambda p: p is not None and bool(getattr(p, "requires_token_updates", False)),
+    )
+
+
+class _DropFinalNone:
+    def __init__(self, real: Any) -> None:
+        self.real = real
+
+    def send(self, chunk: Any) -> None:
+        if chunk.is_final and chunk.data is None:
+            return
+        self.real.send(chunk)
+
+
+def _no_eof_when_processor_returns_none():
+    from omni_runtime.sched.transfer import ChunkTransferAdapter
+
+    def make(orig: Any) -> Any:
+        def _deliver(self: Any, *args: Any, **kwargs: Any) -> Any:
+            real = self.sink
+            self.sink = _DropFinalNone(real)
+            try:
+                return orig(self, *args, **kwargs)
+            finally:
+                self.sink = real
+
+        return _deliver
+
+    return _patch(ChunkTransferAdapter, "_deliver", make)
+
+
+def _double_eof_on_abort():
+    from omni_runtime.sched.transfer import ChunkTransferAdapter
+
+    def make(orig: Any) -> Any:
+        def on_terminated(self: Any, request_id: str, state: Any, reason: str, *a: Any, **kw: Any):
+            out = orig(self, request_id, state, reason, *a, **kw)
+            if "abort" in str(reason).lower():
+                orig(self, request_id, state, reason, *a, **kw)
+            return out
+
+        return on_terminated
+
+    return _patch(ChunkTransferAdapter, "on_terminated", make)
+
+
+def _abort_keeps_omni_progress():
+    from omni_runtime.sched.transfer import ChunkTransferAdapter, TransferProgress
+
+    def make(orig: Any) -> Any:
+        def on_terminated(self: Any, request_id: str, *a: Any, **kw: Any):
+            out = orig(self, request_id, *a, **kw)
+            self.progress.setdefault(request_id, TransferProgress())
+            return out
+
+        return on_terminated
+
+    return _patch(ChunkTransferAdapter, "on_terminated", make)
+
+
+def _redelivery_after_preemption():
+    from omni_runtime.payload import StagePayload
+
+    return _patch(StagePayload, "trimmed_before", lambda _orig: lambda self, position: self)
+
+
+def _ids_not_copied():
+    from omni_runtime.sched.transfer import ChunkTransferAdapter
+
+    def make(orig: Any) -> Any:
+        def on_step(self: Any, request_id: str, state: Any, new_token_ids: list[int], *a, **kw):
+            proc = self.processor
+            if proc is not None and getattr(self, "_pass_ids", False):
+                # The processor is handed upstream's own list instead of a copy.
+                def aliasing(rid, payload, is_final, new_token_ids=None, _own=new_token_ids):
+                    return proc(rid, payload, is_final, new_token_ids=_own)
+
+                self.processor = aliasing
+            try:
+                return orig(self, request_id, state, new_token_ids, *a, **kw)
+            finally:
+                self.processor = proc
+
+        return on_step
+
+    return _patch(ChunkTransferAdapter, "on_step", make)
+
+
+def _extra_request_attribute():
+    from omni_runtime.adapters import InputAdapter
+
+    def make(orig: Any) -> Any:
+        def build(self: Any, *args: Any, **kwargs: Any) -> Any:
+            request = orig(self, *args, **kwargs)
+            request.omni_debug = {"built_by": "input adapter"}
+            return request
+
+        return build
+
+    return _patch(InputAdapter, "build", make)
+
+
+def _tensor_in_upstream_field():
+    from omni_runtime.adapters import InputAdapter
+
+    def make(orig: Any) -> Any:
+        def build(self: Any, *args: Any, **kwargs: Any) -> Any:
+            request = orig(self, *args, **kwargs)
+            request.ec_transfer_params = {"conditioning": torch.zeros(4)}
+            return request
+
+        return build
+
+    return _patch(InputAdapter, "build", make)
+
+
+def _adapter_accepts_nan_embeds():
+    from omni_runtime.adapters import InputAdapter
+
+    def make(orig: Any) -> Any:
+        def _prompt(self: Any, rid: str, item: Any) -> Any:
+            embeds = item.prompt_embeds
+            if isinstance(embeds, torch.Tensor) and embeds.is_floating_point():
+                item = dataclasses.replace(item, prompt_embeds=torch.nan_to_num(embeds))
+            return orig(self, rid, item)
+
+        return _prompt
+
+    return _patch(InputAdapter, "_prompt", make)
+
+
+def _payload_slot_shifted():
+    from omni_runtime.adapters.output import PayloadBuilder
+
+    def make(orig: Any) -> Any:
+        def build(self: Any, plan: Any, inputs: Any) -> Any:
+            out = orig(self, plan, inputs)
+            kept = [p for p in out if p is not None]
+            return kept + [None] * (len(out) - len(kept))
+
+        return build
+
+    return _patch(PayloadBuilder, "build", make)
+
+
+def _prefix_merge_missing_rows():
+    from omni_runtime.adapters.output import PayloadBuilder
+
+    def make(orig: Any) -> Any:
+        def build(self: Any, plan: Any, inputs: Any) -> Any:
+            return orig(self, plan, dataclasses.replace(inputs, prefix_rows={}))
+
+        return build
+
+    return _patch(PayloadBuilder, "build", make)
+
+
+@contextlib.contextmanager
+def _background_no_snapshot() -> Iterator[None]:
+    from omni_runtime.adapters.output import PayloadInputs, PayloadPlan
+
+    with _patch(PayloadPlan, "snapshot", lambda _o: lambda self: self), _patch(
+        PayloadInputs, "snapshot", lambda _o: lambda self: self
+    ):
+        yield
+
+
+def _builder_error_swallowed():
+    from omni_runtime.worker.materialize import BackgroundOutput
+
+    def make(orig: Any) -> Any:
+        def get_output(self: Any) -> Any:
+            try:
+                return orig(self)
+            except Exception:
+                self._output.omni_payloads = None
+                return self._output
+
+        return get_output
+
+    return _patch(BackgroundOutput, "get_output", make)
+
+
+@contextlib.contextmanager
+def _send_from_worker_subject() -> Iterator[Any]:
+    yield _subject_with(scheduler_mixin=PublishesTransfer, runner_cls=_send_from_worker())
+
+
+# ---- the catalogue ------------------------------------------------------------------------
+
+
+def _sub(**kw: Any) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    return lambda: _subject(_subject_with(**{k: (v() if k == "runner_cls" else v) for k, v in kw.items()}))
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant("requeue_preempted_at_back", "C-01/C-07", "lockstep-off",
+           "preempted requests re-queued at the back of the waiting queue",
+           _sub(scheduler_mixin=RequeuePreemptedAtBack)),
+    Mutant("free_blocks_reversed", "C-05", "lockstep-off",
+           "a finished request's blocks freed in reverse (eviction) order",
+           _sub(scheduler_mixin=FreeBlocksReversed)),
+    Mutant("abort_keeps_omni_progress", "C-04", "lockstep-token-updates",
+           "transfer progress of a terminated request is not dropped", _abort_keeps_omni_progress),
+    Mutant("extra_request_attribute", "C-12", "lockstep-token-updates",
+           "the input adapter sets an undeclared attribute on Request", _extra_request_attribute),
+    Mutant("tensor_in_upstream_field", "C-11", "lockstep-token-updates",
+           "a tensor stashed in an upstream Request field (ec_transfer_params)",
+           _tensor_in_upstream_field),
+    Mutant("adapter_accepts_nan_embeds", "C-13", "malformed-inputs",
+           "NaN/inf prompt embeds are silently cleaned instead of rejected",
+           _adapter_accepts_nan_embeds),
+    Mutant("payload_built_in_scheduler", "C-10/C-11", "static-payload-builders",
+           "a StagePayload constructed in omni_runtime/sched (planted source)",
+           lambda: contextlib.nullcontext()),
+    Mutant("worker_extra_request", "C-20", "graph-independence",
+           "the runner returns a result for a request it was not given",
+           _sub(runner_cls=_worker_extra_request)),
+    Mutant("worker_missing_request", "C-20", "graph-independence",
+           "the runner drops the last scheduled request's result",
+           _sub(runner_cls=_worker_missing_request)),
+    Mutant("send_from_worker", "C-21", "lockstep-hidden-inline",
+           "the runner sends a chunk into the scheduler's sink", _send_from_worker_subject),
+    Mutant("runner_reads_stage_graph", "C-22", "graph-independence",
+           "sampled tokens depend on the stages that follow", _sub(runner_cls=_runner_reads_stage_graph)),
+    Mutant("token_only_builds_hidden", "C-30", "token-only",
+           "token-only mode still copies and delivers hidden rows",
+           _sub(runner_cls=_token_only_builds_hidden)),
+    Mutant("conditioning_dropped_token_only", "C-31", "token-only",
+           "token-only mode drops the prefill conditioning",
+           _sub(runner_cls=_conditioning_dropped_token_only)),
+    Mutant("truthy_token_updates", "C-40/C-41", "chunk-contracts",
+           "transfer fires on a truthy (not True) requires_token_updates", _truthy_token_updates),
+    Mutant("final_stage_request_sends", "C-42", "chunk-contracts",
+           "a request final at this stage gets an EOF delivery on free",
+           _sub(scheduler_mixin=FinalStageRequestSends)),
+    Mutant("no_eof_when_processor_returns_none", "C-43", "chunk-contracts",
+           "no EOF chunk when the processor returns None at EOF",
+           _no_eof_when_processor_returns_none),
+    Mutant("double_eof_on_abort", "C-43", "chunk-contracts",
+           "an aborted request gets two EOF deliveries", _double_eof_on_abort),
+    Mutant("ids_not_copied", "C-44", "chunk-contracts",
+           "the processor is handed upstream's own id list, not a copy", _ids_not_copied),
+    Mutant("redelivery_after_preemption", "C-45", "chunk-contracts",
+           "payload rows already delivered are not trimmed after preemption/recompute",
+           _redelivery_after_preemption),
+    Mutant("payloads_on_empty_steps", "C-50", "token-only",
+           "payload objects built on steps with nothing to deliver",
+           _sub(runner_cls=_payloads_on_empty_steps)),
+    Mutant("payload_slot_shifted", "C-51", "token-only",
+           "empty payload slots are compacted, shifting later payloads", _payload_slot_shifted),
+    Mutant("background_no_snapshot", "C-52/C-53", "inline-vs-background",
+           "the background builder reads live runner buffers without a snapshot",
+           _background_no_snapshot),
+    Mutant("builder_error_swallowed", "C-54", "builder-errors",
+           "a background builder exception is swallowed", _builder_error_swallowed),
+    Mutant("prefix_merge_missing_rows", "C-55", "lockstep-hidden-inline",
+           "a prefix-cache hit delivers no rows for its cached prompt positions",
+           _prefix_merge_missing_rows),
+)
+
+
+def by_name(name: str) -> Mutant:
+    for m in MUTANTS:
+        if m.name == name:
+            return m
+    raise KeyError(name)

@@ -1,0 +1,250 @@
+"""Mutant self-test: every runtime mutant is killed by the invariant that names it.
+
+For each mutant in ``tests/mutants/runtime_mutants.py`` this applies the mutant (a subclass or a
+patch, undone afterwards), runs the property the mutant names (its ``probe``: the same functions
+and machines ``pytest -m invariants`` runs) with a fixed hypothesis budget, and asserts that the
+property fails with the mutant's clause. Hypothesis shrinks the failing program; its length in
+workload operations (requests + steps + aborts + resets for the lock-step machines, jobs for the
+runner-level properties, 1 for single-input properties) is recorded and must be at most 12.
+
+Why this can fail: a mutant that survives means the invariant it names cannot see the defect
+(a check that never fails); a counterexample longer than 12 operations means the property or
+its strategies shrink badly. ``test_mutant_kill_table`` prints the kill rate and the table
+mutant -> clause -> caught -> shrunk length.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+HERE = Path(__file__).resolve().parent
+MAX_SHRUNK_OPS = 12
+
+
+def _load_catalogue() -> Any:
+    # By path: ``tests`` is not a package, and ``tests/mutants`` may or may not have an __init__.
+    spec = importlib.util.spec_from_file_location(
+        "omni_runtime_mutants", HERE / "mutants" / "runtime_mutants.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+CATALOGUE = _load_catalogue()
+
+# Deterministic, bounded: no database, derandomized, short programs so shrinking is quick.
+MUTANT_SETTINGS = settings(
+    max_examples=60,
+    stateful_step_count=25,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    print_blob=False,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                           HealthCheck.filter_too_much],
+)
+
+
+@dataclass
+class Verdict:
+    mutant: str
+    clause: str
+    probe: str
+    caught: bool
+    shrunk_ops: int | None
+    message: str
+    seconds: float
+
+
+# ---- probes: each returns (error or None, length of the failing input) --------------------
+
+
+def _machine_probe(feature_name: str, mode: str = "sync", prefix: bool = True):
+    def probe(subject: Any) -> tuple[BaseException | None, int]:
+        from invariants.machines import LocalRecorder, harness_config, machine_class, run_machine
+        from invariants.strategies import FEATURES
+
+        feat = FEATURES[feature_name]
+        cfg = harness_config(feat, mode=mode, prefix=prefix)
+        machine = machine_class(LocalRecorder(subject), cfg, feat, subject=subject,
+                                name=f"mutant-{feature_name}")
+        outcome = run_machine(machine, MUTANT_SETTINGS)
+        return outcome.error, outcome.ops
+
+    return probe
+
+
+def _chunk_probe(subject: Any) -> tuple[BaseException | None, int]:
+    from invariants.machines import LocalRecorder, run_machine
+    from invariants.test_chunk_contracts import chunk_machine
+
+    error: BaseException | None = None
+    ops = 0
+    for mode in ("sync", "async"):
+        machine = chunk_machine(LocalRecorder(subject), mode, subject=subject, name="mutant-chunk")
+        outcome = run_machine(machine, MUTANT_SETTINGS)
+        if outcome.error is not None:
+            return outcome.error, outcome.ops
+        ops = outcome.ops
+    return error, ops
+
+
+def _given_probe(strategy: Any, check: Callable[..., Any], size: Callable[..., int]):
+    def probe(subject: Any) -> tuple[BaseException | None, int]:
+        last = [0]
+
+        @settings(MUTANT_SETTINGS, max_examples=30)
+        @given(strategy)
+        def prop(value: Any) -> None:
+            last[0] = size(value)
+            check(value, subject)
+
+        try:
+            prop()
+        except Exception as exc:  # noqa: BLE001 - any failure of the property is a kill
+            return exc, last[0]
+        return None, last[0]
+
+    return probe
+
+
+def _malformed_probe(subject: Any) -> tuple[BaseException | None, int]:
+    from invariants.strategies import malformed_inputs
+    from invariants.test_ar_inv_002_adapters import check_malformed
+
+    return _given_probe(malformed_inputs(), lambda v, s: check_malformed(v), lambda v: 1)(subject)
+
+
+def _static_probe(subject: Any, tmp: Path) -> tuple[BaseException | None, int]:
+    from invariants.test_ar_inv_002_adapters import RUNTIME_ROOT, payload_constructions
+
+    copy = tmp / "omni_runtime"
+    shutil.copytree(RUNTIME_ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    planted = copy / "sched" / "transfer.py"
+    planted.write_text(
+        planted.read_text()
+        + "\n\ndef _mutant_rebuild(p):\n    return StagePayload(p.request_id, 0, p.num_tokens)\n"
+    )
+    offenders = payload_constructions(copy)
+    if offenders:
+        return AssertionError(f"C-11: StagePayload constructed outside adapters: {offenders}"), 1
+    return None, 1
+
+
+def _jobs_probe(check_name: str, module: str, **kw: Any):
+    def probe(subject: Any) -> tuple[BaseException | None, int]:
+        from invariants.strategies import jobs
+
+        mod = importlib.import_module(module)
+        fn = getattr(mod, check_name)
+        return _given_probe(jobs, lambda w, s: fn(w, subject=s, **kw), len)(subject)
+
+    return probe
+
+
+def _builder_errors_probe(subject: Any) -> tuple[BaseException | None, int]:
+    from invariants.strategies import jobs
+    from invariants.test_materialization import check_threads_and_errors
+
+    return _given_probe(
+        st.tuples(jobs, st.integers(1, 3)),
+        lambda v, s: check_threads_and_errors(v[0], v[1], subject=s),
+        lambda v: len(v[0]),
+    )(subject)
+
+
+PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
+    "lockstep-off": _machine_probe("off"),
+    "lockstep-token-updates": _machine_probe("token-updates"),
+    "lockstep-hidden-inline": _machine_probe("hidden-inline"),
+    "chunk-contracts": _chunk_probe,
+    "malformed-inputs": _malformed_probe,
+    "graph-independence": _jobs_probe(
+        "check_graph_independence", "invariants.test_ar_inv_003_workers", include_hidden=True
+    ),
+    "token-only": _jobs_probe("check_token_only", "invariants.test_payload_contracts"),
+    "inline-vs-background": _jobs_probe(
+        "check_inline_equals_background", "invariants.test_materialization"
+    ),
+    "builder-errors": _builder_errors_probe,
+}
+
+
+def run_mutant(mutant: Any, tmp: Path) -> Verdict:
+    from invariants.machines import WorkerSubject
+
+    start = time.monotonic()
+    with mutant.apply() as applied:
+        subject = applied if isinstance(applied, WorkerSubject) else WorkerSubject()
+        if mutant.probe == "static-payload-builders":
+            error, ops = _static_probe(subject, tmp)
+        else:
+            error, ops = PROBES[mutant.probe](subject)
+    message = "" if error is None else f"{type(error).__name__}: {error}".splitlines()[0][:200]
+    clauses = [c.strip() for c in mutant.clause.split("/")]
+    # Caught = the property failed and its message names the mutant's clause (a crash of the
+    # harness itself, or a failure for an unrelated reason, does not count as a kill).
+    caught = error is not None and (
+        any(c in message for c in clauses) or "first difference" in message
+    )
+    return Verdict(mutant.name, mutant.clause, mutant.probe, caught, ops if error else None,
+                   message, time.monotonic() - start)
+
+
+_VERDICTS: dict[str, Verdict] = {}
+
+
+@pytest.mark.parametrize("name", [m.name for m in CATALOGUE.MUTANTS])
+def test_mutant_is_killed(name: str, tmp_path: Path) -> None:
+    mutant = CATALOGUE.by_name(name)
+    verdict = run_mutant(mutant, tmp_path)
+    _VERDICTS[name] = verdict
+    print(f"\n{name} [{verdict.clause}] caught={verdict.caught} shrunk_ops={verdict.shrunk_ops} "
+          f"({verdict.seconds:.1f}s): {verdict.message}")
+    assert verdict.caught, f"mutant {name} ({mutant.clause}) survived its probe {mutant.probe}: {verdict.message}"
+    assert verdict.shrunk_ops is not None and verdict.shrunk_ops <= MAX_SHRUNK_OPS, (
+        f"mutant {name}: counterexample of {verdict.shrunk_ops} operations (target <= {MAX_SHRUNK_OPS})"
+    )
+
+
+def test_mutant_catalogue_covers_every_clause_group() -> None:
+    clauses = {c for m in CATALOGUE.MUTANTS for c in m.clause.split("/")}
+    groups = {
+        "AR-INV-001": {"C-01", "C-04", "C-05", "C-07"},
+        "AR-INV-002": {"C-11", "C-12", "C-13"},
+        "AR-INV-003": {"C-20", "C-21", "C-22"},
+        "token-only": {"C-30", "C-31"},
+        "chunks": {"C-40", "C-42", "C-43", "C-44", "C-45"},
+        "materialization": {"C-50", "C-51", "C-52", "C-54", "C-55"},
+    }
+    missing = {g: sorted(want - clauses) for g, want in groups.items() if want - clauses}
+    assert not missing, f"clauses without a mutant: {missing}"
+    assert len(CATALOGUE.MUTANTS) >= 15
+
+
+def test_mutant_kill_table() -> None:
+    """Prints the table (run after the parametrized tests; with xdist, per worker)."""
+    if not _VERDICTS:
+        pytest.skip("no mutant ran in this process")
+    rows = sorted(_VERDICTS.values(), key=lambda v: v.mutant)
+    killed = sum(v.caught for v in rows)
+    print(f"\nmutant kill rate: {killed}/{len(rows)}")
+    print(f"{'mutant':<36} {'clause':<10} {'caught':<7} {'shrunk':>6}  seconds")
+    for v in rows:
+        print(f"{v.mutant:<36} {v.clause:<10} {str(v.caught):<7} {str(v.shrunk_ops):>6}  "
+              f"{v.seconds:6.1f}")
+    assert killed == len(rows)
