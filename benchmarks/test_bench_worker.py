@@ -97,10 +97,11 @@ def test_decode_throughput(benchmark, thinker_dir, n) -> None:
     sched, runner = _setup(thinker_dir, model, n, max_tokens=rounds + 40, prompt_len=16)
     _step(sched, runner)  # prefill: from here on every step is n decodes
     benchmark.pedantic(_step, args=(sched, runner), rounds=rounds, warmup_rounds=10)
-    mean = benchmark.stats.stats.mean
+    # The median: the benchmark host is shared, and a mean is dominated by descheduling spikes.
+    median = benchmark.stats.stats.median
     benchmark.extra_info["running_requests"] = n
-    benchmark.extra_info["tokens_per_s"] = round(n / mean, 1)
-    benchmark.extra_info["step_ms"] = round(mean * 1e3, 3)
+    benchmark.extra_info["tokens_per_s"] = round(n / median, 1)
+    benchmark.extra_info["step_ms"] = round(median * 1e3, 3)
 
 
 # ---- critical path: background vs inline -----------------------------------------------------

@@ -27,6 +27,7 @@ Why an audit can fail: each message names its clause; the positive controls are 
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections import deque
@@ -38,7 +39,13 @@ from typing import Any
 import numpy as np
 import torch
 from hypothesis import settings
-from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from conformance.config import HarnessConfig, build_kv_cache_config, build_vllm_config
 from conformance.lockstep import Lockstep, SubjectBroken
@@ -52,9 +59,12 @@ from invariants.strategies import CODEC_VOCAB, Feature
 # too, but ``pytest invariants`` alone does not load it.
 torch.set_num_threads(1)
 
+PINNED_HASH_SEED = os.environ.get("PYTHONHASHSEED", "random") != "random"
+
 _PKG = Path(__file__).resolve().parent.parent / "omni_runtime"
 # Frames from these folders must never be on the stack of a send (C-21).
 WORKER_CODE = (str(_PKG / "worker") + "/", str(_PKG / "models") + "/")
+
 
 # Attributes the omni schedulers add to vLLM's (C-12): the runtime's own declaration when it
 # exports one (``omni_runtime.sched.DECLARED_SCHEDULER_ATTRIBUTES``), else exactly what the omni
@@ -73,11 +83,18 @@ def declared_scheduler_attributes() -> frozenset[str]:
         tree = ast.parse((_PKG / "sched" / "scheduler.py").read_text())
         for node in ast.walk(tree):
             targets = (
-                node.targets if isinstance(node, ast.Assign)
-                else [node.target] if isinstance(node, ast.AnnAssign) else []
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AnnAssign)
+                else []
             )
             for t in targets:
-                if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                if (
+                    isinstance(t, ast.Attribute)
+                    and isinstance(t.value, ast.Name)
+                    and t.value.id == "self"
+                ):
                     names.add(t.attr)
         _DECLARED["sched"] = frozenset(names)
     return _DECLARED["sched"]
@@ -413,7 +430,9 @@ def ledger_problems(session: AuditedLockstep, feature: Feature) -> list[str]:
         chunks = sorted(chunks_by_req.pop(rid, []), key=lambda c: c.seq)
         if not facts.get("has_downstream"):
             if chunks:
-                problems.append(f"C-42: {rid} is final at this stage but sent {len(chunks)} chunk(s)")
+                problems.append(
+                    f"C-42: {rid} is final at this stage but sent {len(chunks)} chunk(s)"
+                )
             continue
         finals = [c for c in chunks if c.is_final]
         if len(finals) != 1 or not chunks[-1].is_final:
@@ -442,21 +461,30 @@ def ledger_problems(session: AuditedLockstep, feature: Feature) -> list[str]:
 
 
 def _payload_problems(
-    session: AuditedLockstep, rid: str, entry: RequestLedger, chunks: list[Any], include_hidden: bool
+    session: AuditedLockstep,
+    rid: str,
+    entry: RequestLedger,
+    chunks: list[Any],
+    include_hidden: bool,
 ) -> list[str]:
     problems: list[str] = []
     model_path = session.config.model
     tokens = entry.prompt + entry.emitted
     prompt_len = len(entry.prompt)
-    conds = [c.payload.conditioning for c in chunks if c.payload is not None
-             and c.payload.conditioning is not None]
+    conds = [
+        c.payload.conditioning
+        for c in chunks
+        if c.payload is not None and c.payload.conditioning is not None
+    ]
     prefill_done = bool(entry.emitted)
     if prefill_done and len(conds) != 1:
         problems.append(f"C-31: {rid}: {len(conds)} prefill conditionings delivered, expected 1")
     if conds and len(tokens) >= prompt_len:
         ref = reference_hidden(model_path, tokens)[prompt_len - 1]
         if not torch.allclose(conds[0], ref, atol=1e-4, rtol=1e-4):
-            problems.append(f"C-31/C-51: {rid}: conditioning is not the row of position {prompt_len - 1}")
+            problems.append(
+                f"C-31/C-51: {rid}: conditioning is not the row of position {prompt_len - 1}"
+            )
     hidden_chunks = [c for c in chunks if c.payload is not None and c.payload.hidden is not None]
     if not include_hidden:
         if any(c.payload.hidden.shape[0] > 0 for c in hidden_chunks):
@@ -587,6 +615,21 @@ class InvariantMachine(LockstepMachine):
         self.rules_run = -1
         type(self).last_ops = 0
 
+    @precondition(lambda self: self.counter > 0)
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        known = [f"r{i}" for i in range(self.counter)]
+        ids = data.draw(st.lists(st.sampled_from(known), min_size=1, max_size=3, unique=True))
+        if PINNED_HASH_SEED:
+            self.session.apply(Abort(tuple(ids)))
+            return
+        # vLLM's finish_requests frees a multi-id abort in set order, i.e. in an order that
+        # depends on PYTHONHASHSEED, and the free order steers later prefix hits and hence step
+        # counts. Unless the seed is pinned, abort the subset one id at a time (same ids, same
+        # step), so verdicts and step counts are identical run to run.
+        for rid in ids:
+            self.session.apply(Abort((rid,)))
+
     def _fail_on_problems(self) -> None:
         self.rules_run += 1
         type(self).last_ops = max(self.rules_run, 0)
@@ -617,8 +660,10 @@ class InvariantMachine(LockstepMachine):
 
 def _describe(session: Lockstep, problems: list[str]) -> str:
     ops = "\n".join(f"  {i}: {op.describe()}" for i, op in enumerate(session.trace.ops[-60:]))
-    return f"{problems[0]}" + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "") + (
-        f"\nprogram ({len(session.trace.ops)} ops, last 60 shown):\n{ops}"
+    return (
+        f"{problems[0]}"
+        + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
+        + (f"\nprogram ({len(session.trace.ops)} ops, last 60 shown):\n{ops}")
     )
 
 
@@ -653,7 +698,9 @@ class MachineOutcome:
     ops: int
 
 
-def run_machine(machine: type[InvariantMachine], run_settings: settings | None = None) -> MachineOutcome:
+def run_machine(
+    machine: type[InvariantMachine], run_settings: settings | None = None
+) -> MachineOutcome:
     """Run a machine as a test; return the failure (if any) and its program's length in ops."""
     try:
         run_state_machine_as_test(machine, settings=run_settings)

@@ -56,11 +56,8 @@ def _thinker_stage(*, include_hidden: bool, materialization: str) -> dict[str, A
         "stage_id": "thinker",
         "stages": list(STAGES),
         "downstream": ["talker"],
-        "chunk_processor": (
-            "omni_runtime.sched.processors.HiddenRowsForwarder"
-            if include_hidden
-            else "omni_runtime.sched.processors.CodecTokenStreamer"
-        ),
+        # Forwards every tensor payload (hidden rows, or in token-only mode the conditioning).
+        "chunk_processor": "omni_runtime.sched.processors.HiddenRowsForwarder",
         "omni_pooler_payload_include_hidden": include_hidden,
         "downstream_needs_full_prefix": include_hidden,
         "materialization": materialization,
@@ -82,9 +79,7 @@ class Feature:
 
     @property
     def include_hidden(self) -> bool:
-        return bool(self.stage.get("omni_pooler_payload_include_hidden", True)) and bool(
-            self.stage
-        )
+        return bool(self.stage.get("omni_pooler_payload_include_hidden", True)) and bool(self.stage)
 
 
 FEATURES: dict[str, Feature] = {
@@ -311,12 +306,31 @@ def malformed_inputs(draw: st.DrawFn) -> Malformed:
     kind = draw(
         st.sampled_from(
             [
-                "nan_embeds", "inf_embeds", "embeds_dtype", "embeds_shape_1d", "embeds_width",
-                "embeds_empty", "both_prompts", "no_prompt", "empty_ids", "negative_id",
-                "id_over_vocab", "bool_id", "float_id", "ids_tensor_float", "too_long",
-                "nan_conditioning", "conditioning_not_tensor", "info_nan", "info_key",
-                "info_object", "info_nan_tensor", "final_unknown", "final_before",
-                "max_tokens", "empty_request_id",
+                "nan_embeds",
+                "inf_embeds",
+                "embeds_dtype",
+                "embeds_shape_1d",
+                "embeds_width",
+                "embeds_empty",
+                "both_prompts",
+                "no_prompt",
+                "empty_ids",
+                "negative_id",
+                "id_over_vocab",
+                "bool_id",
+                "float_id",
+                "ids_tensor_float",
+                "too_long",
+                "nan_conditioning",
+                "conditioning_not_tensor",
+                "info_nan",
+                "info_key",
+                "info_object",
+                "info_nan_tensor",
+                "final_unknown",
+                "final_before",
+                "max_tokens",
+                "empty_request_id",
             ]
         )
     )
@@ -324,13 +338,15 @@ def malformed_inputs(draw: st.DrawFn) -> Malformed:
     fld = "prompt"
     if kind in ("nan_embeds", "inf_embeds"):
         e = _embeds(n)
-        e[pos, draw(st.integers(0, HIDDEN - 1))] = float("nan") if kind == "nan_embeds" else float(
-            "inf"
+        e[pos, draw(st.integers(0, HIDDEN - 1))] = (
+            float("nan") if kind == "nan_embeds" else float("inf")
         )
         kw = {"prompt_embeds": e}
         fld = "prompt_embeds"
     elif kind == "embeds_dtype":
-        kw = {"prompt_embeds": _embeds(n, dtype=draw(st.sampled_from([torch.float16, torch.float64])))}
+        kw = {
+            "prompt_embeds": _embeds(n, dtype=draw(st.sampled_from([torch.float16, torch.float64])))
+        }
         fld = "prompt_embeds"
     elif kind == "embeds_shape_1d":
         kw = {"prompt_embeds": _embeds(n).reshape(-1)}

@@ -51,8 +51,26 @@ def _settings(factor: int = 1, steps: int | None = None) -> settings:
     )
 
 
-@pytest.mark.clauses("C-01", "C-02", "C-04", "C-05", "C-06", "C-07", "C-10", "C-11", "C-12",
-                     "C-20", "C-21", "C-40", "C-42", "C-43", "C-44", "C-45", "C-51", "C-55")
+@pytest.mark.clauses(
+    "C-01",
+    "C-02",
+    "C-04",
+    "C-05",
+    "C-06",
+    "C-07",
+    "C-10",
+    "C-11",
+    "C-12",
+    "C-20",
+    "C-21",
+    "C-40",
+    "C-42",
+    "C-43",
+    "C-44",
+    "C-45",
+    "C-51",
+    "C-55",
+)
 @pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "noprefix"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("feature", list(FEATURES))
@@ -76,7 +94,11 @@ def test_model_parity_with_hugging_face(conformance, mode, prefix):
     feat = FEATURES["hidden-inline"] if prefix else FEATURES["token-only-background"]
     cfg = harness_config(feat, mode=mode, prefix=prefix)
     machine = machine_class(
-        conformance, cfg, feat, subject=WorkerSubject(), check_hf=True,
+        conformance,
+        cfg,
+        feat,
+        subject=WorkerSubject(),
+        check_hf=True,
         name=f"AR-INV-001-C08-{mode}-{prefix}",
     )
     # Shorter runs: Hugging Face recomputes the whole sequence for every token.

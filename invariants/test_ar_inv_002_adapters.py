@@ -49,7 +49,9 @@ RUNTIME_ROOT = Path(__file__).resolve().parent.parent / "omni_runtime"
 def test_runtime_audit(conformance, mode):
     feat = FEATURES["token-updates"]
     cfg = harness_config(feat, mode=mode, prefix=True)
-    machine = machine_class(conformance, cfg, feat, subject=WorkerSubject(), name=f"AR-INV-002-{mode}")
+    machine = machine_class(
+        conformance, cfg, feat, subject=WorkerSubject(), name=f"AR-INV-002-{mode}"
+    )
     outcome = run_machine(machine, settings(settings.default, database=None))
     if outcome.error is not None:
         raise outcome.error
@@ -91,7 +93,9 @@ def check_malformed(case: Malformed) -> None:
     try:
         request = adapter.build(StageInput(request_id=rid, sampling_params=sp, **kw))
     except RequestRejected as exc:
-        assert exc.request_id in (rid, repr(rid)), f"C-13: {case.describe()}: error names {exc.request_id!r}"
+        assert exc.request_id in (rid, repr(rid)), (
+            f"C-13: {case.describe()}: error names {exc.request_id!r}"
+        )
         assert exc.field.startswith(case.field.split("[")[0]) and (
             "[" not in case.field or exc.field == case.field
         ), f"C-13: {case.describe()}: error names field {exc.field!r}, expected {case.field!r}"
@@ -119,13 +123,18 @@ def check_wellformed_accepted() -> None:
     good = [
         {"prompt_token_ids": [10, 11, 12]},
         {"prompt_embeds": torch.zeros((3, 64))},
-        {"prompt_token_ids": [1], "conditioning": torch.ones(64),
-         "additional_information": {"speaker": 0.5, "voice": torch.ones(3), "tags": ["a"]}},
+        {
+            "prompt_token_ids": [1],
+            "conditioning": torch.ones(64),
+            "additional_information": {"speaker": 0.5, "voice": torch.ones(3), "tags": ["a"]},
+        },
         {"prompt_token_ids": [1], "final_stage_id": "code2wav"},
         {"prompt_token_ids": [1], "final_stage_id": "talker"},
     ]
     for i, kw in enumerate(good):
-        adapter.build(StageInput(request_id=f"ok{i}", sampling_params=SamplingParams(max_tokens=2), **kw))
+        adapter.build(
+            StageInput(request_id=f"ok{i}", sampling_params=SamplingParams(max_tokens=2), **kw)
+        )
 
 
 @pytest.mark.clauses("C-13", "C-60")
@@ -150,7 +159,8 @@ def test_duplicate_live_id_rejected():
     cfg = harness_config(FEATURES["token-updates"], mode="sync", prefix=True)
     sched = WorkerSubject().build_scheduler(cfg)
     adapter = InputAdapter(
-        OmniStageConfig.from_vllm_config(sched.vllm_config), max_model_len=128,
+        OmniStageConfig.from_vllm_config(sched.vllm_config),
+        max_model_len=128,
         live_ids=sched.requests,
     )
     sched.add_request(adapter.build(StageInput("dup", SamplingParams(max_tokens=2), [5, 6, 7])))
@@ -212,7 +222,9 @@ def _own_nodes(scope: ast.AST):
 @pytest.mark.clauses("C-10", "C-11")
 def test_only_adapters_build_payloads():
     offenders = payload_constructions(RUNTIME_ROOT)
-    assert not offenders, f"C-11: StagePayload constructed outside omni_runtime/adapters: {offenders}"
+    assert not offenders, (
+        f"C-11: StagePayload constructed outside omni_runtime/adapters: {offenders}"
+    )
 
 
 @pytest.mark.clauses("C-10", "C-11")

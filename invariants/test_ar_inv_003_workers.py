@@ -43,12 +43,21 @@ pytestmark = [pytest.mark.invariants]
 REPO = Path(__file__).resolve().parent.parent
 
 GRAPHS: dict[str, dict] = {
-    "thinker>talker>code2wav": {"stages": list(STAGES), "downstream": ["talker"],
-                                "chunk_processor": "omni_runtime.sched.processors.HiddenRowsForwarder"},
-    "thinker>talker": {"stages": ["thinker", "talker"], "downstream": ["talker"],
-                       "chunk_processor": None},
-    "thinker>talker(codec)": {"stages": list(STAGES), "downstream": ["talker"],
-                              "chunk_processor": "omni_runtime.sched.processors.CodecTokenStreamer"},
+    "thinker>talker>code2wav": {
+        "stages": list(STAGES),
+        "downstream": ["talker"],
+        "chunk_processor": "omni_runtime.sched.processors.HiddenRowsForwarder",
+    },
+    "thinker>talker": {
+        "stages": ["thinker", "talker"],
+        "downstream": ["talker"],
+        "chunk_processor": None,
+    },
+    "thinker>talker(codec)": {
+        "stages": list(STAGES),
+        "downstream": ["talker"],
+        "chunk_processor": "omni_runtime.sched.processors.CodecTokenStreamer",
+    },
 }
 
 
@@ -97,7 +106,9 @@ def check_graph_independence(workload: list[Job], *, include_hidden: bool, subje
             pa = getattr(ref, "omni_payloads", None) or [None] * len(ref.req_ids)
             pb = getattr(out, "omni_payloads", None) or [None] * len(out.req_ids)
             for rid, a, b in zip(ref.req_ids, pa, pb, strict=True):
-                assert same_payload(a, b), f"C-22: step {step}: {rid}'s payload differs with graph {name}"
+                assert same_payload(a, b), (
+                    f"C-22: step {step}: {rid}'s payload differs with graph {name}"
+                )
 
     try:
         return drive_runners(workload, cfgs[0], execs, on_step, subject=subject)
@@ -154,8 +165,14 @@ def import_linter_config(tmp_path: Path) -> Path:
             split.append({**c, "forbidden_modules": internal})
         if external:
             roots += [m.split(".")[0] for m in external if m.split(".")[0] not in roots]
-            split.append({**c, "name": c["name"] + " (vLLM engine, direct imports)",
-                          "forbidden_modules": external, "allow_indirect_imports": True})
+            split.append(
+                {
+                    **c,
+                    "name": c["name"] + " (vLLM engine, direct imports)",
+                    "forbidden_modules": external,
+                    "allow_indirect_imports": True,
+                }
+            )
     section["root_packages"] = roots
     contracts = split
     lines = ["[tool.importlinter]"] + [f"{k} = {_toml_value(v)}" for k, v in section.items()]
@@ -171,11 +188,16 @@ def import_linter_config(tmp_path: Path) -> Path:
 def test_import_contracts_hold(tmp_path):
     exe = shutil.which("lint-imports")
     if exe is None:
-        pytest.skip("import-linter is not installed (pip install import-linter): lint-imports missing")
+        pytest.skip(
+            "import-linter is not installed (pip install import-linter): lint-imports missing"
+        )
     config = import_linter_config(tmp_path)
     proc = subprocess.run(
         [exe, str(config), "--no-cache"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, f"C-21: import-linter contracts broken:\n{proc.stdout[-3000:]}"
     assert "0 broken" in proc.stdout, proc.stdout[-2000:]

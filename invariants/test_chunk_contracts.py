@@ -87,15 +87,14 @@ class ChunkMachine(InvariantMachine):
         self.session.trace.meta["processor"] = spec.describe()
 
     def teardown(self) -> None:
-        try:
-            super().teardown()
-        finally:
-            type(self).last_ops = max(type(self).last_ops, 0)
+        super().teardown()
         if self.session.failure is None and not self.session.problems and self.processor:
             problems = processor_problems(self.session, self.processor, self.spec)
             if problems:
-                raise AssertionError(f"{self.spec.describe()}: {problems[0]}"
-                                     + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else ""))
+                raise AssertionError(
+                    f"{self.spec.describe()}: {problems[0]}"
+                    + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
+                )
 
 
 def processor_problems(session, proc, spec: ProcessorSpec) -> list[str]:
@@ -107,7 +106,9 @@ def processor_problems(session, proc, spec: ProcessorSpec) -> list[str]:
         calls = proc.calls_for(rid)
         if not session.facts.get(rid, {}).get("has_downstream"):
             if calls:
-                problems.append(f"C-42: {rid} is final here but the processor was called {len(calls)}x")
+                problems.append(
+                    f"C-42: {rid} is final here but the processor was called {len(calls)}x"
+                )
             continue
         finals = [c for c in calls if c.is_final]
         if len(finals) != 1 or not calls or not calls[-1].is_final:
@@ -153,7 +154,9 @@ def processor_problems(session, proc, spec: ProcessorSpec) -> list[str]:
 
 def chunk_machine(recorder, mode: str, *, subject=None, name: str = "chunk") -> type[ChunkMachine]:
     cfg = harness_config(CHUNK_FEATURE, mode=mode, prefix=True)
-    base = machine_class(recorder, cfg, CHUNK_FEATURE, subject=subject or WorkerSubject(), name=name)
+    base = machine_class(
+        recorder, cfg, CHUNK_FEATURE, subject=subject or WorkerSubject(), name=name
+    )
     return type(f"Chunk_{mode}", (ChunkMachine, base), {})
 
 

@@ -123,7 +123,8 @@ def check_inline_equals_background(workload: list[Job], *, subject=None) -> int:
     def on_step(step, sched, so, outs) -> None:
         a, b = outs
         assert a.sampled_token_ids == b.sampled_token_ids, (
-            f"C-52: step {step}: tokens inline {a.sampled_token_ids} background {b.sampled_token_ids}"
+            f"C-52: step {step}: tokens inline {a.sampled_token_ids} "
+            f"background {b.sampled_token_ids}"
         )
         pa, pb = a.omni_payloads, b.omni_payloads
         assert (pa is None) == (pb is None), f"C-50/C-52: step {step}: payload lists {pa} vs {pb}"

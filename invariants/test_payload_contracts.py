@@ -50,15 +50,19 @@ def thinker_feature(*, include_hidden: bool, full_prefix: bool, materialization:
         "downstream_needs_full_prefix": full_prefix,
         "materialization": materialization,
     }
-    return Feature(f"thinker-{include_hidden}-{full_prefix}", {"omni_stage": stage}, use_worker=True)
+    return Feature(
+        f"thinker-{include_hidden}-{full_prefix}", {"omni_stage": stage}, use_worker=True
+    )
 
 
 def check_token_only(workload: list[Job], *, subject=None, prefix: bool = True) -> int:
     subject = subject or WorkerSubject()
-    cfg_h = harness_config(thinker_feature(include_hidden=True, full_prefix=True), mode="sync",
-                           prefix=prefix)
-    cfg_t = harness_config(thinker_feature(include_hidden=False, full_prefix=False), mode="sync",
-                           prefix=prefix)
+    cfg_h = harness_config(
+        thinker_feature(include_hidden=True, full_prefix=True), mode="sync", prefix=prefix
+    )
+    cfg_t = harness_config(
+        thinker_feature(include_hidden=False, full_prefix=False), mode="sync", prefix=prefix
+    )
     execs = [CheckingExecutor(RunnerExec(subject.make_worker(c))) for c in (cfg_h, cfg_t)]
 
     def on_step(step, sched, so, outs) -> None:
@@ -142,8 +146,9 @@ def test_conditioning_survives_stale_reset():
     from invariants.strategies import FEATURES
 
     feat = FEATURES["hidden-inline"]
-    session = AuditedLockstep(harness_config(feat, mode="async", prefix=True), WorkerSubject(),
-                              use_worker=True)
+    session = AuditedLockstep(
+        harness_config(feat, mode="async", prefix=True), WorkerSubject(), use_worker=True
+    )
     session.apply(AddRequest("a", tuple(range(100, 130)), max_tokens=4, final_stage="talker"))
     session.apply(Step())
     session.apply(ResetPrefixCache(reset_running_requests=True))

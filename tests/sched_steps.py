@@ -68,3 +68,18 @@ def run_to_completion(scheduler, max_steps: int = 500, **kw) -> list:
             break
         results.append(step(scheduler, **kw))
     return results
+
+
+class FailMarkedRequests:
+    """A chunk processor whose send path breaks for requests whose id contains ``fail``.
+
+    Loaded by dotted path (``sched_steps.FailMarkedRequests``) from a stage config, the way a
+    real processor is, to drive the C-61 fault path through the unmodified runtime.
+    """
+
+    requires_token_updates = True
+
+    def __call__(self, request_id, payload, is_final, new_token_ids=None):
+        if "fail" in request_id and new_token_ids:
+            raise RuntimeError(f"{request_id}: injected processor fault")
+        return new_token_ids

@@ -54,8 +54,11 @@ MUTANT_SETTINGS = settings(
     database=None,
     deadline=None,
     print_blob=False,
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                           HealthCheck.filter_too_much],
+    suppress_health_check=[
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+        HealthCheck.filter_too_much,
+    ],
 )
 
 
@@ -80,8 +83,9 @@ def _machine_probe(feature_name: str, mode: str = "sync", prefix: bool = True):
 
         feat = FEATURES[feature_name]
         cfg = harness_config(feat, mode=mode, prefix=prefix)
-        machine = machine_class(LocalRecorder(subject), cfg, feat, subject=subject,
-                                name=f"mutant-{feature_name}")
+        machine = machine_class(
+            LocalRecorder(subject), cfg, feat, subject=subject, name=f"mutant-{feature_name}"
+        )
         outcome = run_machine(machine, MUTANT_SETTINGS)
         return outcome.error, outcome.ops
 
@@ -201,8 +205,15 @@ def run_mutant(mutant: Any, tmp: Path) -> Verdict:
     caught = error is not None and (
         any(c in message for c in clauses) or "first difference" in message
     )
-    return Verdict(mutant.name, mutant.clause, mutant.probe, caught, ops if error else None,
-                   message, time.monotonic() - start)
+    return Verdict(
+        mutant.name,
+        mutant.clause,
+        mutant.probe,
+        caught,
+        ops if error else None,
+        message,
+        time.monotonic() - start,
+    )
 
 
 _VERDICTS: dict[str, Verdict] = {}
@@ -213,11 +224,16 @@ def test_mutant_is_killed(name: str, tmp_path: Path) -> None:
     mutant = CATALOGUE.by_name(name)
     verdict = run_mutant(mutant, tmp_path)
     _VERDICTS[name] = verdict
-    print(f"\n{name} [{verdict.clause}] caught={verdict.caught} shrunk_ops={verdict.shrunk_ops} "
-          f"({verdict.seconds:.1f}s): {verdict.message}")
-    assert verdict.caught, f"mutant {name} ({mutant.clause}) survived its probe {mutant.probe}: {verdict.message}"
+    print(
+        f"\n{name} [{verdict.clause}] caught={verdict.caught} shrunk_ops={verdict.shrunk_ops} "
+        f"({verdict.seconds:.1f}s): {verdict.message}"
+    )
+    assert verdict.caught, (
+        f"mutant {name} ({mutant.clause}) survived its probe {mutant.probe}: {verdict.message}"
+    )
     assert verdict.shrunk_ops is not None and verdict.shrunk_ops <= MAX_SHRUNK_OPS, (
-        f"mutant {name}: counterexample of {verdict.shrunk_ops} operations (target <= {MAX_SHRUNK_OPS})"
+        f"mutant {name}: counterexample of {verdict.shrunk_ops} operations "
+        f"(target <= {MAX_SHRUNK_OPS})"
     )
 
 
@@ -245,6 +261,8 @@ def test_mutant_kill_table() -> None:
     print(f"\nmutant kill rate: {killed}/{len(rows)}")
     print(f"{'mutant':<36} {'clause':<10} {'caught':<7} {'shrunk':>6}  seconds")
     for v in rows:
-        print(f"{v.mutant:<36} {v.clause:<10} {str(v.caught):<7} {str(v.shrunk_ops):>6}  "
-              f"{v.seconds:6.1f}")
+        print(
+            f"{v.mutant:<36} {v.clause:<10} {str(v.caught):<7} {str(v.shrunk_ops):>6}  "
+            f"{v.seconds:6.1f}"
+        )
     assert killed == len(rows)

@@ -54,6 +54,9 @@ class OmniARScheduler(Scheduler):
         self._in_update = False
         # Requests being failed because their processor raised: their EOF skips the processor.
         self._failing: set[str] = set()
+        # Ids failed by the send path in the most recent update or finish call: per-step facts
+        # for audits (OMNI-ERR-001's condition), never per-request state kept past the step.
+        self._last_failed: set[str] = set()
 
     # ---- request lifecycle -------------------------------------------------------------
 
@@ -90,6 +93,7 @@ class OmniARScheduler(Scheduler):
         transfer = self.transfer
         if transfer is None:
             return super().update_from_output(scheduler_output, model_runner_output)
+        self._last_failed = set()
 
         # Capture omni metadata before upstream frees finished requests (C-42), and which
         # steps upstream is about to drop as stale (their payload must be dropped too).
@@ -189,6 +193,7 @@ class OmniARScheduler(Scheduler):
         assert self.transfer is not None
         if not failures:
             return outputs
+        self._last_failed = set(failures)
         live = [rid for rid in failures if rid in self.requests]
         self._failing.update(live)
         try:
@@ -224,6 +229,10 @@ class OmniARScheduler(Scheduler):
         return outputs
 
     # ---- introspection for audits ------------------------------------------------------
+
+    def omni_failed_request_ids(self) -> set[str]:
+        """Requests the send path failed in the most recent update or finish call (C-61)."""
+        return set(self._last_failed)
 
     def omni_request_ids(self) -> set[str]:
         """Ids that any omni per-request structure still holds (C-04: empty once all are gone)."""

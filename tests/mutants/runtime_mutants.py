@@ -190,9 +190,7 @@ def _send_from_worker() -> type:
             transfer = getattr(sched, "transfer", None)
             if transfer is not None:
                 for rid in list(self.requests)[:1]:
-                    transfer.sink.send(
-                        StageChunk(rid, "thinker", 10_000, (), None, None, False)
-                    )
+                    transfer.sink.send(StageChunk(rid, "thinker", 10_000, (), None, None, False))
             return super().collect_connector_output(*args, **kwargs)
 
     return SendFromWorker
@@ -236,6 +234,23 @@ def _payloads_on_empty_steps() -> type:
             self.builder.postprocess = _identity
 
     return PayloadsOnEmptySteps
+
+
+def _connector_collected_on_builder() -> type:
+    class ConnectorCollectedOnBuilder(_runner_base()):  # type: ignore[misc]
+        """C-54: connector output is (also) collected inside the payload build."""
+
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            build = self.builder.build
+
+            def build_and_collect(plan: Any, inputs: Any) -> Any:
+                self.collect_connector_output()
+                return build(plan, inputs)
+
+            self.builder.build = build_and_collect
+
+    return ConnectorCollectedOnBuilder
 
 
 def _identity(payload: Any) -> Any:
@@ -431,8 +446,9 @@ def _prefix_merge_missing_rows():
 def _background_no_snapshot() -> Iterator[None]:
     from omni_runtime.adapters.output import PayloadInputs, PayloadPlan
 
-    with _patch(PayloadPlan, "snapshot", lambda _o: lambda self: self), _patch(
-        PayloadInputs, "snapshot", lambda _o: lambda self: self
+    with (
+        _patch(PayloadPlan, "snapshot", lambda _o: lambda self: self),
+        _patch(PayloadInputs, "snapshot", lambda _o: lambda self: self),
     ):
         yield
 
@@ -462,73 +478,187 @@ def _send_from_worker_subject() -> Iterator[Any]:
 
 
 def _sub(**kw: Any) -> Callable[[], contextlib.AbstractContextManager[Any]]:
-    return lambda: _subject(_subject_with(**{k: (v() if k == "runner_cls" else v) for k, v in kw.items()}))
+    return lambda: _subject(
+        _subject_with(**{k: (v() if k == "runner_cls" else v) for k, v in kw.items()})
+    )
 
 
 MUTANTS: tuple[Mutant, ...] = (
-    Mutant("requeue_preempted_at_back", "C-01/C-07", "lockstep-off",
-           "preempted requests re-queued at the back of the waiting queue",
-           _sub(scheduler_mixin=RequeuePreemptedAtBack)),
-    Mutant("free_blocks_reversed", "C-05", "lockstep-off",
-           "a finished request's blocks freed in reverse (eviction) order",
-           _sub(scheduler_mixin=FreeBlocksReversed)),
-    Mutant("abort_keeps_omni_progress", "C-04", "lockstep-token-updates",
-           "transfer progress of a terminated request is not dropped", _abort_keeps_omni_progress),
-    Mutant("extra_request_attribute", "C-12", "lockstep-token-updates",
-           "the input adapter sets an undeclared attribute on Request", _extra_request_attribute),
-    Mutant("tensor_in_upstream_field", "C-11", "lockstep-token-updates",
-           "a tensor stashed in an upstream Request field (ec_transfer_params)",
-           _tensor_in_upstream_field),
-    Mutant("adapter_accepts_nan_embeds", "C-13", "malformed-inputs",
-           "NaN/inf prompt embeds are silently cleaned instead of rejected",
-           _adapter_accepts_nan_embeds),
-    Mutant("payload_built_in_scheduler", "C-10/C-11", "static-payload-builders",
-           "a StagePayload constructed in omni_runtime/sched (planted source)",
-           lambda: contextlib.nullcontext()),
-    Mutant("worker_extra_request", "C-20", "graph-independence",
-           "the runner returns a result for a request it was not given",
-           _sub(runner_cls=_worker_extra_request)),
-    Mutant("worker_missing_request", "C-20", "graph-independence",
-           "the runner drops the last scheduled request's result",
-           _sub(runner_cls=_worker_missing_request)),
-    Mutant("send_from_worker", "C-21", "lockstep-hidden-inline",
-           "the runner sends a chunk into the scheduler's sink", _send_from_worker_subject),
-    Mutant("runner_reads_stage_graph", "C-22", "graph-independence",
-           "sampled tokens depend on the stages that follow", _sub(runner_cls=_runner_reads_stage_graph)),
-    Mutant("token_only_builds_hidden", "C-30", "token-only",
-           "token-only mode still copies and delivers hidden rows",
-           _sub(runner_cls=_token_only_builds_hidden)),
-    Mutant("conditioning_dropped_token_only", "C-31", "token-only",
-           "token-only mode drops the prefill conditioning",
-           _sub(runner_cls=_conditioning_dropped_token_only)),
-    Mutant("truthy_token_updates", "C-40/C-41", "chunk-contracts",
-           "transfer fires on a truthy (not True) requires_token_updates", _truthy_token_updates),
-    Mutant("final_stage_request_sends", "C-42", "chunk-contracts",
-           "a request final at this stage gets an EOF delivery on free",
-           _sub(scheduler_mixin=FinalStageRequestSends)),
-    Mutant("no_eof_when_processor_returns_none", "C-43", "chunk-contracts",
-           "no EOF chunk when the processor returns None at EOF",
-           _no_eof_when_processor_returns_none),
-    Mutant("double_eof_on_abort", "C-43", "chunk-contracts",
-           "an aborted request gets two EOF deliveries", _double_eof_on_abort),
-    Mutant("ids_not_copied", "C-44", "chunk-contracts",
-           "the processor is handed upstream's own id list, not a copy", _ids_not_copied),
-    Mutant("redelivery_after_preemption", "C-45", "chunk-contracts",
-           "payload rows already delivered are not trimmed after preemption/recompute",
-           _redelivery_after_preemption),
-    Mutant("payloads_on_empty_steps", "C-50", "token-only",
-           "payload objects built on steps with nothing to deliver",
-           _sub(runner_cls=_payloads_on_empty_steps)),
-    Mutant("payload_slot_shifted", "C-51", "token-only",
-           "empty payload slots are compacted, shifting later payloads", _payload_slot_shifted),
-    Mutant("background_no_snapshot", "C-52/C-53", "inline-vs-background",
-           "the background builder reads live runner buffers without a snapshot",
-           _background_no_snapshot),
-    Mutant("builder_error_swallowed", "C-54", "builder-errors",
-           "a background builder exception is swallowed", _builder_error_swallowed),
-    Mutant("prefix_merge_missing_rows", "C-55", "lockstep-hidden-inline",
-           "a prefix-cache hit delivers no rows for its cached prompt positions",
-           _prefix_merge_missing_rows),
+    Mutant(
+        "requeue_preempted_at_back",
+        "C-01/C-07",
+        "lockstep-off",
+        "preempted requests re-queued at the back of the waiting queue",
+        _sub(scheduler_mixin=RequeuePreemptedAtBack),
+    ),
+    Mutant(
+        "free_blocks_reversed",
+        "C-05",
+        "lockstep-off",
+        "a finished request's blocks freed in reverse (eviction) order",
+        _sub(scheduler_mixin=FreeBlocksReversed),
+    ),
+    Mutant(
+        "abort_keeps_omni_progress",
+        "C-04",
+        "lockstep-token-updates",
+        "transfer progress of a terminated request is not dropped",
+        _abort_keeps_omni_progress,
+    ),
+    Mutant(
+        "extra_request_attribute",
+        "C-12",
+        "lockstep-token-updates",
+        "the input adapter sets an undeclared attribute on Request",
+        _extra_request_attribute,
+    ),
+    Mutant(
+        "tensor_in_upstream_field",
+        "C-11",
+        "lockstep-token-updates",
+        "a tensor stashed in an upstream Request field (ec_transfer_params)",
+        _tensor_in_upstream_field,
+    ),
+    Mutant(
+        "adapter_accepts_nan_embeds",
+        "C-13",
+        "malformed-inputs",
+        "NaN/inf prompt embeds are silently cleaned instead of rejected",
+        _adapter_accepts_nan_embeds,
+    ),
+    Mutant(
+        "payload_built_in_scheduler",
+        "C-10/C-11",
+        "static-payload-builders",
+        "a StagePayload constructed in omni_runtime/sched (planted source)",
+        lambda: contextlib.nullcontext(),
+    ),
+    Mutant(
+        "worker_extra_request",
+        "C-20",
+        "graph-independence",
+        "the runner returns a result for a request it was not given",
+        _sub(runner_cls=_worker_extra_request),
+    ),
+    Mutant(
+        "worker_missing_request",
+        "C-20",
+        "graph-independence",
+        "the runner drops the last scheduled request's result",
+        _sub(runner_cls=_worker_missing_request),
+    ),
+    Mutant(
+        "send_from_worker",
+        "C-21",
+        "lockstep-hidden-inline",
+        "the runner sends a chunk into the scheduler's sink",
+        _send_from_worker_subject,
+    ),
+    Mutant(
+        "runner_reads_stage_graph",
+        "C-22",
+        "graph-independence",
+        "sampled tokens depend on the stages that follow",
+        _sub(runner_cls=_runner_reads_stage_graph),
+    ),
+    Mutant(
+        "token_only_builds_hidden",
+        "C-30",
+        "token-only",
+        "token-only mode still copies and delivers hidden rows",
+        _sub(runner_cls=_token_only_builds_hidden),
+    ),
+    Mutant(
+        "conditioning_dropped_token_only",
+        "C-31",
+        "token-only",
+        "token-only mode drops the prefill conditioning",
+        _sub(runner_cls=_conditioning_dropped_token_only),
+    ),
+    Mutant(
+        "truthy_token_updates",
+        "C-40/C-41",
+        "chunk-contracts",
+        "transfer fires on a truthy (not True) requires_token_updates",
+        _truthy_token_updates,
+    ),
+    Mutant(
+        "final_stage_request_sends",
+        "C-42",
+        "chunk-contracts",
+        "a request final at this stage gets an EOF delivery on free",
+        _sub(scheduler_mixin=FinalStageRequestSends),
+    ),
+    Mutant(
+        "no_eof_when_processor_returns_none",
+        "C-43",
+        "chunk-contracts",
+        "no EOF chunk when the processor returns None at EOF",
+        _no_eof_when_processor_returns_none,
+    ),
+    Mutant(
+        "double_eof_on_abort",
+        "C-43",
+        "chunk-contracts",
+        "an aborted request gets two EOF deliveries",
+        _double_eof_on_abort,
+    ),
+    Mutant(
+        "ids_not_copied",
+        "C-44",
+        "chunk-contracts",
+        "the processor is handed upstream's own id list, not a copy",
+        _ids_not_copied,
+    ),
+    Mutant(
+        "redelivery_after_preemption",
+        "C-45",
+        "chunk-contracts",
+        "payload rows already delivered are not trimmed after preemption/recompute",
+        _redelivery_after_preemption,
+    ),
+    Mutant(
+        "payloads_on_empty_steps",
+        "C-50",
+        "token-only",
+        "payload objects built on steps with nothing to deliver",
+        _sub(runner_cls=_payloads_on_empty_steps),
+    ),
+    Mutant(
+        "payload_slot_shifted",
+        "C-51",
+        "token-only",
+        "empty payload slots are compacted, shifting later payloads",
+        _payload_slot_shifted,
+    ),
+    Mutant(
+        "background_no_snapshot",
+        "C-52/C-53",
+        "inline-vs-background",
+        "the background builder reads live runner buffers without a snapshot",
+        _background_no_snapshot,
+    ),
+    Mutant(
+        "connector_collected_on_builder",
+        "C-54",
+        "builder-errors",
+        "connector output collected on the background builder thread",
+        _sub(runner_cls=_connector_collected_on_builder),
+    ),
+    Mutant(
+        "builder_error_swallowed",
+        "C-54",
+        "builder-errors",
+        "a background builder exception is swallowed",
+        _builder_error_swallowed,
+    ),
+    Mutant(
+        "prefix_merge_missing_rows",
+        "C-55",
+        "lockstep-hidden-inline",
+        "a prefix-cache hit delivers no rows for its cached prompt positions",
+        _prefix_merge_missing_rows,
+    ),
 )
 
 
