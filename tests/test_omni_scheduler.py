@@ -350,3 +350,29 @@ def test_processor_fault_on_the_terminal_step_still_ends_once():  # C-43, C-61
     eofs = [c for c in sched.transfer.sink.drain() if c.is_final]
     assert [(c.request_id, c.finish_reason, c.data) for c in eofs] == [("a", "error", None)]
     assert sched.omni_request_ids() == set() and not sched.has_requests()
+
+
+def test_declared_scheduler_attributes_are_exactly_what_is_added():  # C-12
+    up = build_scheduler(Scheduler, omni_cfg())
+    om = make()
+    from omni_runtime.sched import DECLARED_SCHEDULER_ATTRIBUTES
+
+    assert set(vars(om)) - set(vars(up)) == set(DECLARED_SCHEDULER_ATTRIBUTES)
+
+
+def test_conditioning_crosses_when_processor_has_nothing_yet():  # C-31
+    streamer = CodecTokenStreamer(chunk_size=8)
+    sched = make(processor=streamer)
+    add(sched, "a", list(range(10, 30)), max_tokens=3)
+
+    def conditioning_on_prefill(rid, start, n):
+        if start == 0:
+            return StagePayload(rid, start, n, hidden=None, conditioning=torch.ones(4))
+        return None
+
+    run_to_completion(sched, payload=conditioning_on_prefill)
+    sent = chunks(sched)
+    carried = [c for c in sent if c.payload is not None and c.payload.conditioning is not None]
+    assert len(carried) == 1 and carried[0].data is None and not carried[0].is_final
+    assert sent[-1].is_final and sent[-1].data.tolist() == [token_of("a", p) for p in range(20, 23)
+                                                           if token_of("a", p) < 256]

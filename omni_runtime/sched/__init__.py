@@ -9,7 +9,19 @@ from omni_runtime.sched.transfer import (
     requires_token_updates,
 )
 
+# Attributes the omni schedulers add to upstream's (C-12); the invariant audit compares a live
+# scheduler's attribute set against upstream's plus exactly these.
+DECLARED_SCHEDULER_ATTRIBUTES: tuple[str, ...] = (
+    "omni_stage",
+    "transfer",
+    "_freed_in_update",
+    "_in_update",
+    "_failing",
+    "_last_failed",
+)
+
 __all__ = [
+    "DECLARED_SCHEDULER_ATTRIBUTES",
     "ChunkSink",
     "ChunkTransferAdapter",
     "OmniARAsyncScheduler",

@@ -181,7 +181,9 @@ class ChunkTransferAdapter:
                 self.failures[request_id] = exc
                 self.progress.pop(request_id, None)
                 return None
-            if data is None and not is_final:
+            # "Nothing to send" only holds for the processor's own data: tensors the payload
+            # carries (prefill conditioning, multimodal outputs) still cross (C-31).
+            if data is None and not is_final and not (payload is not None and payload.has_tensors):
                 return None
         token_ids = tuple(new_token_ids)
         chunk = StageChunk(
