@@ -22,7 +22,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import msgspec
-
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.core.sched.scheduler import Scheduler
