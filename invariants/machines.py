@@ -628,6 +628,8 @@ class InvariantMachine(LockstepMachine):
         # counts. Unless the seed is pinned, abort the subset one id at a time (same ids, same
         # step), so verdicts and step counts are identical run to run.
         for rid in ids:
+            if self.session.failure is not None:
+                return
             self.session.apply(Abort((rid,)))
 
     def _fail_on_problems(self) -> None:
@@ -690,6 +692,21 @@ def machine_class(
             "name": label,
         },
     )
+
+
+def examples(at_ci: int) -> int:
+    """``at_ci`` examples under the ``ci`` profile, scaled with the loaded profile (``thorough``
+    runs ten times as many), so the suite's budget is set here, per property."""
+    try:
+        from conformance.plugin import CI_EXAMPLES
+    except ImportError:  # pragma: no cover - the plugin ships with the harness
+        CI_EXAMPLES = 20
+    return max(1, round(at_ci * settings.default.max_examples / CI_EXAMPLES))
+
+
+def suite_settings(at_ci: int, **kw: Any) -> settings:
+    """The loaded profile with this property's example count (and no example database)."""
+    return settings(settings.default, max_examples=examples(at_ci), database=None, **kw)
 
 
 @dataclass

@@ -109,12 +109,6 @@ FEATURES: dict[str, Feature] = {
             final_stages=(None, "thinker", "code2wav"),
             use_worker=True,
         ),
-        Feature(
-            "token-only-inline",
-            {"omni_stage": _thinker_stage(include_hidden=False, materialization="inline")},
-            final_stages=(None, "thinker", "code2wav"),
-            use_worker=True,
-        ),
     )
 }
 

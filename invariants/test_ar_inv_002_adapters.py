@@ -31,9 +31,15 @@ import ast
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import given
 
-from invariants.machines import WorkerSubject, harness_config, machine_class, run_machine
+from invariants.machines import (
+    WorkerSubject,
+    harness_config,
+    machine_class,
+    run_machine,
+    suite_settings,
+)
 from invariants.strategies import FEATURES, Malformed, malformed_inputs
 
 pytestmark = [pytest.mark.invariants]
@@ -52,7 +58,7 @@ def test_runtime_audit(conformance, mode):
     machine = machine_class(
         conformance, cfg, feat, subject=WorkerSubject(), name=f"AR-INV-002-{mode}"
     )
-    outcome = run_machine(machine, settings(settings.default, database=None))
+    outcome = run_machine(machine, suite_settings(10))
     if outcome.error is not None:
         raise outcome.error
 
@@ -141,7 +147,7 @@ def check_wellformed_accepted() -> None:
 def test_malformed_inputs_rejected_at_adapter():
     check_wellformed_accepted()
 
-    @settings(settings.default, max_examples=settings.default.max_examples * 10, database=None)
+    @suite_settings(200)
     @given(malformed_inputs())
     def prop(case: Malformed) -> None:
         check_malformed(case)

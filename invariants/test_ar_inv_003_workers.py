@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 
 from invariants.machines import (
     CheckingExecutor,
@@ -35,6 +35,7 @@ from invariants.machines import (
     WorkerSubject,
     drive_runners,
     harness_config,
+    suite_settings,
 )
 from invariants.strategies import FEATURES, STAGES, Feature, Job, jobs
 
@@ -122,7 +123,7 @@ def check_graph_independence(workload: list[Job], *, include_hidden: bool, subje
 def test_results_independent_of_stage_graph(conformance, include_hidden):
     total = [0]
 
-    @settings(settings.default, database=None)
+    @suite_settings(15)
     @given(jobs)
     def prop(workload: list[Job]) -> None:
         total[0] += check_graph_independence(workload, include_hidden=include_hidden)

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import settings
 from hypothesis.stateful import initialize
 
 from invariants.machines import (
@@ -43,6 +42,7 @@ from invariants.machines import (
     harness_config,
     machine_class,
     run_machine,
+    suite_settings,
 )
 from invariants.strategies import (
     FEATURES,
@@ -164,7 +164,6 @@ def chunk_machine(recorder, mode: str, *, subject=None, name: str = "chunk") -> 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_chunk_contracts(conformance, mode):
     machine = chunk_machine(conformance, mode, name=f"chunk-{mode}")
-    s = settings.default
-    outcome = run_machine(machine, settings(s, max_examples=s.max_examples * 3, database=None))
+    outcome = run_machine(machine, suite_settings(30))
     if outcome.error is not None:
         raise outcome.error

@@ -32,9 +32,15 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 
-from invariants.machines import RunnerExec, WorkerSubject, drive_runners, harness_config
+from invariants.machines import (
+    RunnerExec,
+    WorkerSubject,
+    drive_runners,
+    harness_config,
+    suite_settings,
+)
 from invariants.strategies import STAGES, Feature, Job, jobs
 
 pytestmark = [pytest.mark.invariants]
@@ -118,7 +124,7 @@ def check_inline_equals_background(workload: list[Job], *, subject=None) -> int:
     inline = subject.make_worker(cfg_i)
     background = subject.make_worker(cfg_b)
     background.materializer._executor = DeferredPool
-    execs = [RunnerExec(inline, scribble), RunnerExec(background, scribble)]
+    execs = [RunnerExec(inline, scribble), _Checked(RunnerExec(background, scribble))]
 
     def on_step(step, sched, so, outs) -> None:
         a, b = outs
@@ -144,11 +150,27 @@ def check_inline_equals_background(workload: list[Job], *, subject=None) -> int:
         background.shutdown()
 
 
+class _Checked:
+    """A build that crashes on overwritten buffers is a C-52/C-53 violation, not a test error."""
+
+    def __init__(self, inner: RunnerExec) -> None:
+        self.inner = inner
+
+    def execute(self, so):
+        try:
+            return self.inner.execute(so)
+        except (IndexError, RuntimeError, ValueError) as exc:
+            raise AssertionError(
+                f"C-52/C-53: the background build failed after the runner reused its buffers: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
+
 @pytest.mark.clauses("C-50", "C-52", "C-53")
 def test_inline_equals_background_under_buffer_reuse():
     total = [0]
 
-    @settings(settings.default, max_examples=settings.default.max_examples * 2, database=None)
+    @suite_settings(30)
     @given(jobs)
     def prop(workload: list[Job]) -> None:
         total[0] += check_inline_equals_background(workload)
@@ -227,7 +249,7 @@ class _Stop(Exception):
 def test_builder_thread_and_errors():
     from hypothesis import strategies as st
 
-    @settings(settings.default, database=None)
+    @suite_settings(20)
     @given(jobs, st.integers(1, 6))
     def prop(workload: list[Job], fail_at: int) -> None:
         check_threads_and_errors(workload, fail_at)

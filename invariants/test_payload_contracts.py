@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import given
 
 from invariants.machines import (
     CheckingExecutor,
@@ -35,6 +35,7 @@ from invariants.machines import (
     WorkerSubject,
     drive_runners,
     harness_config,
+    suite_settings,
 )
 from invariants.strategies import STAGES, Feature, Job, jobs
 
@@ -127,7 +128,7 @@ def check_token_only(workload: list[Job], *, subject=None, prefix: bool = True) 
 def test_token_only_payloads(prefix):
     total = [0]
 
-    @settings(settings.default, max_examples=settings.default.max_examples * 2, database=None)
+    @suite_settings(20)
     @given(jobs)
     def prop(workload: list[Job]) -> None:
         total[0] += check_token_only(workload, prefix=prefix)

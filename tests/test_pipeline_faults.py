@@ -46,7 +46,7 @@ def terminal_counts(events) -> Counter[str]:
 
 def assert_clean(p: OmniPipeline) -> None:
     p.drain()
-    assert p.is_clean(), p.leftovers()
+    assert p.is_clean(), repr(p.leftovers())
     for engine in p.orchestrator.engines.values():
         assert engine.num_free_blocks() == engine.initial_free_blocks
 

@@ -405,6 +405,9 @@ class Orchestrator:
             )
             track.held_codes.clear()
             chunk = replace(chunk, data=codes)
+        elif chunk.data is None and not chunk.is_final:
+            # A payload-only delivery (the talker's prefill conditioning, C-31): no codes to decode.
+            return
         try:
             audio = self.code2wav.push(chunk)
         except Exception as exc:  # a decoder fault ends only this request (C-61)

@@ -16,7 +16,6 @@ DECLARED_SCHEDULER_ATTRIBUTES: tuple[str, ...] = (
     "transfer",
     "_freed_in_update",
     "_in_update",
-    "_failing",
     "_last_failed",
 )
 

@@ -51,8 +51,6 @@ class OmniARScheduler(Scheduler):
         # delivery is decided after upstream has finished its pass.
         self._freed_in_update: dict[str, tuple[OmniRequestState, str]] = {}
         self._in_update = False
-        # Requests being failed because their processor raised: their EOF skips the processor.
-        self._failing: set[str] = set()
         # Ids failed by the send path in the most recent update or finish call: per-step facts
         # for audits (OMNI-ERR-001's condition), never per-request state kept past the step.
         self._last_failed: set[str] = set()
@@ -68,12 +66,7 @@ class OmniARScheduler(Scheduler):
                 if self._in_update:
                     self._freed_in_update[request.request_id] = (state, reason)
                 else:
-                    self.transfer.on_terminated(
-                        request.request_id,
-                        state,
-                        reason,
-                        call_processor=request.request_id not in self._failing,
-                    )
+                    self.transfer.on_terminated(request.request_id, state, reason)
         return result
 
     def finish_requests(
@@ -151,7 +144,7 @@ class OmniARScheduler(Scheduler):
         if sent:
             outputs = self._attach_chunk_refs(outputs, by_id, sent)
         if failures:
-            self._fail_requests_of(failures, outputs, captured)
+            self._fail_requests_of(failures, outputs)
         return outputs
 
     def _attach_chunk_refs(
@@ -181,26 +174,23 @@ class OmniARScheduler(Scheduler):
         self,
         failures: dict[str, BaseException],
         outputs: dict[int, EngineCoreOutputs] | None = None,
-        captured: dict[str, OmniRequestState] | None = None,
     ) -> dict[int, EngineCoreOutputs] | None:
         """Finish, with an error reason, the requests whose processor or connector raised (C-61).
 
-        A live request is finished as upstream finishes any errored request; one that already
-        ended on this very step (its terminal delivery is what failed) gets its output's finish
-        reason turned into an error and a bare EOF, so downstream still sees exactly one end.
+        A live request is finished as upstream finishes any errored request (its EOF, with the
+        processor given the chance to release its buffers, goes out through ``_free_request``).
+        One that already ended on this very step (its terminal delivery is what failed) keeps the
+        bare EOF the adapter sent, and its output's finish reason becomes an error.
         """
         assert self.transfer is not None
         if not failures:
             return outputs
         self._last_failed = set(failures)
         live = [rid for rid in failures if rid in self.requests]
-        self._failing.update(live)
-        try:
-            errored = super().finish_requests(live, RequestStatus.FINISHED_ERROR)
-        finally:
-            self._failing.clear()
+        errored = super().finish_requests(live, RequestStatus.FINISHED_ERROR)
+        # The error EOF itself may fail on a broken connector; it is not retried.
+        self.transfer.take_failures()
         if outputs is None:
-            self.transfer.take_failures()
             return None
         for request in errored:
             outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(
@@ -211,20 +201,11 @@ class OmniARScheduler(Scheduler):
                     trace_headers=request.trace_headers,
                 )
             )
-        ended = {rid for rid in failures if rid not in self.requests and rid not in live}
-        if ended:
-            for eco in outputs.values():
-                for i, out in enumerate(eco.outputs):
-                    if out.request_id in ended and out.finish_reason is not None:
-                        eco.outputs[i] = msgspec.structs.replace(
-                            out, finish_reason=FinishReason.ERROR
-                        )
-            for rid in ended:
-                state = (captured or {}).get(rid)
-                if state is not None:
-                    self.transfer.on_terminated(rid, state, "error", call_processor=False)
-        # The error EOF itself may fail on a broken connector; it is not retried.
-        self.transfer.take_failures()
+        ended = set(failures) - set(live)
+        for eco in outputs.values():
+            for i, out in enumerate(eco.outputs):
+                if out.request_id in ended and out.finish_reason is not None:
+                    eco.outputs[i] = msgspec.structs.replace(out, finish_reason=FinishReason.ERROR)
         return outputs
 
     # ---- introspection for audits ------------------------------------------------------

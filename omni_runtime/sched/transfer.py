@@ -141,22 +141,13 @@ class ChunkTransferAdapter:
         return self._deliver(request_id, prog, new_token_ids, payload, finish_reason)
 
     def on_terminated(
-        self,
-        request_id: str,
-        state: OmniRequestState,
-        finish_reason: str,
-        *,
-        call_processor: bool = True,
+        self, request_id: str, state: OmniRequestState, finish_reason: str
     ) -> StageChunk | None:
-        """A request left the scheduler outside a model step (abort, error): its EOF delivery.
-
-        ``call_processor=False`` sends a bare EOF: used when the processor itself is what failed,
-        so calling it again would only fail again.
-        """
+        """A request left the scheduler outside a model step (abort, error): its EOF delivery."""
         if not state.has_downstream:
             return None
         prog = self.progress.get(request_id) or TransferProgress()
-        return self._deliver(request_id, prog, [], None, finish_reason, call_processor)
+        return self._deliver(request_id, prog, [], None, finish_reason)
 
     def _deliver(
         self,
@@ -165,11 +156,10 @@ class ChunkTransferAdapter:
         new_token_ids: list[int],
         payload: StagePayload | None,
         finish_reason: str | None,
-        call_processor: bool = True,
     ) -> StageChunk | None:
         is_final = finish_reason is not None
         data: Any = payload
-        processor = self.processor if call_processor else None
+        processor = self.processor
         if processor is not None:
             try:
                 if self._pass_ids:
@@ -179,8 +169,13 @@ class ChunkTransferAdapter:
                     data = processor(request_id, payload, is_final)
             except Exception as exc:  # a processor fault fails only its own request (C-61)
                 self.failures[request_id] = exc
-                self.progress.pop(request_id, None)
-                return None
+                if not is_final:
+                    self.progress.pop(request_id, None)
+                    return None
+                # The terminal delivery still happens, bare: downstream must see the end (C-43).
+                data = None
+                if finish_reason != "abort":
+                    finish_reason = "error"
             # "Nothing to send" only holds for the processor's own data: tensors the payload
             # carries (prefill conditioning, multimodal outputs) still cross (C-31).
             if data is None and not is_final and not (payload is not None and payload.has_tensors):
