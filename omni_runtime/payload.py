@@ -140,4 +140,4 @@ class OmniEngineCoreOutputs(
 def omni_output_from(base: EngineCoreOutput, refs: list[str] | None, eof: bool) -> OmniEngineCoreOutput:
     """Copy an upstream output into its omni form, field for field."""
     # Positional construction from astuple is the cheap path (C-level) on every chunk step.
-    return OmniEngineCoreOutput(*msgspec.structs.astuple(base), refs, eof)
+    return OmniEngineCoreOutput(*msgspec.structs.astuple(base), refs, eof)  # type: ignore[call-arg]
