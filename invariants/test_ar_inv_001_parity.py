@@ -44,8 +44,8 @@ pytestmark = [pytest.mark.invariants]
 # Examples per parametrisation under the ci profile (scaled by the profile: thorough is 10x):
 # the token-source features are cheap, the real-runner features cost a model forward per step.
 # Together they compare well over 20,000 lock-step steps within the ci time budget.
-CI_EXAMPLES = {"off": 20, "token-updates": 20}
-CI_EXAMPLES_WORKER = 6
+CI_EXAMPLES = {"off": 50, "token-updates": 50}
+CI_EXAMPLES_WORKER = 12
 
 
 @pytest.mark.clauses(

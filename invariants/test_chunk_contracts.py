@@ -164,6 +164,6 @@ def chunk_machine(recorder, mode: str, *, subject=None, name: str = "chunk") -> 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_chunk_contracts(conformance, mode):
     machine = chunk_machine(conformance, mode, name=f"chunk-{mode}")
-    outcome = run_machine(machine, suite_settings(30))
+    outcome = run_machine(machine, suite_settings(40))
     if outcome.error is not None:
         raise outcome.error
