@@ -26,7 +26,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-import torch
 from hypothesis import given
 
 from invariants.machines import (
@@ -38,6 +37,7 @@ from invariants.machines import (
     suite_settings,
 )
 from invariants.strategies import FEATURES, STAGES, Feature, Job, jobs
+from omni_runtime.payload import same_payload
 
 pytestmark = [pytest.mark.invariants]
 
@@ -71,19 +71,6 @@ def graph_feature(graph: str, *, include_hidden: bool) -> Feature:
         **GRAPHS[graph],
     }
     return Feature(f"graph-{graph}", {"omni_stage": stage}, use_worker=True)
-
-
-def same_payload(a, b) -> bool:
-    if a is None or b is None:
-        return a is b
-    if (a.request_id, a.start, a.num_tokens) != (b.request_id, b.start, b.num_tokens):
-        return False
-    for x, y in ((a.hidden, b.hidden), (a.conditioning, b.conditioning)):
-        if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
-            return False
-    return set(a.multimodal) == set(b.multimodal) and all(
-        torch.equal(a.multimodal[k], b.multimodal[k]) for k in a.multimodal
-    )
 
 
 def check_graph_independence(workload: list[Job], *, include_hidden: bool, subject=None) -> int:

@@ -42,6 +42,7 @@ from invariants.machines import (
     suite_settings,
 )
 from invariants.strategies import STAGES, Feature, Job, jobs
+from omni_runtime.payload import same_payload
 
 pytestmark = [pytest.mark.invariants]
 
@@ -104,19 +105,6 @@ def scribble(runner) -> None:
             buf.fill_(float("nan"))
 
 
-def _same(a, b) -> bool:
-    if a is None or b is None:
-        return a is b
-    if (a.request_id, a.start, a.num_tokens) != (b.request_id, b.start, b.num_tokens):
-        return False
-    for x, y in ((a.hidden, b.hidden), (a.conditioning, b.conditioning)):
-        if (x is None) != (y is None) or (x is not None and not torch.equal(x, y)):
-            return False
-    return set(a.multimodal) == set(b.multimodal) and all(
-        torch.equal(a.multimodal[k], b.multimodal[k]) for k in a.multimodal
-    )
-
-
 def check_inline_equals_background(workload: list[Job], *, subject=None) -> int:
     subject = subject or WorkerSubject()
     cfg_i = harness_config(stage_feature("inline"), mode="sync", prefix=True)
@@ -138,7 +126,7 @@ def check_inline_equals_background(workload: list[Job], *, subject=None) -> int:
             return
         assert len(pa) == len(a.req_ids) and len(pb) == len(b.req_ids), "C-53: slots != req_ids"
         for rid, x, y in zip(a.req_ids, pa, pb, strict=True):
-            assert _same(x, y), f"C-52: step {step}: {rid}'s payload differs inline vs background"
+            assert same_payload(x, y), f"C-52: step {step}: {rid}'s payload differs inline vs background"
             assert x is None or not torch.isnan(x.hidden).any(), (
                 f"C-53: step {step}: inline payload of {rid} read an overwritten buffer"
             )
