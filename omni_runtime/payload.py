@@ -52,26 +52,22 @@ class StagePayload:
         return total
 
     def trimmed_before(self, position: int) -> StagePayload | None:
-        """The payload without rows for positions before ``position`` (already delivered)."""
-        if position <= self.start:
+        """The payload without rows for positions before ``position`` (already delivered).
+
+        None when nothing is left: no hidden row past ``position`` and no other tensor.
+        """
+        drop = min(max(0, position - self.start), self.num_tokens)
+        if drop == 0:
             return self
-        drop = position - self.start
-        if self.hidden is None or drop >= self.num_tokens:
-            if self.hidden is not None and not self.multimodal and self.conditioning is None:
+        hidden = None if self.hidden is None else self.hidden[drop:]
+        if hidden is not None and hidden.shape[0] == 0 and not self.multimodal:
+            if self.conditioning is None:
                 return None
-            return StagePayload(
-                self.request_id,
-                position,
-                max(0, self.num_tokens - drop),
-                None if self.hidden is None else self.hidden[:0],
-                self.multimodal,
-                self.conditioning,
-            )
         return StagePayload(
             self.request_id,
-            position,
+            self.start + drop,
             self.num_tokens - drop,
-            self.hidden[drop:],
+            hidden,
             self.multimodal,
             self.conditioning,
         )

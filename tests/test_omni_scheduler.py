@@ -233,22 +233,12 @@ def test_no_redelivery_after_preemption_and_recompute():  # C-45
     results = run_to_completion(sched, payload=hidden_payload)
     preempted = any(so.preempted_req_ids for so, _ in results)
     assert preempted, "workload must force a preemption"
+    sent = chunks(sched)
     for rid in ("x", "y"):
-        rows = [c.payload.hidden[:, 0] for c in chunks_cache(sched, rid) if c.payload is not None]
+        rows = [c.payload.hidden[:, 0] for c in sent if c.request_id == rid and c.payload is not None]
         positions = torch.cat(rows).tolist() if rows else []
         assert positions == sorted(set(positions)), f"{rid}: a position was delivered twice"
         assert positions == list(map(float, range(len(positions))))
-
-
-_cache: dict = {}
-
-
-def chunks_cache(sched, rid):
-    key = id(sched)
-    if key not in _cache:
-        _cache.clear()
-        _cache[key] = sched.transfer.sink.drain()
-    return [c for c in _cache[key] if c.request_id == rid]
 
 
 def test_chunk_refs_ride_on_engine_core_outputs():  # C-02, OMNI-OUT-001

@@ -110,16 +110,17 @@ class OmniARScheduler(Scheduler):
         if not captured and not self._freed_in_update:
             return outputs
 
-        by_id: dict[str, tuple[int, int, EngineCoreOutput]] = {}
-        for client, eco in outputs.items():
-            for i, emitted in enumerate(eco.outputs):
-                by_id[emitted.request_id] = (client, i, emitted)
+        by_id: dict[str, tuple[int, EngineCoreOutput]] = {
+            emitted.request_id: (client, emitted)
+            for client, eco in outputs.items()
+            for emitted in eco.outputs
+        }
         payloads = payloads_by_request(model_runner_output)
         freed = self._freed_in_update
         sent: dict[str, StageChunk] = {}
         for req_id, state in captured.items():
             entry = by_id.get(req_id)
-            out: EngineCoreOutput | None = entry[2] if entry is not None else None
+            out: EngineCoreOutput | None = entry[1] if entry is not None else None
             if req_id in dropped and out is None:
                 continue
             # Upstream's own list; the adapter copies before anything can keep it (C-44).
@@ -150,7 +151,7 @@ class OmniARScheduler(Scheduler):
     def _attach_chunk_refs(
         self,
         outputs: dict[int, EngineCoreOutputs],
-        by_id: dict[str, tuple[int, int, EngineCoreOutput]],
+        by_id: dict[str, tuple[int, EngineCoreOutput]],
         sent: dict[str, StageChunk],
     ) -> dict[int, EngineCoreOutputs]:
         rebuilt: dict[int, EngineCoreOutputs] = {}

@@ -94,7 +94,6 @@ class TransferProgress:
 
     next_seq: int = 0
     delivered_positions: int = 0
-    delivered_tokens: int = 0
 
 
 class ChunkTransferAdapter:
@@ -192,7 +191,6 @@ class ChunkTransferAdapter:
             finish_reason=finish_reason,
         )
         prog.next_seq += 1
-        prog.delivered_tokens += len(token_ids)
         if payload is not None and payload.hidden is not None:
             prog.delivered_positions = max(prog.delivered_positions, payload.start + payload.num_tokens)
         if is_final:
