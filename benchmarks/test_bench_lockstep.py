@@ -22,9 +22,10 @@ import pytest
 from conformance.config import HarnessConfig
 from conformance.driver import make_driver
 from conformance.lockstep import Lockstep
-from conformance.subjects import OmniSubject, UpstreamSubject
+from conformance.subjects import UpstreamSubject
 from conformance.tokens import DeterministicTokenSource
 from conformance.workload import AddRequest, Step
+from omni_runtime.conformance_subject import OmniSubject
 
 CFG = HarnessConfig(num_blocks=128, max_num_seqs=16, max_num_batched_tokens=512)
 ROUNDS = 60

@@ -7,12 +7,18 @@ structures, a downstream outbox to drain and a real worker. ``BaseSubject`` impl
 hook the way upstream vLLM behaves, so a new runtime overrides only what it changes (see
 ``docs/adopting-the-gate.md``).
 
+What a subject can be checked for beyond lock-step parity it declares through the capability
+hooks (``declared_attributes``, ``chunk_delivery``, ``source_layout``, ``input_adapter``,
+``runner_probes``, ``model_reference``; the vocabulary is ``conformance.capabilities``). Each
+returns None in ``BaseSubject``: not provided, so the tests that need it are not applicable.
+
 Subjects are found, in this order, by:
 * a ``module:attr`` spec (the attribute is a ``Subject``, a ``Subject`` class or a factory);
-* the entry-point group ``omni_conformance.subjects`` (same three shapes);
-* the built-ins ``upstream`` (vLLM itself, the oracle) and ``omni`` (this repository's runtime),
-  which work without any entry point installed.
-Nothing in the harness imports ``omni_runtime`` except ``OmniSubject`` below.
+* the entry-point group ``omni_conformance.subjects`` (same three shapes; this repository's own
+  runtime registers ``omni`` and ``omni-scheduler`` there, like any other runtime);
+* the built-in ``upstream`` (vLLM itself, the oracle).
+Loading a subject must not change vLLM: ``conformance.pristine`` refuses one whose import
+patches vLLM's scheduler, request, KV-cache or output classes. The harness imports no runtime.
 """
 
 from __future__ import annotations
@@ -24,6 +30,14 @@ from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
+from conformance.capabilities import (
+    ChunkDelivery,
+    DeclaredAttributes,
+    InputAdapterProbe,
+    ModelReference,
+    RunnerProbes,
+    SourceLayout,
+)
 from conformance.config import HarnessConfig, block_hasher, build_scheduler
 from conformance.workload import AddRequest
 
@@ -162,9 +176,35 @@ class BaseSubject:
 
         Each value has ``additional_config`` (merged into ``HarnessConfig.additional_config``)
         and optionally ``final_stages`` (values the workload may use for
-        ``AddRequest.final_stage``).
+        ``AddRequest.final_stage``) and ``use_worker`` (run the subject's real worker).
         """
         return {}
+
+    # ---- capabilities (``conformance.capabilities``); None: not provided --------------------
+
+    def declared_attributes(self) -> DeclaredAttributes | None:
+        """What the runtime adds to upstream's Request and scheduler (C-10..C-12)."""
+        return None
+
+    def chunk_delivery(self) -> ChunkDelivery | None:
+        """How the scheduler hands work downstream (C-21, C-40..C-45)."""
+        return None
+
+    def source_layout(self) -> SourceLayout | None:
+        """Where worker and payload code lives, for the static and stack audits."""
+        return None
+
+    def input_adapter(self) -> InputAdapterProbe | None:
+        """The stage-input adapter, for malformed-input properties (C-13)."""
+        return None
+
+    def runner_probes(self) -> RunnerProbes | None:
+        """Handles on the real model runner's payloads and materialization (C-22, C-30..C-55)."""
+        return None
+
+    def model_reference(self) -> ModelReference | None:
+        """An independent implementation of the worker's model (C-08, hidden-row checks)."""
+        return None
 
     def __repr__(self) -> str:
         return f"<subject {self.name}>"
@@ -175,111 +215,16 @@ class UpstreamSubject(BaseSubject):
 
     name = "upstream"
 
-
-class OmniSubject(BaseSubject):
-    """This repository's runtime: ``omni_runtime.sched`` schedulers and their registry."""
-
-    name = "omni"
-    sync_scheduler = "omni_runtime.sched.OmniARScheduler"
-    async_scheduler = "omni_runtime.sched.OmniARAsyncScheduler"
-    worker_cls = "omni_runtime.worker.OmniARWorker"
-
-    def differences(self) -> Sequence[DifferenceEntry]:
-        from omni_runtime.differences import DIFFERENCES
-
-        return DIFFERENCES
-
-    def make_request(
-        self, op: AddRequest, prompt: list[int], cfg: HarnessConfig, scheduler: Any, arrival: float
-    ) -> Any:
-        from omni_runtime.adapters.input import InputAdapter, StageInput
-        from omni_runtime.config import OmniStageConfig
-
-        stage = OmniStageConfig.from_vllm_config(scheduler.vllm_config)
-        if stage is None:
-            return super().make_request(op, prompt, cfg, scheduler, arrival)
-        adapter = InputAdapter(
-            stage,
-            max_model_len=cfg.max_model_len,
-            block_hasher=block_hasher(cfg.block_size),
-            live_ids=scheduler.requests,
-        )
-        return adapter.build(
-            StageInput(
-                request_id=op.request_id,
-                sampling_params=make_sampling_params(op, cfg),
-                prompt_token_ids=prompt,
-                final_stage_id=op.final_stage,
-                arrival_time=arrival,
-            )
-        )
-
-    def request_facts(self, request: Any) -> dict[str, Any]:
-        from omni_runtime.adapters.input import omni_state_of
-
-        state = omni_state_of(request)
-        if state is None:
-            return {}
-        return {
-            "has_downstream": state.has_downstream,
-            "final_stage_id": state.final_stage_id,
-            "stage_id": state.stage_id,
-        }
-
-    def scheduler_facts(self, scheduler: Any) -> dict[str, dict[str, Any]]:
-        # OMNI-ERR-001's condition: requests whose chunk processor or connector raised.
-        fn = getattr(scheduler, "omni_failed_request_ids", None)
-        return {rid: {"transfer_failed": True} for rid in fn()} if fn is not None else {}
-
-    def live_omni_ids(self, scheduler: Any) -> set[str]:
-        fn = getattr(scheduler, "omni_request_ids", None)
-        return set(fn()) if fn is not None else set()
-
-    def drain_chunks(self, scheduler: Any) -> list[Any]:
-        transfer = getattr(scheduler, "transfer", None)
-        drain = getattr(getattr(transfer, "sink", None), "drain", None)
-        return list(drain()) if drain is not None else []
-
-    def feature_configs(self) -> dict[str, dict[str, Any]]:
-        # The talker stage: token-only, streams codec ids downstream on every sampled step.
-        stage = {
-            "stage_id": "talker",
-            "stages": ["thinker", "talker", "code2wav"],
-            "downstream": ["code2wav"],
-            "chunk_processor": "omni_runtime.sched.processors.CodecTokenStreamer",
-            "omni_pooler_payload_include_hidden": False,
-        }
-        return {
-            "downstream-token-updates": {
-                "additional_config": {"omni_stage": stage},
-                "final_stages": [None, "talker", "code2wav"],
-            }
-        }
-
-    def has_worker(self) -> bool:
-        # The runtime's worker is optional for the harness: used only once it exists.
-        try:
-            module = importlib.import_module("omni_runtime.worker")
-        except ImportError:
-            return False
-        return hasattr(module, "OmniARWorker")
-
-    def worker_config(self, cfg: HarnessConfig) -> HarnessConfig:
-        from omni_runtime.models import model_dir
-
-        # The real worker needs real weights: the runtime's generated thinker model.
-        return cfg.with_(model=str(model_dir("thinker")))
-
-
-def omni_subject() -> Subject:
-    return OmniSubject()
+    def declared_attributes(self) -> DeclaredAttributes:
+        # Upstream adds nothing to upstream: the attribute audit runs, and must find nothing.
+        return DeclaredAttributes()
 
 
 def upstream_subject() -> Subject:
     return UpstreamSubject()
 
 
-BUILTINS: dict[str, Callable[[], Subject]] = {"upstream": upstream_subject, "omni": omni_subject}
+BUILTINS: dict[str, Callable[[], Subject]] = {"upstream": upstream_subject}
 
 
 def ensure_cwd_importable() -> None:
@@ -322,8 +267,17 @@ def available_subjects() -> dict[str, str]:
 
 
 def load_subject(spec: str | Subject) -> Subject:
+    """The subject ``spec`` names; raises ``conformance.pristine.VllmPatched`` when loading it
+    changed vLLM's own classes (the oracle would no longer be upstream)."""
     if not isinstance(spec, str):
         return spec
+    from conformance.pristine import guard_load
+
+    with guard_load(spec):
+        return _load(spec)
+
+
+def _load(spec: str) -> Subject:
     if ":" in spec:
         return _instantiate(_resolve(spec), spec)
     for ep in entry_points(group=ENTRY_POINT_GROUP):

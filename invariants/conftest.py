@@ -1,11 +1,15 @@
-"""Loads the omni-conformance pytest plugin for ``pytest -m invariants`` even when its
-``pytest11`` entry point is not installed (a source checkout, or before the first pip install).
+"""The suite's pytest glue: loads the omni-conformance plugin for ``pytest -m invariants`` even when
+its ``pytest11`` entry point is not installed (a source checkout, or before the first pip
+install); parametrizes ``feature`` with the subject's own features; reports a check whose
+capability the subject does not provide as skipped ("not applicable"), with the reason.
 
 ``pytest_addoption`` is a historic hook, so registering the plugin here still gives it its
 command-line options; when the entry point already loaded it, nothing happens.
 """
 
 import os
+
+import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -16,3 +20,41 @@ def pytest_addoption(parser, pluginmanager):
 
     if not pluginmanager.is_registered(plugin):
         pluginmanager.register(plugin, "omni_conformance")
+
+
+_SUBJECT = pytest.StashKey[object]()
+
+
+def collection_subject(config):
+    """The subject the run names, loaded once per process for parametrization."""
+    if _SUBJECT not in config.stash:
+        from conformance.subjects import load_subject
+
+        config.stash[_SUBJECT] = load_subject(str(config.getoption("subject")))
+    return config.stash[_SUBJECT]
+
+
+def pytest_generate_tests(metafunc):
+    if "feature" in metafunc.fixturenames:
+        from conformance.capabilities import features_of
+
+        marker = metafunc.definition.get_closest_marker("features")
+        worker = None if marker is None else marker.kwargs.get("worker")
+        found = features_of(collection_subject(metafunc.config), worker=worker)
+        metafunc.parametrize("feature", found, ids=[f.name for f in found])
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "features(worker=None): parametrize `feature` with the subject's features"
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    from conformance.capabilities import NotApplicable
+
+    try:
+        return (yield)
+    except NotApplicable as exc:
+        pytest.skip(f"not applicable: {exc}")

@@ -1,14 +1,14 @@
-"""Shared vocabulary of the invariant suite: stage features, generated chunk processors,
-payload-carrying executors and malformed stage inputs.
+"""Shared vocabulary of the invariant suite: generated chunk processors, payload-carrying
+executors, malformed stage inputs and runner-level batches.
 
 Everything here is data or a pure function of its arguments, so two runs of one hypothesis
 example build identical objects (no ``hash()`` of strings, no clocks, no global RNG): the suite's
 verdicts and step counts must not depend on ``PYTHONHASHSEED`` (flake-freedom, issue 6 item 8).
 
-* ``FEATURES`` — the stage configurations the lock-step machines run with. ``off`` is a plain
-  vLLM engine (C-01); ``token-updates`` is the talker stage streaming codec ids with the shipped
-  ``CodecTokenStreamer`` (C-40, C-42, C-43); the ``hidden-*`` and ``token-only-*`` features run
-  the real model runner (``use_worker``) so payloads exist (C-30, C-31, C-45, C-51..C-55).
+Nothing here knows a runtime: stage configurations come from the subject
+(``Subject.feature_configs``), payload objects from its ``ChunkDelivery.with_payloads`` and the
+shapes of stage inputs from its ``InputAdapterProbe.spec``.
+
 * ``RecordingProcessor`` — a chunk processor whose declaration (``requires_token_updates``:
   absent, ``True``, or a truthy non-``True`` value), signature (with or without
   ``new_token_ids``) and return policy (payload, ``None`` at EOF, ``None`` always, mutate the ids
@@ -23,94 +23,14 @@ verdicts and step counts must not depend on ``PYTHONHASHSEED`` (flake-freedom, i
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from hypothesis import strategies as st
 
+from conformance.capabilities import ChunkDelivery, StageInputSpec
 from conformance.tokens import DeterministicTokenSource
-
-STAGES = ("thinker", "talker", "code2wav")
-TIGHT: dict[str, int] = {
-    "num_blocks": 14,
-    "max_num_batched_tokens": 48,
-    "max_num_seqs": 6,
-    "max_model_len": 128,
-}
-CODEC_VOCAB = 256
-
-
-def _talker_stage() -> dict[str, Any]:
-    return {
-        "stage_id": "talker",
-        "stages": list(STAGES),
-        "downstream": ["code2wav"],
-        "chunk_processor": "omni_runtime.sched.processors.CodecTokenStreamer",
-        "omni_pooler_payload_include_hidden": False,
-    }
-
-
-def _thinker_stage(*, include_hidden: bool, materialization: str) -> dict[str, Any]:
-    return {
-        "stage_id": "thinker",
-        "stages": list(STAGES),
-        "downstream": ["talker"],
-        # Forwards every tensor payload (hidden rows, or in token-only mode the conditioning).
-        "chunk_processor": "omni_runtime.sched.processors.HiddenRowsForwarder",
-        "omni_pooler_payload_include_hidden": include_hidden,
-        "downstream_needs_full_prefix": include_hidden,
-        "materialization": materialization,
-    }
-
-
-@dataclass(frozen=True)
-class Feature:
-    """One stage configuration of the lock-step machines."""
-
-    name: str
-    additional_config: dict[str, Any] = field(default_factory=dict)
-    final_stages: tuple[str | None, ...] = (None,)
-    use_worker: bool = False
-
-    @property
-    def stage(self) -> dict[str, Any]:
-        return dict(self.additional_config.get("omni_stage") or {})
-
-    @property
-    def include_hidden(self) -> bool:
-        return bool(self.stage.get("omni_pooler_payload_include_hidden", True)) and bool(self.stage)
-
-
-FEATURES: dict[str, Feature] = {
-    f.name: f
-    for f in (
-        Feature("off"),
-        Feature(
-            "token-updates",
-            {"omni_stage": _talker_stage()},
-            final_stages=(None, "talker", "code2wav"),
-        ),
-        Feature(
-            "hidden-inline",
-            {"omni_stage": _thinker_stage(include_hidden=True, materialization="inline")},
-            final_stages=(None, "thinker", "talker"),
-            use_worker=True,
-        ),
-        Feature(
-            "hidden-background",
-            {"omni_stage": _thinker_stage(include_hidden=True, materialization="background")},
-            final_stages=(None, "thinker", "talker"),
-            use_worker=True,
-        ),
-        Feature(
-            "token-only-background",
-            {"omni_stage": _thinker_stage(include_hidden=False, materialization="background")},
-            final_stages=(None, "thinker", "code2wav"),
-            use_worker=True,
-        ),
-    )
-}
 
 
 def stable_hash(*parts: Any) -> int:
@@ -219,14 +139,21 @@ def synthetic_row(request_id: str, position: int, width: int = 2) -> torch.Tenso
 
 
 class PayloadTokenSource(DeterministicTokenSource):
-    """Deterministic tokens plus ``StagePayload`` slots aligned with ``req_ids`` (C-51).
+    """Deterministic tokens plus payload slots aligned with ``req_ids`` (C-51), in the subject's
+    payload type (``ChunkDelivery.with_payloads``).
 
     Which steps of a request carry a payload depends on the request's pattern (chosen by a
     stable hash of its id), so one batch mixes requests with and without payloads.
     """
 
-    def __init__(self, vocab: int = 512, patterns: tuple[str, ...] = PAYLOAD_PATTERNS) -> None:
+    def __init__(
+        self,
+        delivery: ChunkDelivery,
+        vocab: int = 512,
+        patterns: tuple[str, ...] = PAYLOAD_PATTERNS,
+    ) -> None:
         super().__init__(vocab=vocab)
+        self.delivery = delivery
         self.patterns = patterns
         self._prompt_len: dict[str, int] = {}
 
@@ -234,8 +161,6 @@ class PayloadTokenSource(DeterministicTokenSource):
         return self.patterns[stable_hash("pattern", request_id) % len(self.patterns)]
 
     def execute(self, so: Any) -> Any:
-        from omni_runtime.payload import OmniModelRunnerOutput, StagePayload
-
         for new in so.scheduled_new_reqs:
             self._prompt_len[new.req_id] = len(new.prompt_token_ids or ())
         computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
@@ -243,7 +168,7 @@ class PayloadTokenSource(DeterministicTokenSource):
         for i, rid in enumerate(cached.req_ids):
             computed[rid] = cached.num_computed_tokens[i]
         base = super().execute(so)
-        payloads: list[Any] = []
+        rows: list[tuple[int, torch.Tensor] | None] = []
         for rid in base.req_ids:
             start = computed.get(rid, 0)
             n = so.num_scheduled_tokens[rid]
@@ -255,25 +180,17 @@ class PayloadTokenSource(DeterministicTokenSource):
                 or (pattern == "every_other" and (start // max(1, n)) % 2 == 0)
             )
             if not carry:
-                payloads.append(None)
+                rows.append(None)
                 continue
-            rows = torch.stack([synthetic_row(rid, p) for p in range(start, start + n)])
-            payloads.append(StagePayload(request_id=rid, start=start, num_tokens=n, hidden=rows))
+            rows.append(
+                (start, torch.stack([synthetic_row(rid, p) for p in range(start, start + n)]))
+            )
         for rid in so.finished_req_ids:
             self._prompt_len.pop(rid, None)
-        any_payload = any(p is not None for p in payloads)
-        return OmniModelRunnerOutput(
-            req_ids=base.req_ids,
-            req_id_to_index=base.req_id_to_index,
-            sampled_token_ids=base.sampled_token_ids,
-            omni_payloads=payloads if any_payload else None,
-        )
+        return self.delivery.with_payloads(base, rows)
 
 
 # ---- malformed stage inputs ---------------------------------------------------------------
-
-HIDDEN = 64
-VOCAB = 512
 
 
 @dataclass(frozen=True)
@@ -288,12 +205,14 @@ class Malformed:
         return f"{self.defect} -> {self.field}"
 
 
-def _embeds(n: int, *, dim: int = HIDDEN, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _embeds(n: int, *, dim: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.linspace(-1, 1, n * dim, dtype=torch.float64).reshape(n, dim).to(dtype)
 
 
 @st.composite
-def malformed_inputs(draw: st.DrawFn) -> Malformed:
+def malformed_inputs(draw: st.DrawFn, spec: StageInputSpec) -> Malformed:
+    """One defect in an otherwise valid input of ``spec``'s stage."""
+    HIDDEN, VOCAB = spec.hidden_size, spec.vocab_size
     n = draw(st.integers(1, 8))
     pos = draw(st.integers(0, n - 1))
     ids = [10 + i for i in range(n)]
@@ -331,7 +250,7 @@ def malformed_inputs(draw: st.DrawFn) -> Malformed:
     kw: dict[str, Any] = {"prompt_token_ids": ids}
     fld = "prompt"
     if kind in ("nan_embeds", "inf_embeds"):
-        e = _embeds(n)
+        e = _embeds(n, dim=HIDDEN)
         e[pos, draw(st.integers(0, HIDDEN - 1))] = (
             float("nan") if kind == "nan_embeds" else float("inf")
         )
@@ -339,11 +258,13 @@ def malformed_inputs(draw: st.DrawFn) -> Malformed:
         fld = "prompt_embeds"
     elif kind == "embeds_dtype":
         kw = {
-            "prompt_embeds": _embeds(n, dtype=draw(st.sampled_from([torch.float16, torch.float64])))
+            "prompt_embeds": _embeds(
+                n, dim=HIDDEN, dtype=draw(st.sampled_from([torch.float16, torch.float64]))
+            )
         }
         fld = "prompt_embeds"
     elif kind == "embeds_shape_1d":
-        kw = {"prompt_embeds": _embeds(n).reshape(-1)}
+        kw = {"prompt_embeds": _embeds(n, dim=HIDDEN).reshape(-1)}
         fld = "prompt_embeds"
     elif kind == "embeds_width":
         kw = {"prompt_embeds": _embeds(n, dim=draw(st.sampled_from([HIDDEN - 1, HIDDEN + 1, 8])))}
@@ -352,7 +273,7 @@ def malformed_inputs(draw: st.DrawFn) -> Malformed:
         kw = {"prompt_embeds": torch.zeros((0, HIDDEN))}
         fld = "prompt_embeds"
     elif kind == "both_prompts":
-        kw = {"prompt_token_ids": ids, "prompt_embeds": _embeds(n)}
+        kw = {"prompt_token_ids": ids, "prompt_embeds": _embeds(n, dim=HIDDEN)}
     elif kind == "no_prompt":
         kw = {}
     elif kind == "empty_ids":
@@ -372,7 +293,7 @@ def malformed_inputs(draw: st.DrawFn) -> Malformed:
         kw = {"prompt_token_ids": torch.tensor(ids, dtype=torch.float32)}
         fld = "prompt_token_ids"
     elif kind == "too_long":
-        kw = {"prompt_token_ids": [7] * (128 + draw(st.integers(1, 20)))}
+        kw = {"prompt_token_ids": [7] * (spec.max_model_len + draw(st.integers(1, 20)))}
     elif kind == "nan_conditioning":
         c = torch.zeros(HIDDEN)
         c[draw(st.integers(0, HIDDEN - 1))] = float("nan")
@@ -396,10 +317,12 @@ def malformed_inputs(draw: st.DrawFn) -> Malformed:
         kw["additional_information"] = {"voice": t}
         fld = "additional_information['voice']"
     elif kind == "final_unknown":
-        kw["final_stage_id"] = "vocoder"
+        kw["final_stage_id"] = "no-such-stage"
         fld = "final_stage_id"
     elif kind == "final_before":
-        kw["final_stage_id"] = "thinker"
+        # A stage before this one (or, for the first stage, one that does not exist).
+        earlier = spec.stages[: spec.stages.index(spec.stage_id)]
+        kw["final_stage_id"] = earlier[-1] if earlier else "no-such-stage"
         fld = "final_stage_id"
     elif kind == "max_tokens":
         kw["max_tokens"] = 0

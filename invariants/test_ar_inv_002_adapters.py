@@ -1,24 +1,23 @@
-"""AR-INV-002 (C-10..C-13): omni data crosses the stage boundary only through the adapters.
+"""AR-INV-002 (C-10..C-13): stage data crosses the stage boundary only through the adapters.
 
-Three properties:
+Three properties, each on what the subject declares:
 
-* Run-time audit (C-10, C-11, C-12) — ``invariants.machines.AuditedLockstep`` audits every live
-  request and the scheduler after every operation of every lock-step program in this suite
-  (``test_ar_inv_001_parity.py`` runs it with every stage feature); ``test_runtime_audit``
-  runs it once more on the talker stage with mixed final stages. It fails when a request carries
-  an attribute upstream's ``Request`` does not have other than ``DECLARED_REQUEST_ATTRIBUTES``
-  (C-12), when the ``omni`` slot holds anything but an ``OmniRequestState`` (C-10), or when a
-  tensor, array, ``StagePayload`` or ``StageChunk`` is reachable from an upstream request field
-  (other than vLLM's own ``prompt_embeds``) or from scheduler state outside the send path (C-11).
-* Malformed stage inputs (C-13) — generated inputs with exactly one defect (NaN/inf or
-  wrongly-typed/shaped embeds, bad ids, over-long or empty prompts, bad conditioning or
-  additional information, unknown or earlier final stage, max_tokens < 1, duplicate ids) must
-  raise ``RequestRejected`` naming the request and the field, and leave the scheduler untouched
-  (no request, no block). Positive control in the same test: the input without its defect is
-  accepted, so a check that rejects everything fails too.
-* Static check (C-10, C-11) — only ``omni_runtime/adapters/`` constructs ``StagePayload``
-  (the payload type's own module may derive trimmed copies of an existing payload). Fails when
-  any other module of ``omni_runtime`` calls ``StagePayload(...)``.
+* Run-time audit (C-10, C-11, C-12; ``declared_attributes``) — ``invariants.audits`` audits every
+  live request and the scheduler after every operation of every lock-step program in this suite
+  (``test_ar_inv_001_parity.py`` runs it with every feature); ``test_runtime_audit`` runs it once
+  more with the subject's first token-source feature. It fails when a request carries an
+  attribute upstream's ``Request`` lacks other than the declared slots (C-12), when a slot holds
+  another type than declared (C-10), or when a tensor, array or the subject's payload object is
+  reachable from an upstream request field (other than vLLM's own ``prompt_embeds``) or from
+  scheduler state outside the declared send path (C-11).
+* Malformed stage inputs (C-13; ``input_adapter``) — generated inputs with exactly one defect
+  (NaN/inf or wrongly-typed/shaped embeds, bad ids, over-long or empty prompts, bad conditioning
+  or additional information, unknown or earlier final stage, max_tokens < 1, duplicate ids) must
+  raise the adapter's rejection naming the request and the field, and leave the scheduler
+  untouched (no request, no block). Positive control in the same test: inputs without a defect
+  are accepted, so a check that rejects everything fails too.
+* Static check (C-10, C-11; ``source_layout``) — only the declared builder modules construct the
+  subject's payload type (named exceptions aside). Fails when any other module calls it.
 
 Positive controls: mutants ``extra_request_attribute``, ``tensor_in_upstream_field``,
 ``adapter_accepts_nan_embeds`` and ``payload_built_in_scheduler`` in
@@ -28,23 +27,30 @@ Positive controls: mutants ``extra_request_attribute``, ``tensor_in_upstream_fie
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
 from hypothesis import given
 
+from conformance.capabilities import (
+    NotApplicable,
+    SourceLayout,
+    features_of,
+    require,
+)
 from invariants.machines import (
-    WorkerSubject,
+    MachineRun,
     harness_config,
-    machine_class,
+    raise_failure,
     run_machine,
     suite_settings,
 )
-from invariants.strategies import FEATURES, Malformed, malformed_inputs
+from invariants.strategies import Malformed, malformed_inputs
 
 pytestmark = [pytest.mark.invariants]
-
-RUNTIME_ROOT = Path(__file__).resolve().parent.parent / "omni_runtime"
 
 
 # ---- run-time audit -----------------------------------------------------------------------
@@ -52,147 +58,109 @@ RUNTIME_ROOT = Path(__file__).resolve().parent.parent / "omni_runtime"
 
 @pytest.mark.clauses("C-10", "C-11", "C-12")
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_runtime_audit(conformance, mode):
-    feat = FEATURES["token-updates"]
-    cfg = harness_config(feat, mode=mode, prefix=True)
-    machine = machine_class(
-        conformance, cfg, feat, subject=WorkerSubject(), name=f"AR-INV-002-{mode}"
-    )
-    outcome = run_machine(machine, suite_settings(10))
-    if outcome.error is not None:
-        raise outcome.error
+def test_runtime_audit(conformance, conformance_subject, mode):
+    require(conformance_subject, "declared_attributes", "declared attributes")
+    feature = features_of(conformance_subject, worker=False)[-1]
+    cfg = harness_config(feature, mode=mode, prefix=True)
+    run = MachineRun(conformance, conformance_subject, feature, cfg, f"AR-INV-002-{mode}")
+    raise_failure(run_machine(run, suite_settings(10)))
 
 
 # ---- malformed inputs ---------------------------------------------------------------------
 
-_SCHEDULERS: dict[str, object] = {}
 
-
-def talker_scheduler():
-    """A live omni scheduler of the talker stage (built once per process, never mutated here)."""
-    if "talker" not in _SCHEDULERS:
-        cfg = harness_config(FEATURES["token-updates"], mode="sync", prefix=True)
-        _SCHEDULERS["talker"] = WorkerSubject().build_scheduler(cfg)
-    return _SCHEDULERS["talker"]
-
-
-def check_malformed(case: Malformed) -> None:
-    """Raises AssertionError when the adapter does not reject ``case`` as C-13 requires."""
+def _sampling(max_tokens: int = 4) -> Any:
     from vllm.sampling_params import SamplingParams
 
-    from omni_runtime.adapters import InputAdapter, RequestRejected, StageInput
-    from omni_runtime.config import OmniStageConfig
+    return SamplingParams(max_tokens=max_tokens)
 
-    sched = talker_scheduler()
-    stage = OmniStageConfig.from_vllm_config(sched.vllm_config)
-    adapter = InputAdapter(
-        stage, max_model_len=128, vocab_size=512, hidden_size=64, live_ids=sched.requests
-    )
+
+def check_malformed(case: Malformed, probe: Any, scheduler: Any) -> None:
+    """Raises AssertionError when the adapter does not reject ``case`` as C-13 requires."""
     kw = dict(case.kwargs)
     rid = kw.pop("request_id", "req-bad")
-    sp = SamplingParams(max_tokens=4)
+    sp = _sampling()
     if "max_tokens" in kw:
         # vLLM's own SamplingParams refuses 0; a stage input may still arrive with it.
         sp.max_tokens = kw.pop("max_tokens")
-    free_before = sched.kv_cache_manager.block_pool.get_num_free_blocks()
-    live_before = set(sched.requests)
+    pool = scheduler.kv_cache_manager.block_pool
+    free_before = pool.get_num_free_blocks()
+    live_before = set(scheduler.requests)
     try:
-        request = adapter.build(StageInput(request_id=rid, sampling_params=sp, **kw))
-    except RequestRejected as exc:
-        assert exc.request_id in (rid, repr(rid)), (
-            f"C-13: {case.describe()}: error names {exc.request_id!r}"
-        )
-        assert exc.field.startswith(case.field.split("[")[0]) and (
-            "[" not in case.field or exc.field == case.field
-        ), f"C-13: {case.describe()}: error names field {exc.field!r}, expected {case.field!r}"
+        request = probe.build(scheduler, rid, sp, **kw)
+    except probe.rejection as exc:
+        named = getattr(exc, "request_id", None)
+        assert named in (rid, repr(rid)), f"C-13: {case.describe()}: error names {named!r}"
+        field = str(getattr(exc, "field", ""))
+        assert field.startswith(case.field.split("[")[0]) and (
+            "[" not in case.field or field == case.field
+        ), f"C-13: {case.describe()}: error names field {field!r}, expected {case.field!r}"
     else:
-        sched_ids = sorted(sched.requests)
         raise AssertionError(
             f"C-13: {case.describe()}: adapter accepted the input as {type(request).__name__} "
-            f"(scheduler holds {sched_ids})"
+            f"(scheduler holds {sorted(scheduler.requests)})"
         )
-    assert set(sched.requests) == live_before, "C-13: a rejected input reached the scheduler"
-    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == free_before
+    assert set(scheduler.requests) == live_before, "C-13: a rejected input reached the scheduler"
+    assert pool.get_num_free_blocks() == free_before, "C-13: a rejected input took blocks"
 
 
-def check_wellformed_accepted() -> None:
-    """Positive control: the defect-free inputs of every kind are accepted."""
-    import torch
-    from vllm.sampling_params import SamplingParams
-
-    from omni_runtime.adapters import InputAdapter, StageInput
-    from omni_runtime.config import OmniStageConfig
-
-    sched = talker_scheduler()
-    stage = OmniStageConfig.from_vllm_config(sched.vllm_config)
-    adapter = InputAdapter(stage, max_model_len=128, vocab_size=512, hidden_size=64)
-    good = [
+def wellformed_inputs(probe: Any) -> list[dict[str, Any]]:
+    """Positive controls: one defect-free input of every kind the strategy corrupts."""
+    spec = probe.spec
+    later = spec.stages[spec.stages.index(spec.stage_id) :]
+    return [
         {"prompt_token_ids": [10, 11, 12]},
-        {"prompt_embeds": torch.zeros((3, 64))},
+        {"prompt_embeds": torch.zeros((3, spec.hidden_size))},
         {
             "prompt_token_ids": [1],
-            "conditioning": torch.ones(64),
+            "conditioning": torch.ones(spec.hidden_size),
             "additional_information": {"speaker": 0.5, "voice": torch.ones(3), "tags": ["a"]},
         },
-        {"prompt_token_ids": [1], "final_stage_id": "code2wav"},
-        {"prompt_token_ids": [1], "final_stage_id": "talker"},
+        *({"prompt_token_ids": [1], "final_stage_id": s} for s in later),
     ]
-    for i, kw in enumerate(good):
-        adapter.build(
-            StageInput(request_id=f"ok{i}", sampling_params=SamplingParams(max_tokens=2), **kw)
-        )
+
+
+def check_wellformed_accepted(probe: Any, scheduler: Any) -> None:
+    for i, kw in enumerate(wellformed_inputs(probe)):
+        probe.build(scheduler, f"ok{i}", _sampling(2), **kw)
 
 
 @pytest.mark.clauses("C-13", "C-60")
-def test_malformed_inputs_rejected_at_adapter():
-    check_wellformed_accepted()
+def test_malformed_inputs_rejected_at_adapter(conformance_subject):
+    probe = require(conformance_subject, "input_adapter", "input adapter")
+    scheduler = probe.scheduler()
+    check_wellformed_accepted(probe, scheduler)
 
     @suite_settings(200)
-    @given(malformed_inputs())
+    @given(malformed_inputs(probe.spec))
     def prop(case: Malformed) -> None:
-        check_malformed(case)
+        check_malformed(case, probe, scheduler)
 
     prop()
 
 
 @pytest.mark.clauses("C-13", "C-60")
-def test_duplicate_live_id_rejected():
-    from vllm.sampling_params import SamplingParams
-
-    from omni_runtime.adapters import InputAdapter, RequestRejected, StageInput
-    from omni_runtime.config import OmniStageConfig
-
-    cfg = harness_config(FEATURES["token-updates"], mode="sync", prefix=True)
-    sched = WorkerSubject().build_scheduler(cfg)
-    adapter = InputAdapter(
-        OmniStageConfig.from_vllm_config(sched.vllm_config),
-        max_model_len=128,
-        live_ids=sched.requests,
-    )
-    sched.add_request(adapter.build(StageInput("dup", SamplingParams(max_tokens=2), [5, 6, 7])))
-    with pytest.raises(RequestRejected, match="dup: request_id"):
-        adapter.build(StageInput("dup", SamplingParams(max_tokens=2), [8]))
-    assert list(sched.requests) == ["dup"]
+def test_duplicate_live_id_rejected(conformance_subject):
+    probe = require(conformance_subject, "input_adapter", "input adapter")
+    scheduler = probe.scheduler()
+    scheduler.add_request(probe.build(scheduler, "dup", _sampling(2), prompt_token_ids=[5, 6, 7]))
+    with pytest.raises(probe.rejection) as info:
+        probe.build(scheduler, "dup", _sampling(2), prompt_token_ids=[8])
+    assert (info.value.request_id, info.value.field) == ("dup", "request_id")
+    assert list(scheduler.requests) == ["dup"]
 
 
 # ---- static check -------------------------------------------------------------------------
 
-ALLOWED_BUILDERS = ("adapters/",)
-# Known exceptions, each named by (module, enclosing function) and reported to the runtime owner:
-# the payload type derives trimmed copies of an existing payload (C-45 trimming), and the pipe
-# connector rebuilds a payload it received over the wire. Anything else fails.
-KNOWN_EXCEPTIONS = {
-    ("payload.py", "trimmed_before"): "the payload type's own trimmed copy (C-45)",
-    ("engine/connectors.py", "_unpack"): "wire decoding; should move into omni_runtime/adapters",
-}
 
-
-def payload_constructions(root: Path) -> list[str]:
-    """``file:line (function)`` of every ``StagePayload(...)`` call outside the adapters."""
+def payload_constructions(
+    root: Path, payload_type: str, builders: tuple[str, ...], exceptions: Mapping[Any, str]
+) -> list[str]:
+    """``file:line (function)`` of every ``payload_type(...)`` call outside ``builders``."""
     found = []
     for path in sorted(root.rglob("*.py")):
         rel = path.relative_to(root).as_posix()
-        if rel.startswith(ALLOWED_BUILDERS):
+        if rel.startswith(builders):
             continue
         tree = ast.parse(path.read_text(), filename=str(path))
         for func in [tree, *ast.walk(tree)]:
@@ -200,10 +168,21 @@ def payload_constructions(root: Path) -> list[str]:
                 continue
             owner = getattr(func, "name", "<module>")
             for node in _own_nodes(func):
-                if isinstance(node, ast.Call) and _called_name(node.func) == "StagePayload":
-                    if (rel, owner) not in KNOWN_EXCEPTIONS:
+                if isinstance(node, ast.Call) and _called_name(node.func) == payload_type:
+                    if (rel, owner) not in exceptions:
                         found.append(f"{rel}:{node.lineno} ({owner})")
     return found
+
+
+def layout_constructions(layout: SourceLayout, root: Path | None = None) -> list[str]:
+    if layout.payload_root is None or layout.payload_type is None:
+        raise NotApplicable("subject declares no payload type and builder modules")
+    return payload_constructions(
+        root or layout.payload_root,
+        layout.payload_type,
+        layout.payload_builders,
+        layout.payload_exceptions,
+    )
 
 
 def _called_name(fn: ast.expr) -> str | None:
@@ -214,7 +193,7 @@ def _called_name(fn: ast.expr) -> str | None:
     return None
 
 
-def _own_nodes(scope: ast.AST):
+def _own_nodes(scope: ast.AST) -> Iterator[ast.AST]:
     """Nodes of ``scope`` not inside a nested function (those are visited as their own scope)."""
     stack = list(ast.iter_child_nodes(scope))
     while stack:
@@ -226,10 +205,11 @@ def _own_nodes(scope: ast.AST):
 
 
 @pytest.mark.clauses("C-10", "C-11")
-def test_only_adapters_build_payloads():
-    offenders = payload_constructions(RUNTIME_ROOT)
+def test_only_adapters_build_payloads(conformance_subject):
+    layout = require(conformance_subject, "source_layout", "source layout")
+    offenders = layout_constructions(layout)
     assert not offenders, (
-        f"C-11: StagePayload constructed outside omni_runtime/adapters: {offenders}"
+        f"C-11: {layout.payload_type} constructed outside {layout.payload_builders}: {offenders}"
     )
 
 
@@ -237,8 +217,7 @@ def test_only_adapters_build_payloads():
 def test_static_check_sees_a_planted_construction(tmp_path):
     """Positive control: a planted construction in scheduler code is reported."""
     (tmp_path / "sched").mkdir()
-    (tmp_path / "sched" / "leak.py").write_text(
-        "from omni_runtime.payload import StagePayload\n"
-        "def f(rid):\n    return StagePayload(rid, 0, 1)\n"
-    )
-    assert payload_constructions(tmp_path) == ["sched/leak.py:3 (f)"]
+    (tmp_path / "sched" / "leak.py").write_text("def f(rid):\n    return StagePayload(rid, 0, 1)\n")
+    assert payload_constructions(tmp_path, "StagePayload", ("adapters/",), {}) == [
+        "sched/leak.py:2 (f)"
+    ]

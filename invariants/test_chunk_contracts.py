@@ -1,7 +1,8 @@
 """Chunk processors and token updates (C-40..C-45), with generated processors.
 
-A lock-step program (upstream vs the omni scheduler, ``invariants.machines``) runs a downstream
-stage whose executor attaches synthetic hidden rows to some steps of some requests
+A lock-step program (upstream vs the subject, ``invariants.machines``) runs the subject's
+processor feature (``ChunkDelivery.processor_feature``: a stage with a downstream consumer) with
+an executor that attaches synthetic hidden rows to some steps of some requests
 (``PayloadTokenSource``: every step, none, prefill only or every other step, per request, so one
 batch mixes payload and payload-less requests) while requests whose final stage is this stage
 (no downstream) and requests with a downstream consumer are mixed in every batch. The chunk
@@ -25,6 +26,7 @@ What can fail, and why:
 * C-45 — no position's row is delivered twice, even after preemption and recompute (tight block
   budget; rows encode their position), and each row belongs to its request (C-51).
 
+Not applicable to a subject without ``chunk_delivery`` or without a ``processor_feature``.
 Positive controls: mutants ``truthy_token_updates``, ``no_eof_when_processor_returns_none``,
 ``double_eof_on_abort``, ``final_stage_request_sends``, ``ids_not_copied``,
 ``redelivery_after_preemption``.
@@ -32,64 +34,56 @@ Positive controls: mutants ``truthy_token_updates``, ``no_eof_when_processor_ret
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis.stateful import initialize
 
+from conformance.capabilities import ChunkDelivery, NotApplicable, require
 from invariants.machines import (
     InvariantMachine,
-    WorkerSubject,
+    MachineOutcome,
+    MachineRun,
     harness_config,
-    machine_class,
+    raise_failure,
     run_machine,
     suite_settings,
 )
 from invariants.strategies import (
-    FEATURES,
-    Feature,
     PayloadTokenSource,
     ProcessorSpec,
+    RecordingProcessor,
     processor_specs,
     stable_hash,
 )
 
 pytestmark = [pytest.mark.invariants]
 
-CHUNK_FEATURE = Feature(
-    "chunk-contracts",
-    {
-        "omni_stage": {
-            **FEATURES["token-updates"].stage,
-            "chunk_processor": None,
-        }
-    },
-    final_stages=(None, "talker", "code2wav"),
-)
-
 
 class ChunkMachine(InvariantMachine):
     """The audited lock-step machine with a generated processor and payload-carrying steps."""
 
-    spec: ProcessorSpec | None = None
-
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, run: MachineRun) -> None:
+        super().__init__(run)
+        self.delivery: ChunkDelivery = run.extra["delivery"]
         for side in (self.session.up, self.session.sub):
-            checker = side.executor  # the session's CheckingExecutor
-            checker.inner = PayloadTokenSource()
-        self.processor = None
+            side.executor.inner = PayloadTokenSource(self.delivery)  # under the CheckingExecutor
+        self.spec: ProcessorSpec | None = None
+        self.processor: RecordingProcessor | None = None
 
     @initialize(spec=processor_specs)
     def choose_processor(self, spec: ProcessorSpec) -> None:
         self.spec = spec
         self.processor = spec.build()
-        self.session.sub.scheduler.transfer.set_processor(self.processor)
+        self.delivery.set_processor(self.session.sub.scheduler, self.processor)
         self.session.trace.meta["processor"] = spec.describe()
 
     def teardown(self) -> None:
         super().teardown()
         if self.session.failure is None and not self.session.problems and self.processor:
-            problems = processor_problems(self.session, self.processor, self.spec)
+            assert self.spec is not None
+            problems = processor_problems(self.session, self.delivery, self.processor, self.spec)
             if problems:
                 raise AssertionError(
                     f"{self.spec.describe()}: {problems[0]}"
@@ -97,11 +91,14 @@ class ChunkMachine(InvariantMachine):
                 )
 
 
-def processor_problems(session, proc, spec: ProcessorSpec) -> list[str]:
+def processor_problems(
+    session: Any, delivery: ChunkDelivery, proc: RecordingProcessor, spec: ProcessorSpec
+) -> list[str]:
     problems: list[str] = []
-    chunks_by_req: dict[str, list] = {}
-    for c in session.sub.chunks:
-        chunks_by_req.setdefault(c.request_id, []).append(c)
+    views: dict[str, list] = {}
+    for chunk in session.sub.chunks:
+        view = delivery.view(chunk)
+        views.setdefault(view.request_id, []).append(view)
     for rid, entry in session.ledger.items():
         calls = proc.calls_for(rid)
         if not session.facts.get(rid, {}).get("has_downstream"):
@@ -122,7 +119,8 @@ def processor_problems(session, proc, spec: ProcessorSpec) -> list[str]:
                 )
         if spec.declaration is not True:
             for c in calls:
-                if not c.is_final and (c.payload is None or not c.payload.has_tensors):
+                payload = delivery.payload_view(c.payload)
+                if not c.is_final and (payload is None or not payload.has_tensors):
                     problems.append(
                         f"C-41: {rid}: processor with requires_token_updates="
                         f"{spec.declaration!r} called on a step without a tensor payload"
@@ -130,7 +128,7 @@ def processor_problems(session, proc, spec: ProcessorSpec) -> list[str]:
                     break
         for c in calls:
             if c.ids_ref is not None:
-                expected = list(c.ids) + ([-1] if spec.mutate_ids else [])
+                expected = list(c.ids or ()) + ([-1] if spec.mutate_ids else [])
                 if list(c.ids_ref) != expected:
                     problems.append(
                         f"C-44: {rid}: ids handed to the processor changed after the call: "
@@ -139,12 +137,12 @@ def processor_problems(session, proc, spec: ProcessorSpec) -> list[str]:
                     break
         seen: list[int] = []
         owner = float(stable_hash(rid) % 100003)
-        for c in sorted(chunks_by_req.get(rid, []), key=lambda c: c.seq):
-            p = c.payload
+        for v in sorted(views.get(rid, []), key=lambda v: v.seq):
+            p = v.payload
             if p is None or p.hidden is None:
                 continue
             if p.hidden.shape[0] and not torch.all(p.hidden[:, 0] == owner):
-                problems.append(f"C-51: {rid}: chunk {c.seq} carries another request's rows")
+                problems.append(f"C-51: {rid}: chunk {v.seq} carries another request's rows")
             seen.extend(int(x) for x in p.hidden[:, 1].tolist())
         if len(seen) != len(set(seen)) or seen != sorted(seen):
             dup = sorted({x for x in seen if seen.count(x) > 1})
@@ -152,18 +150,25 @@ def processor_problems(session, proc, spec: ProcessorSpec) -> list[str]:
     return problems
 
 
-def chunk_machine(recorder, mode: str, *, subject=None, name: str = "chunk") -> type[ChunkMachine]:
-    cfg = harness_config(CHUNK_FEATURE, mode=mode, prefix=True)
-    base = machine_class(
-        recorder, cfg, CHUNK_FEATURE, subject=subject or WorkerSubject(), name=name
+def run_chunk_contracts(
+    recorder: Any, subject: Any, mode: str, run_settings: Any
+) -> MachineOutcome:
+    delivery: ChunkDelivery = require(subject, "chunk_delivery", "chunk delivery")
+    feature = delivery.processor_feature
+    if feature is None:
+        raise NotApplicable(f"subject {subject.name!r} provides no processor feature")
+    run = MachineRun(
+        recorder,
+        subject,
+        feature,
+        harness_config(feature, mode=mode, prefix=True),
+        f"chunk-{mode}",
+        extra={"delivery": delivery},
     )
-    return type(f"Chunk_{mode}", (ChunkMachine, base), {})
+    return run_machine(run, run_settings, ChunkMachine)
 
 
 @pytest.mark.clauses("C-40", "C-41", "C-42", "C-43", "C-44", "C-45")
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_chunk_contracts(conformance, mode):
-    machine = chunk_machine(conformance, mode, name=f"chunk-{mode}")
-    outcome = run_machine(machine, suite_settings(40))
-    if outcome.error is not None:
-        raise outcome.error
+def test_chunk_contracts(conformance, conformance_subject, mode):
+    raise_failure(run_chunk_contracts(conformance, conformance_subject, mode, suite_settings(40)))

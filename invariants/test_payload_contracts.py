@@ -3,7 +3,7 @@
 Runner-level properties: upstream's scheduler schedules a generated batch (shared prefixes, a
 tight block pool so preemption happens, aborts at generated steps) and the same
 ``SchedulerOutput`` stream is executed by an include-hidden runner and a token-only runner of the
-same weights (``invariants.machines.drive_runners``).
+subject (``RunnerProbes.payload_feature``), over the same weights.
 
 What can fail, and why:
 
@@ -12,59 +12,59 @@ What can fail, and why:
 * C-31 — the prefill conditioning of a request is missing in token-only mode, or differs from
   the include-hidden run's.
 * C-50 — a token-only step on which no request completes its prompt (so there is neither a hidden
-  nor a multimodal payload to deliver) still builds payload objects (``omni_payloads`` not None).
+  nor a multimodal payload to deliver) still builds payload objects.
 * C-51 — a payload slot does not belong to its request, or its rows are not exactly the
   request's scheduled positions ``[num_computed, num_computed + num_scheduled)`` (or, with a
   prefix-cache merge, ``[0, num_computed + num_scheduled)``, C-55).
 
-The lock-step machines check the same clauses end to end (chunk ledger, rows against a
-full-recompute reference, C-55 coverage from position 0) in ``test_ar_inv_001_parity.py``.
-Positive controls: mutants ``token_only_builds_hidden``, ``conditioning_dropped_token_only``,
-``payload_slot_shifted``, ``payloads_on_empty_steps``, ``prefix_merge_missing_rows``.
+The lock-step machines check the same clauses end to end (chunk ledger, rows against the
+subject's model reference, C-55 coverage from position 0) in ``test_ar_inv_001_parity.py``.
+Not applicable to a subject without a real worker and runner probes. Positive controls: mutants
+``token_only_builds_hidden``, ``conditioning_dropped_token_only``, ``payload_slot_shifted``,
+``payloads_on_empty_steps``, ``prefix_merge_missing_rows``.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given
 
+from conformance.capabilities import RunnerProbes, require, require_worker
+from conformance.workload import AddRequest, ResetPrefixCache, Step
+from invariants.audits import CheckingExecutor
 from invariants.machines import (
-    CheckingExecutor,
-    RunnerExec,
-    WorkerSubject,
-    drive_runners,
+    AuditedLockstep,
     harness_config,
     suite_settings,
+    worker_harness_config,
 )
-from invariants.strategies import STAGES, Feature, Job, jobs
+from invariants.runners import RunnerExec, computed_before, drive_runners
+from invariants.strategies import Job, jobs
 
 pytestmark = [pytest.mark.invariants]
 
 
-def thinker_feature(*, include_hidden: bool, full_prefix: bool, materialization: str = "inline"):
-    stage = {
-        "stage_id": "thinker",
-        "stages": list(STAGES),
-        "downstream": ["talker"],
-        "omni_pooler_payload_include_hidden": include_hidden,
-        "downstream_needs_full_prefix": full_prefix,
-        "materialization": materialization,
-    }
-    return Feature(
-        f"thinker-{include_hidden}-{full_prefix}", {"omni_stage": stage}, use_worker=True
-    )
+def probes_of(subject: Any) -> RunnerProbes:
+    require_worker(subject)
+    return require(subject, "runner_probes", "runner probes")
 
 
-def check_token_only(workload: list[Job], *, subject=None, prefix: bool = True) -> int:
-    subject = subject or WorkerSubject()
-    cfg_h = harness_config(
-        thinker_feature(include_hidden=True, full_prefix=True), mode="sync", prefix=prefix
+def check_token_only(workload: list[Job], subject: Any, *, prefix: bool = True) -> int:
+    probes = probes_of(subject)
+    cfg_h, cfg_t = (
+        worker_harness_config(
+            subject,
+            probes.payload_feature(include_hidden=hidden, full_prefix=hidden),
+            mode="sync",
+            prefix=prefix,
+        )
+        for hidden in (True, False)
     )
-    cfg_t = harness_config(
-        thinker_feature(include_hidden=False, full_prefix=False), mode="sync", prefix=prefix
-    )
-    execs = [CheckingExecutor(RunnerExec(subject.make_worker(c))) for c in (cfg_h, cfg_t)]
+    runners = [subject.make_worker(c) for c in (cfg_h, cfg_t)]
+    execs = [CheckingExecutor(RunnerExec(r), probes.payloads) for r in runners]
 
     def on_step(step, sched, so, outs) -> None:
         for e in execs:
@@ -74,26 +74,25 @@ def check_token_only(workload: list[Job], *, subject=None, prefix: bool = True) 
             f"C-30: step {step}: token-only sampled {tok.sampled_token_ids}, "
             f"include-hidden {hid.sampled_token_ids}"
         )
-        computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
-        cached = so.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            computed[rid] = cached.num_computed_tokens[i]
+        computed = computed_before(so)
         crossing = set()
         for rid, n in so.num_scheduled_tokens.items():
             plen = sched.requests[rid].num_prompt_tokens
             if computed[rid] < plen <= computed[rid] + n:
                 crossing.add(rid)
-        tp = tok.omni_payloads
+        tp = probes.payloads(tok)
         if not crossing:
             assert tp is None, (
                 f"C-50: step {step}: token-only step with nothing to deliver built "
                 f"{sum(p is not None for p in tp)} payload objects ({len(tp)} slots)"
             )
-        hp = hid.omni_payloads or [None] * len(hid.req_ids)
+        hp = probes.payloads(hid) or [None] * len(hid.req_ids)
         tp = tp or [None] * len(tok.req_ids)
         for rid, h, t in zip(hid.req_ids, hp, tp, strict=True):
             n = so.num_scheduled_tokens[rid]
-            assert h is not None, f"C-51: step {step}: include-hidden slot of {rid} is empty"
+            assert h is not None and h.hidden is not None, (
+                f"C-51: step {step}: include-hidden slot of {rid} is empty"
+            )
             end = computed[rid] + n
             assert h.start + h.hidden.shape[0] == end and h.start in (0, computed[rid]), (
                 f"C-51/C-55: step {step}: {rid}'s rows cover [{h.start}, "
@@ -117,43 +116,45 @@ def check_token_only(workload: list[Job], *, subject=None, prefix: bool = True) 
                     assert torch.equal(hc, tc), f"C-31: step {step}: {rid}'s conditioning differs"
 
     try:
-        return drive_runners(workload, cfg_h, execs, on_step, subject=subject)
+        return drive_runners(workload, cfg_h, execs, on_step)
     finally:
-        for e in execs:
-            e.inner.runner.shutdown()
+        for r in runners:
+            probes.shutdown(r)
 
 
 @pytest.mark.clauses("C-30", "C-31", "C-50", "C-51", "C-55")
 @pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "noprefix"])
-def test_token_only_payloads(prefix):
+def test_token_only_payloads(conformance_subject, prefix):
+    probes_of(conformance_subject)
     total = [0]
 
     @suite_settings(20)
     @given(jobs)
     def prop(workload: list[Job]) -> None:
-        total[0] += check_token_only(workload, prefix=prefix)
+        total[0] += check_token_only(workload, conformance_subject, prefix=prefix)
 
     prop()
     assert total[0] > 0
 
 
 @pytest.mark.clauses("C-31")
-def test_conditioning_survives_stale_reset():
+def test_conditioning_survives_stale_reset(conformance_subject):
     """Regression (found by this suite): add, step (the prefill is in flight), then
     ``reset_prefix_cache(reset_running_requests=True)`` under async scheduling drops the
     in-flight step as stale; the prefill conditioning must still be delivered exactly once."""
-    from conformance.workload import AddRequest, ResetPrefixCache, Step
-    from invariants.machines import AuditedLockstep, ledger_problems
-    from invariants.strategies import FEATURES
-
-    feat = FEATURES["hidden-inline"]
+    probes = probes_of(conformance_subject)
+    require(conformance_subject, "chunk_delivery", "chunk delivery")
+    feature = probes.payload_feature(include_hidden=True, full_prefix=True)
     session = AuditedLockstep(
-        harness_config(feat, mode="async", prefix=True), WorkerSubject(), use_worker=True
+        harness_config(feature, mode="async", prefix=True), conformance_subject, feature=feature
     )
-    session.apply(AddRequest("a", tuple(range(100, 130)), max_tokens=4, final_stage="talker"))
-    session.apply(Step())
-    session.apply(ResetPrefixCache(reset_running_requests=True))
-    session.drain()
-    problems = ledger_problems(session, feat)
-    session.shutdown()
+    try:
+        session.apply(AddRequest("a", tuple(range(100, 130)), max_tokens=4))
+        session.apply(Step())
+        session.apply(ResetPrefixCache(reset_running_requests=True))
+        session.drain()
+        problems = session.teardown_problems()
+    finally:
+        session.shutdown()
+    assert session.failure is None, session.failure.headline()
     assert not problems, problems

@@ -26,7 +26,6 @@ from conformance.report import ReportBuilder, TestRecord, render_junit, validate
 from conformance.scenarios import PREFIXES, TIGHT, run_canonical
 from conformance.subjects import (
     BaseSubject,
-    OmniSubject,
     UpstreamSubject,
     available_subjects,
     load_subject,
@@ -40,6 +39,7 @@ from conformance.workload import (
     Step,
     Trace,
 )
+from omni_runtime.conformance_subject import OmniSubject
 
 pytestmark = pytest.mark.clauses("C-01", "C-03")
 

@@ -19,8 +19,9 @@ from conformance.cli import main
 from conformance.lockstep import Lockstep
 from conformance.replay import record_failure, replay
 from conformance.scenarios import PREFIXES, TIGHT, run_canonical
-from conformance.subjects import OmniSubject, UpstreamSubject
+from conformance.subjects import UpstreamSubject
 from conformance.workload import Abort, Step, Trace
+from omni_runtime.conformance_subject import OmniSubject
 from tests.mutants import harness_mutants as M
 
 pytestmark = pytest.mark.clauses("C-01", "C-02", "C-04", "C-05")
@@ -28,7 +29,7 @@ MODES = ["sync", "async"]
 
 
 def _cfg(mode, downstream=False):
-    extra = OmniSubject().feature_configs()["downstream-token-updates"]["additional_config"]
+    extra = OmniSubject().feature_configs()["token-updates"]["additional_config"]
     return TIGHT.with_(
         async_scheduling=mode == "async", additional_config=extra if downstream else {}
     )

@@ -11,7 +11,7 @@ from __future__ import annotations
 from conformance.config import HarnessConfig
 from conformance.differences import Registry
 from conformance.lockstep import Lockstep
-from conformance.subjects import OmniSubject
+from omni_runtime.conformance_subject import OmniSubject
 from conformance.workload import AddRequest, Step
 
 STAGE = {

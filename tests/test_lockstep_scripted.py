@@ -21,11 +21,11 @@ import pytest
 
 from conformance.differences import Registry
 from conformance.scenarios import TIGHT, run_canonical
-from conformance.subjects import OmniSubject
+from omni_runtime.conformance_subject import OmniSubject
 
 pytestmark = pytest.mark.clauses("C-01", "C-02", "C-04", "C-05", "C-06", "C-07")
 
-FEATURE = "downstream-token-updates"
+FEATURE = "token-updates"
 
 
 def _feature():

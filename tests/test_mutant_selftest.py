@@ -80,35 +80,36 @@ class Verdict:
 # ---- probes: each returns (error or None, length of the failing input) --------------------
 
 
+def _feature(subject: Any, name: str) -> Any:
+    from conformance.capabilities import features_of
+
+    return {f.name: f for f in features_of(subject)}[name]
+
+
 def _machine_probe(feature_name: str, mode: str = "sync", prefix: bool = True):
     def probe(subject: Any) -> tuple[BaseException | None, int]:
-        from invariants.machines import LocalRecorder, harness_config, machine_class, run_machine
-        from invariants.strategies import FEATURES
+        from invariants.machines import LocalRecorder, MachineRun, harness_config, run_machine
 
-        feat = FEATURES[feature_name]
-        cfg = harness_config(feat, mode=mode, prefix=prefix)
-        machine = machine_class(
-            LocalRecorder(subject), cfg, feat, subject=subject, name=f"mutant-{feature_name}"
-        )
-        outcome = run_machine(machine, MUTANT_SETTINGS)
+        feature = _feature(subject, feature_name)
+        cfg = harness_config(feature, mode=mode, prefix=prefix)
+        run = MachineRun(LocalRecorder(subject), subject, feature, cfg, f"mutant-{feature_name}")
+        outcome = run_machine(run, MUTANT_SETTINGS)
         return outcome.error, outcome.ops
 
     return probe
 
 
 def _chunk_probe(subject: Any) -> tuple[BaseException | None, int]:
-    from invariants.machines import LocalRecorder, run_machine
-    from invariants.test_chunk_contracts import chunk_machine
+    from invariants.machines import LocalRecorder
+    from invariants.test_chunk_contracts import run_chunk_contracts
 
-    error: BaseException | None = None
     ops = 0
     for mode in ("sync", "async"):
-        machine = chunk_machine(LocalRecorder(subject), mode, subject=subject, name="mutant-chunk")
-        outcome = run_machine(machine, MUTANT_SETTINGS)
+        outcome = run_chunk_contracts(LocalRecorder(subject), subject, mode, MUTANT_SETTINGS)
         if outcome.error is not None:
             return outcome.error, outcome.ops
         ops = outcome.ops
-    return error, ops
+    return None, ops
 
 
 def _given_probe(strategy: Any, check: Callable[..., Any], size: Callable[..., int]):
@@ -134,20 +135,25 @@ def _malformed_probe(subject: Any) -> tuple[BaseException | None, int]:
     from invariants.strategies import malformed_inputs
     from invariants.test_ar_inv_002_adapters import check_malformed
 
-    return _given_probe(malformed_inputs(), lambda v, s: check_malformed(v), lambda v: 1)(subject)
+    probe = subject.input_adapter()
+    scheduler = probe.scheduler()
+    return _given_probe(
+        malformed_inputs(probe.spec), lambda v, s: check_malformed(v, probe, scheduler), lambda v: 1
+    )(subject)
 
 
 def _static_probe(subject: Any, tmp: Path) -> tuple[BaseException | None, int]:
-    from invariants.test_ar_inv_002_adapters import RUNTIME_ROOT, payload_constructions
+    from invariants.test_ar_inv_002_adapters import layout_constructions
 
+    layout = subject.source_layout()
     copy = tmp / "omni_runtime"
-    shutil.copytree(RUNTIME_ROOT, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(layout.payload_root, copy, ignore=shutil.ignore_patterns("__pycache__"))
     planted = copy / "sched" / "transfer.py"
     planted.write_text(
         planted.read_text()
         + "\n\ndef _mutant_rebuild(p):\n    return StagePayload(p.request_id, 0, p.num_tokens)\n"
     )
-    offenders = payload_constructions(copy)
+    offenders = layout_constructions(layout, copy)
     if offenders:
         return AssertionError(f"C-11: StagePayload constructed outside adapters: {offenders}"), 1
     return None, 1
@@ -159,7 +165,7 @@ def _jobs_probe(check_name: str, module: str, **kw: Any):
 
         mod = importlib.import_module(module)
         fn = getattr(mod, check_name)
-        return _given_probe(jobs, lambda w, s: fn(w, subject=s, **kw), len)(subject)
+        return _given_probe(jobs, lambda w, s: fn(w, s, **kw), len)(subject)
 
     return probe
 
@@ -170,7 +176,7 @@ def _builder_errors_probe(subject: Any) -> tuple[BaseException | None, int]:
 
     return _given_probe(
         st.tuples(jobs, st.integers(1, 3)),
-        lambda v, s: check_threads_and_errors(v[0], v[1], subject=s),
+        lambda v, s: check_threads_and_errors(v[0], v[1], s),
         lambda v: len(v[0]),
     )(subject)
 
@@ -193,11 +199,11 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
 
 
 def run_mutant(mutant: Any, tmp: Path) -> Verdict:
-    from invariants.machines import WorkerSubject
+    from omni_runtime.conformance_subject import OmniSubject
 
     start = time.monotonic()
     with mutant.apply() as applied:
-        subject = applied if isinstance(applied, WorkerSubject) else WorkerSubject()
+        subject = applied if isinstance(applied, OmniSubject) else OmniSubject()
         if mutant.probe == "static-payload-builders":
             error, ops = _static_probe(subject, tmp)
         else:

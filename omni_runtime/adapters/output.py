@@ -49,6 +49,20 @@ def payloads_by_request(output: ModelRunnerOutput) -> Mapping[str, StagePayload]
     return {rid: p for rid, p in zip(output.req_ids, payloads, strict=True) if p is not None}
 
 
+def synthetic_payloads(
+    req_ids: Sequence[str], rows: Sequence[tuple[int, torch.Tensor] | None]
+) -> list[StagePayload | None] | None:
+    """Payload slots for ``req_ids`` from given hidden rows ``(start, rows)`` per request, for a
+    stage fed by something other than this runner (the conformance gate's payload source).
+    None when no request has rows, as the runner does on a step without payloads (C-50)."""
+    if all(r is None for r in rows):
+        return None
+    return [
+        None if r is None else StagePayload(rid, r[0], int(r[1].shape[0]), hidden=r[1])
+        for rid, r in zip(req_ids, rows, strict=True)
+    ]
+
+
 # ---- runner side ----------------------------------------------------------------------------
 
 # name -> f(hidden rows [n, H]) -> tensor [n, ...]: a multimodal output computed from hidden rows.

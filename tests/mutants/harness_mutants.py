@@ -26,7 +26,7 @@ from typing import Any
 from vllm.v1.core.kv_cache_manager import KVCacheBlocks
 from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 
-from conformance.subjects import OmniSubject
+from omni_runtime.conformance_subject import OmniSubject
 from omni_runtime.payload import OmniEngineCoreOutputs, omni_output_from
 from omni_runtime.sched import OmniARAsyncScheduler, OmniARScheduler
 

@@ -46,7 +46,7 @@ def _require(obj: Any, name: str) -> None:
 
 
 def _subject_with(*, scheduler_mixin: type | None = None, runner_cls: type | None = None) -> Any:
-    from invariants.machines import WorkerSubject
+    from omni_runtime.conformance_subject import OmniSubject
     from omni_runtime.sched import OmniARAsyncScheduler, OmniARScheduler
 
     attrs: dict[str, Any] = {}
@@ -56,7 +56,7 @@ def _subject_with(*, scheduler_mixin: type | None = None, runner_cls: type | Non
         attrs["async_scheduler"] = type(f"{name}Async", (scheduler_mixin, OmniARAsyncScheduler), {})
     if runner_cls is not None:
         attrs["runner_cls"] = runner_cls
-    return type("MutantSubject", (WorkerSubject,), attrs)()
+    return type("MutantSubject", (OmniSubject,), attrs)()
 
 
 @contextlib.contextmanager

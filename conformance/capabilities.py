@@ -1,0 +1,262 @@
+"""What a subject can be checked for, beyond lock-step parity: the capability vocabulary.
+
+Every runtime can be compared with upstream step by step (AR-INV-001); the other checks of the
+suite look inside a runtime (its request slot, its send path, its worker's payloads, its input
+adapter, its source tree) and so need the runtime to say where to look. A subject declares each
+such capability by returning an object from the matching ``Subject`` hook; ``BaseSubject``
+returns ``None`` for all of them ("not provided"), and a test whose capability is not provided is
+reported *not applicable* with the reason (``require``), never run against another runtime.
+
+The objects here are the shared language between the suite and a subject: plain dataclasses for
+what a subject declares (``Feature``, ``DeclaredAttributes``, ``SourceLayout``, ``StageInputSpec``)
+and the normalised views the suite reads (``ChunkView``, ``PayloadView``), plus protocols for the
+hooks that must run the subject's own code (``ChunkDelivery``, ``InputAdapterProbe``,
+``RunnerProbes``, ``ModelReference``). Nothing in this module imports a runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+
+class NotApplicable(Exception):
+    """The subject does not provide what a check needs; the plugin reports it as skipped."""
+
+
+@dataclass(frozen=True)
+class Feature:
+    """One configuration of the subject to run the lock-step machines with.
+
+    ``additional_config`` is merged into ``HarnessConfig.additional_config``; ``final_stages``
+    are the values the workload may draw for ``AddRequest.final_stage``; ``use_worker`` runs the
+    subject's real worker on both sides instead of the harness's token source.
+    """
+
+    name: str
+    additional_config: Mapping[str, Any] = field(default_factory=dict)
+    final_stages: tuple[str | None, ...] = (None,)
+    use_worker: bool = False
+
+    @classmethod
+    def from_config(cls, name: str, cfg: Mapping[str, Any]) -> Feature:
+        """A ``Subject.feature_configs()`` value as a ``Feature``."""
+        return cls(
+            name,
+            dict(cfg.get("additional_config") or {}),
+            tuple(cfg.get("final_stages") or (None,)),
+            bool(cfg.get("use_worker", False)),
+        )
+
+
+OFF = Feature("off")
+
+
+def features_of(subject: Any, *, worker: bool | None = None) -> list[Feature]:
+    """``off`` followed by the subject's declared features (only worker ones, or only
+    token-source ones, when ``worker`` says so); worker features need ``has_worker()``."""
+    found = [OFF] + [Feature.from_config(n, c) for n, c in subject.feature_configs().items()]
+    if not subject.has_worker():
+        found = [f for f in found if not f.use_worker]
+    if worker is not None:
+        found = [f for f in found if f.use_worker == worker]
+    return found
+
+
+@dataclass(frozen=True)
+class DeclaredAttributes:
+    """What the subject adds to upstream objects (C-10..C-12).
+
+    ``request`` maps each attribute a subject's ``Request`` may carry beyond upstream's to the
+    type(s) its value must have (the declared slot); ``scheduler`` names the attributes its
+    scheduler adds; ``send_path`` are those of them allowed to hold tensors (an outbox waiting
+    for delivery); ``modality_types`` are the subject's payload classes, searched for besides
+    tensors and arrays wherever no tensor may be.
+    """
+
+    request: Mapping[str, type | tuple[type, ...]] = field(default_factory=dict)
+    scheduler: frozenset[str] = frozenset()
+    send_path: frozenset[str] = frozenset()
+    modality_types: tuple[type, ...] = ()
+    # Upstream fields whose upstream meaning is a tensor.
+    upstream_tensor_fields: frozenset[str] = frozenset({"prompt_embeds"})
+
+
+@dataclass(frozen=True)
+class PayloadView:
+    """A per-request payload as the suite reads it: rows ``[start, start + num_tokens)``."""
+
+    request_id: str
+    start: int
+    num_tokens: int
+    hidden: Any = None  # tensor [rows, width] or None
+    conditioning: Any = None  # tensor or None
+    multimodal: Mapping[str, Any] = field(default_factory=dict)
+    has_tensors: bool = False
+
+
+@dataclass(frozen=True)
+class ChunkView:
+    """One delivery to the downstream stage: its order, whether it is the EOF, what it carries."""
+
+    request_id: str
+    seq: int
+    is_final: bool
+    token_ids: tuple[int, ...] | None = None
+    payload: PayloadView | None = None
+
+
+@runtime_checkable
+class ChunkDelivery(Protocol):
+    """How a subject hands work downstream (C-21, C-40..C-45)."""
+
+    def install_sink(self, scheduler: Any, sink: Any) -> bool:
+        """Route the scheduler's sends through ``sink.send(chunk)``; False if it has no send path
+        in this configuration."""
+
+    def view(self, chunk: Any) -> ChunkView: ...
+
+    def payload_view(self, payload: Any) -> PayloadView | None:
+        """A payload as handed to a processor, read as the suite reads payloads."""
+
+    def expected_tokens(self, feature: Feature, accepted: Sequence[int]) -> list[int] | None:
+        """The ids the configured processor streams for a request that accepted ``accepted``
+        (None: this feature streams no ids)."""
+
+    # Generated processors (C-40..C-44). ``processor_feature`` is None when not provided.
+    processor_feature: Feature | None
+
+    def set_processor(self, scheduler: Any, processor: Callable[..., Any]) -> None:
+        """Install ``processor``, called ``processor(request_id, payload, is_final[,
+        new_token_ids])``; it declares ``requires_token_updates`` as an attribute or not."""
+
+    def with_payloads(self, output: Any, rows: Sequence[tuple[int, Any] | None]) -> Any:
+        """``output`` (a ``ModelRunnerOutput``) carrying, per request, hidden ``rows`` starting
+        at a position, in the subject's own payload type."""
+
+
+@dataclass(frozen=True)
+class SourceLayout:
+    """Where a subject's code lives, for the static and stack audits (C-10, C-11, C-21).
+
+    ``worker_roots``: folders whose frames must never be on the stack of a send.
+    ``import_contracts``: an import-linter configuration (``pyproject.toml`` or ``.importlinter``)
+    whose contracts keep workers away from routing code. ``payload_root`` / ``payload_type`` /
+    ``payload_builders``: only modules under ``payload_builders`` (relative to the root) may call
+    ``payload_type(...)``; ``payload_exceptions`` maps ``(module, function)`` to why it may too.
+    """
+
+    worker_roots: tuple[Path, ...] = ()
+    import_contracts: Path | None = None
+    payload_root: Path | None = None
+    payload_type: str | None = None
+    payload_builders: tuple[str, ...] = ()
+    payload_exceptions: Mapping[tuple[str, str], str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StageInputSpec:
+    """The shapes a stage input must have, for generating malformed ones (C-13)."""
+
+    stage_id: str
+    stages: tuple[str, ...]
+    hidden_size: int
+    vocab_size: int
+    max_model_len: int
+
+
+@runtime_checkable
+class InputAdapterProbe(Protocol):
+    """The subject's input adapter (C-13, C-60)."""
+
+    spec: StageInputSpec
+    # Raised for bad input; instances carry ``request_id`` and ``field``.
+    rejection: type[BaseException]
+
+    def scheduler(self) -> Any:
+        """A live scheduler of the adapter's stage (requests it accepts may be added to it)."""
+
+    def build(self, scheduler: Any, request_id: str, sampling_params: Any, **fields: Any) -> Any:
+        """A request for ``scheduler`` from stage-input ``fields`` (``prompt_token_ids``,
+        ``prompt_embeds``, ``conditioning``, ``additional_information``, ``final_stage_id``)."""
+
+
+@runtime_checkable
+class RunnerProbes(Protocol):
+    """Handles on the subject's real model runner for the payload and materialization
+    properties (C-22, C-30, C-31, C-50..C-55)."""
+
+    # Names of stage graphs that may follow the stage (C-22 runs one runner per graph).
+    graphs: tuple[str, ...]
+
+    def payload_feature(
+        self,
+        *,
+        include_hidden: bool,
+        full_prefix: bool,
+        materialization: str = "inline",
+        graph: str | None = None,
+        multimodal: bool = False,
+    ) -> Feature:
+        """A worker feature whose runner delivers hidden rows (or, not ``include_hidden``,
+        token-only payloads with the prefill conditioning)."""
+
+    def includes_hidden(self, feature: Feature) -> bool: ...
+
+    def payloads(self, output: Any) -> list[PayloadView | None] | None:
+        """The output's per-request payload slots (None: no payload objects this step)."""
+
+    def reusable_buffers(self, runner: Any) -> Iterable[Any]:
+        """Every buffer the runner may overwrite as soon as a step returns (C-52)."""
+
+    def defer_background_builds(self, runner: Any) -> None:
+        """Make background builds run only when their output is collected (C-52, no race)."""
+
+    def instrument(self, runner: Any) -> MaterializationProbe: ...
+
+    def shutdown(self, runner: Any) -> None: ...
+
+
+@runtime_checkable
+class MaterializationProbe(Protocol):
+    """Observes one runner's background materialization (C-54)."""
+
+    # Thread ids that collected connector output, one per collection.
+    collector_threads: list[int]
+    # Builds started so far; ``fail_build`` makes that build number raise ``error``.
+    builds: int
+
+    def fail_build(self, number: int, error: BaseException) -> None: ...
+
+    def builder_threads(self) -> set[int]: ...
+
+
+@runtime_checkable
+class ModelReference(Protocol):
+    """An independent implementation of the subject's model (C-08, C-31, C-51..C-55)."""
+
+    # Worker features the model-parity property runs with (prefix caching on, then off).
+    features: tuple[str, ...]
+
+    def greedy(self, model_path: str, prompt: Sequence[int], n: int) -> list[int]: ...
+
+    def hidden_rows(self, model_path: str, tokens: Sequence[int]) -> Any:
+        """Final hidden rows of ``tokens`` by full recompute (no paging, no cache)."""
+
+
+def require(subject: Any, hook: str, what: str) -> Any:
+    """The subject's ``hook()`` result, or ``NotApplicable`` naming what is missing."""
+    fn = getattr(subject, hook, None)
+    value = fn() if fn is not None else None
+    if value is None:
+        raise NotApplicable(f"subject {getattr(subject, 'name', subject)!r} provides no {what}")
+    return value
+
+
+def require_worker(subject: Any) -> None:
+    if not subject.has_worker():
+        raise NotApplicable(
+            f"subject {getattr(subject, 'name', subject)!r} provides no real worker"
+        )

@@ -1,0 +1,185 @@
+"""Run-time audits of the subject side of a lock-step session (AR-INV-002, AR-INV-003).
+
+Each audit reads only what the subject declared (``conformance.capabilities``):
+
+* ``audit_requests`` / ``audit_scheduler`` (``DeclaredAttributes``) — a live request carries no
+  attribute upstream's ``Request`` lacks beyond the declared slots, each slot holds its declared
+  type (C-10, C-12); no tensor, array or subject payload object is reachable from an upstream
+  request field or from scheduler state outside the declared send path (C-11).
+* ``CheckingExecutor`` — a side's executor returned results for exactly the scheduled requests,
+  in order, one sampled list each, and (``RunnerProbes``) one payload slot per request that
+  belongs to it (C-20, C-51).
+* ``RecordingSink`` (``ChunkDelivery`` + ``SourceLayout.worker_roots``) — no chunk is sent from a
+  frame of worker or model code (C-21).
+
+Problems are collected as strings that start with their clause id; the machines raise them.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from conformance.capabilities import DeclaredAttributes, PayloadView
+
+_SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
+
+
+def find_modality(value: Any, kinds: tuple[type, ...], depth: int = 3) -> str | None:
+    """A short description of the first tensor / payload reachable through plain containers."""
+    if isinstance(value, kinds):
+        return type(value).__name__
+    if depth <= 0:
+        return None
+    if isinstance(value, dict):
+        items: Iterable[Any] = value.values()
+    elif isinstance(value, list | tuple | set | frozenset | deque):
+        items = value
+    else:
+        return None
+    for item in items:
+        # Token lists are most of what is scanned: skip scalars without a call.
+        if type(item) in _SCALARS:
+            continue
+        hit = find_modality(item, kinds, depth - 1)
+        if hit is not None:
+            return hit
+    return None
+
+
+def modality_kinds(declared: DeclaredAttributes) -> tuple[type, ...]:
+    return (torch.Tensor, np.ndarray, *declared.modality_types)
+
+
+def audit_requests(up_sched: Any, sub_sched: Any, declared: DeclaredAttributes) -> list[str]:
+    """C-10..C-12 over every live request of the subject."""
+    kinds = modality_kinds(declared)
+    problems: list[str] = []
+    for rid, req in sub_sched.requests.items():
+        up = up_sched.requests.get(rid)
+        if up is None:
+            continue
+        added = set(vars(req)) - set(vars(up))
+        undeclared = added - set(declared.request)
+        if undeclared:
+            problems.append(
+                f"C-12: {rid}: attributes added to the upstream Request are {sorted(added)}, "
+                f"declared {sorted(declared.request)}"
+            )
+        for name in sorted(added & set(declared.request)):
+            value = getattr(req, name)
+            if value is not None and not isinstance(value, declared.request[name]):
+                problems.append(f"C-10: {rid}: slot {name!r} holds {type(value).__name__}")
+        for name, value in vars(req).items():
+            if name in declared.request or name in declared.upstream_tensor_fields:
+                continue
+            hit = find_modality(value, kinds)
+            if hit is not None:
+                problems.append(f"C-11: {rid}: upstream field {name!r} holds a {hit}")
+    return problems
+
+
+def audit_scheduler(up_sched: Any, sub_sched: Any, declared: DeclaredAttributes) -> list[str]:
+    """C-11/C-12 over the scheduler object: added attributes, and tensors outside the send path."""
+    kinds = modality_kinds(declared)
+    problems: list[str] = []
+    added = set(vars(sub_sched)) - set(vars(up_sched))
+    if not added <= declared.scheduler:
+        problems.append(
+            f"C-12: scheduler attributes {sorted(added - declared.scheduler)} are not declared"
+        )
+    for name, value in vars(sub_sched).items():
+        if name in declared.send_path or name == "requests":
+            continue
+        hit = find_modality(value, kinds, depth=2)
+        if hit is not None:
+            problems.append(f"C-11: scheduler field {name!r} holds a {hit}")
+    return problems
+
+
+class RecordingSink:
+    """The subject's outbox, recording who called ``send`` (C-21).
+
+    A send whose call stack holds a frame from one of ``worker_roots`` is a worker choosing a
+    destination; it is recorded as a violation and still delivered, so the lock-step comparison
+    is unaffected.
+    """
+
+    def __init__(self, worker_roots: Iterable[Path], describe: Callable[[Any], str]) -> None:
+        self._roots = tuple(str(Path(r)) + "/" for r in worker_roots)
+        self._describe = describe
+        self._chunks: deque[Any] = deque()
+        self.violations: list[str] = []
+        self.sent = 0
+
+    def send(self, chunk: Any) -> None:
+        self.sent += 1
+        if self._roots:
+            frame = sys._getframe(1)
+            while frame is not None:
+                fname = frame.f_code.co_filename
+                if fname.startswith(self._roots):
+                    self.violations.append(
+                        f"C-21: chunk {self._describe(chunk)} sent from "
+                        f"{Path(fname).name}:{frame.f_code.co_name}"
+                    )
+                    break
+                frame = frame.f_back
+        self._chunks.append(chunk)
+
+    def drain(self) -> list[Any]:
+        out = list(self._chunks)
+        self._chunks.clear()
+        return out
+
+    def __len__(self) -> int:
+        return len(self._chunks)
+
+
+PayloadReader = Callable[[Any], "list[PayloadView | None] | None"]
+
+
+class CheckingExecutor:
+    """Wraps a side's executor: results must cover exactly the scheduled requests (C-20, C-51).
+
+    Problems are collected, not raised: the harness turns an executor exception into an observed
+    "exception" on that side, and identical exceptions on both sides would compare equal.
+    """
+
+    def __init__(self, inner: Any, payloads: PayloadReader | None = None) -> None:
+        self.inner = inner
+        self.payloads = payloads
+        self.problems: list[str] = []
+        self.calls = 0
+
+    def execute(self, so: Any) -> Any:
+        self.calls += 1
+        out = self.inner.execute(so)
+        expected = list(so.num_scheduled_tokens) if so.total_num_scheduled_tokens else []
+        got = list(out.req_ids)
+        if got != expected:
+            self.problems.append(f"C-20: scheduled {expected}, worker returned {got}")
+        elif len(out.sampled_token_ids) != len(got):
+            self.problems.append(
+                f"C-20: {len(got)} requests but {len(out.sampled_token_ids)} sampled lists"
+            )
+        elif dict(out.req_id_to_index) != {rid: i for i, rid in enumerate(got)}:
+            self.problems.append(f"C-20: req_id_to_index {dict(out.req_id_to_index)} out of order")
+        slots = self.payloads(out) if self.payloads is not None else None
+        if slots is not None:
+            if len(slots) != len(got):
+                self.problems.append(f"C-51: {len(slots)} payload slots for {len(got)} requests")
+            else:
+                for rid, p in zip(got, slots, strict=True):
+                    if p is not None and p.request_id != rid:
+                        self.problems.append(f"C-51: slot of {rid} holds {p.request_id}'s payload")
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)

@@ -1,0 +1,157 @@
+"""The chunk and payload ledger: what a lock-step session delivered downstream, checked at teardown.
+
+During a session each request's prompt, accepted tokens and finish are recorded
+(``RequestLedger``); the subject's chunks are read through its ``ChunkDelivery.view``. At teardown:
+
+* C-42 — a request whose final stage is this one (``has_downstream`` false in the subject's
+  request facts) caused no chunk;
+* C-43 — every other request got exactly one EOF, as its last chunk, with seqs ``0..n-1``;
+* C-40/C-44/C-45 — the ids the configured processor streamed equal what the subject says it
+  streams for the accepted ids (``ChunkDelivery.expected_tokens``), once each;
+* with the real worker (``RunnerProbes`` + ``ModelReference``): the prefill conditioning crossed
+  exactly once and is the row of the last prompt position (C-31); token-only stages delivered no
+  hidden rows (C-30); otherwise hidden rows start at position 0 even after a prefix hit (C-55),
+  never repeat a position (C-45), cover exactly the computed positions and equal the reference's
+  full recompute (C-51, C-52);
+* C-08 (``hf_problems``) — greedy tokens equal the subject's independent model reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from conformance.capabilities import ChunkDelivery, ChunkView, Feature
+from invariants.reference import CachedReference
+
+
+@dataclass
+class RequestLedger:
+    prompt: list[int]
+    emitted: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    aborted: bool = False
+
+
+def ledger_problems(
+    session: Any,
+    feature: Feature,
+    delivery: ChunkDelivery,
+    *,
+    includes_hidden: bool | None = None,
+    reference: CachedReference | None = None,
+) -> list[str]:
+    """The teardown checks (module docstring). ``includes_hidden`` is None without a worker."""
+    problems: list[str] = []
+    views: dict[str, list[ChunkView]] = {}
+    for chunk in session.sub.chunks:
+        view = delivery.view(chunk)
+        views.setdefault(view.request_id, []).append(view)
+    for rid, entry in session.ledger.items():
+        facts = session.facts.get(rid, {})
+        chunks = sorted(views.pop(rid, []), key=lambda c: c.seq)
+        if not facts.get("has_downstream"):
+            if chunks:
+                problems.append(
+                    f"C-42: {rid} is final at this stage but sent {len(chunks)} chunk(s)"
+                )
+            continue
+        finals = [c for c in chunks if c.is_final]
+        if len(finals) != 1 or not chunks[-1].is_final:
+            problems.append(
+                f"C-43: {rid} ({'aborted' if entry.aborted else entry.finish_reason}) got "
+                f"{len(finals)} EOF deliveries in {len(chunks)} chunks"
+            )
+        if [c.seq for c in chunks] != list(range(len(chunks))):
+            problems.append(f"C-43: {rid}: chunk seqs {[c.seq for c in chunks]} not 0..n-1")
+        want = delivery.expected_tokens(feature, entry.emitted)
+        if want is not None:
+            got = [t for c in chunks for t in (c.token_ids or ())]
+            if got != want:
+                problems.append(
+                    f"C-40/C-44/C-45: {rid}: streamed ids {got[:12]}.. != accepted ids "
+                    f"{want[:12]}.. ({len(got)} vs {len(want)})"
+                )
+        if includes_hidden is not None and reference is not None:
+            problems.extend(
+                payload_problems(session, rid, entry, chunks, includes_hidden, reference)
+            )
+    for rid in views:
+        problems.append(f"C-42/C-43: chunks for unknown request {rid}")
+    return problems
+
+
+def payload_problems(
+    session: Any,
+    rid: str,
+    entry: RequestLedger,
+    chunks: list[ChunkView],
+    include_hidden: bool,
+    reference: CachedReference,
+) -> list[str]:
+    problems: list[str] = []
+    model_path = session.config.model
+    tokens = entry.prompt + entry.emitted
+    prompt_len = len(entry.prompt)
+    conds = [
+        c.payload.conditioning
+        for c in chunks
+        if c.payload is not None and c.payload.conditioning is not None
+    ]
+    if entry.emitted and len(conds) != 1:
+        problems.append(f"C-31: {rid}: {len(conds)} prefill conditionings delivered, expected 1")
+    if conds and len(tokens) >= prompt_len:
+        ref = reference.hidden_rows(model_path, tokens)[prompt_len - 1]
+        if not torch.allclose(conds[0], ref, atol=1e-4, rtol=1e-4):
+            problems.append(
+                f"C-31/C-51: {rid}: conditioning is not the row of position {prompt_len - 1}"
+            )
+    hidden = [c for c in chunks if c.payload is not None and c.payload.hidden is not None]
+    if not include_hidden:
+        if any(c.payload is not None and c.payload.hidden.shape[0] > 0 for c in hidden):
+            problems.append(f"C-30: {rid}: token-only stage delivered hidden rows")
+        return problems
+    end = 0
+    for c in hidden:
+        p = c.payload
+        assert p is not None
+        rows = p.hidden
+        if rows.shape[0] == 0:
+            continue
+        if p.start != end:
+            clause = "C-45" if p.start < end else ("C-55" if end == 0 else "C-51")
+            problems.append(
+                f"{clause}: {rid}: chunk {c.seq} starts at position {p.start}, expected {end}"
+            )
+            return problems
+        stop = p.start + rows.shape[0]
+        if stop > len(tokens):
+            problems.append(f"C-51: {rid}: rows up to {stop} but only {len(tokens)} tokens")
+            return problems
+        ref = reference.hidden_rows(model_path, tokens)[p.start : stop]
+        if not torch.allclose(rows, ref, atol=1e-4, rtol=1e-4):
+            problems.append(
+                f"C-51/C-52: {rid}: rows [{p.start}, {stop}) differ from the reference by "
+                f"{float((rows - ref).abs().max()):.3g}"
+            )
+            return problems
+        end = stop
+    if entry.finish_reason is not None and not entry.aborted and end != len(tokens) - 1:
+        problems.append(
+            f"C-51/C-55: {rid}: hidden rows cover [0, {end}), expected [0, {len(tokens) - 1})"
+        )
+    return problems
+
+
+def hf_problems(session: Any, reference: CachedReference) -> list[str]:
+    """C-08: the runtime's greedy tokens equal the subject's independent reference's."""
+    problems = []
+    for rid, entry in session.ledger.items():
+        if not entry.emitted:
+            continue
+        want = reference.greedy(session.config.model, entry.prompt, len(entry.emitted))
+        if entry.emitted != want:
+            problems.append(f"C-08: {rid}: runtime {entry.emitted} != reference {want}")
+    return problems
