@@ -2,7 +2,9 @@
 (a *subject*) against upstream vLLM, step by step.
 
 Modules, one concept each: ``config`` (harness configuration, scheduler construction),
-``subjects`` (the ``Subject`` protocol and registry), ``workload`` (operations and traces),
+``subjects`` (the ``Subject`` protocol and registry), ``capabilities`` (what a subject declares
+beyond parity: attributes, chunk delivery, source layout, input adapter, runner probes, model
+reference), ``pristine`` (refusing subjects that patch vLLM), ``workload`` (operations and traces),
 ``tokens`` / ``token_worker`` (deterministic token source and engine worker), ``driver`` (sync and
 batch-queue drivers), ``observe`` (snapshots), ``vllm_compat`` (every read of vLLM internals),
 ``compare`` / ``differences`` (first difference, registry tolerance), ``lockstep`` (sessions,
@@ -24,6 +26,13 @@ _EXPORTS = {
     "Subject": "conformance.subjects",
     "BaseSubject": "conformance.subjects",
     "load_subject": "conformance.subjects",
+    "Feature": "conformance.capabilities",
+    "DeclaredAttributes": "conformance.capabilities",
+    "SourceLayout": "conformance.capabilities",
+    "StageInputSpec": "conformance.capabilities",
+    "ChunkView": "conformance.capabilities",
+    "PayloadView": "conformance.capabilities",
+    "NotApplicable": "conformance.capabilities",
     "Trace": "conformance.workload",
     "AddRequest": "conformance.workload",
     "Step": "conformance.workload",

@@ -125,8 +125,9 @@ class ChunkDelivery(Protocol):
         """The ids the configured processor streams for a request that accepted ``accepted``
         (None: this feature streams no ids)."""
 
-    # Generated processors (C-40..C-44). ``processor_feature`` is None when not provided.
-    processor_feature: Feature | None
+    @property
+    def processor_feature(self) -> Feature | None:
+        """The feature generated processors run with (C-40..C-44); None: not provided."""
 
     def set_processor(self, scheduler: Any, processor: Callable[..., Any]) -> None:
         """Install ``processor``, called ``processor(request_id, payload, is_final[,
@@ -171,9 +172,12 @@ class StageInputSpec:
 class InputAdapterProbe(Protocol):
     """The subject's input adapter (C-13, C-60)."""
 
-    spec: StageInputSpec
-    # Raised for bad input; instances carry ``request_id`` and ``field``.
-    rejection: type[BaseException]
+    @property
+    def spec(self) -> StageInputSpec: ...
+
+    @property
+    def rejection(self) -> type[BaseException]:
+        """Raised for bad input; instances carry ``request_id`` and ``field``."""
 
     def scheduler(self) -> Any:
         """A live scheduler of the adapter's stage (requests it accepts may be added to it)."""
@@ -188,8 +192,9 @@ class RunnerProbes(Protocol):
     """Handles on the subject's real model runner for the payload and materialization
     properties (C-22, C-30, C-31, C-50..C-55)."""
 
-    # Names of stage graphs that may follow the stage (C-22 runs one runner per graph).
-    graphs: tuple[str, ...]
+    @property
+    def graphs(self) -> tuple[str, ...]:
+        """Names of stage graphs that may follow the stage (C-22 runs one runner per graph)."""
 
     def payload_feature(
         self,
@@ -237,8 +242,9 @@ class MaterializationProbe(Protocol):
 class ModelReference(Protocol):
     """An independent implementation of the subject's model (C-08, C-31, C-51..C-55)."""
 
-    # Worker features the model-parity property runs with (prefix caching on, then off).
-    features: tuple[str, ...]
+    @property
+    def features(self) -> tuple[str, ...]:
+        """Worker features the model-parity property runs with (prefix caching on, then off)."""
 
     def greedy(self, model_path: str, prompt: Sequence[int], n: int) -> list[int]: ...
 

@@ -30,7 +30,7 @@ PREFIXES: dict[str, tuple[int, ...]] = {
 }
 STOP_IDS = (5, 6)
 # The tight budget the suite runs with: 14 blocks of 16 tokens, so preemption and eviction happen.
-TIGHT: dict[str, int] = {
+TIGHT: dict[str, Any] = {
     "num_blocks": 14,
     "max_num_batched_tokens": 48,
     "max_num_seqs": 6,

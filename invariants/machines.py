@@ -21,7 +21,6 @@ Why an audit can fail: each message names its clause; the positive controls are 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,7 +33,7 @@ from conformance.capabilities import OFF, Feature
 from conformance.config import HarnessConfig
 from conformance.lockstep import Lockstep, SubjectBroken
 from conformance.machine import PREFIXES, TIGHT, LockstepMachine
-from conformance.workload import Abort, AddRequest, DeliverChunks, Step
+from conformance.workload import Abort, AddRequest, Step
 from invariants.audits import CheckingExecutor, RecordingSink, audit_requests, audit_scheduler
 from invariants.ledger import RequestLedger, hf_problems, ledger_problems
 from invariants.reference import cached
@@ -271,9 +270,6 @@ class LocalRecorder:
         assert session.failure is not None
         raise SubjectBroken(session.failure)
 
-    def total_steps(self) -> int:
-        return self.steps_compared + sum(s.steps_compared for s in self.sessions)
-
 
 def examples(at_ci: int) -> int:
     """``at_ci`` examples under the ``ci`` profile, scaled with the loaded profile (``thorough``
@@ -286,11 +282,3 @@ def examples(at_ci: int) -> int:
 def suite_settings(at_ci: int, **kw: Any) -> settings:
     """The loaded profile with this property's example count (and no example database)."""
     return settings(settings.default, max_examples=examples(at_ci), database=None, **kw)
-
-
-def ops_of(session: Lockstep) -> list[Any]:
-    return [op for op in session.trace.ops if not isinstance(op, DeliverChunks)]
-
-
-def main_thread() -> bool:
-    return threading.current_thread() is threading.main_thread()

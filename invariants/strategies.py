@@ -66,10 +66,6 @@ class RecordingProcessor:
         self.mutate_ids = mutate_ids
         self.calls: list[ProcessorCall] = []
 
-    @property
-    def declares_token_updates(self) -> bool:
-        return self.declaration is True
-
     def record(self, request_id: str, payload: Any, is_final: bool, ids: list[int] | None) -> Any:
         self.calls.append(
             ProcessorCall(request_id, payload, is_final, None if ids is None else tuple(ids), ids)

@@ -34,6 +34,7 @@ from conformance.capabilities import (
     StageInputSpec,
 )
 from conformance.config import HarnessConfig, block_hasher, build_kv_cache_config, build_vllm_config
+from conformance.machine import TIGHT
 from conformance.subjects import BaseSubject, DifferenceEntry, make_sampling_params
 from conformance.workload import AddRequest
 
@@ -366,13 +367,6 @@ class OmniModelReference:
 
 # ---- the input adapter ---------------------------------------------------------------------
 
-TIGHT: dict[str, int] = {
-    "num_blocks": 14,
-    "max_num_batched_tokens": 48,
-    "max_num_seqs": 6,
-    "max_model_len": 128,
-}
-
 
 class OmniInputAdapterProbe:
     """The talker stage's ``InputAdapter`` over a live omni scheduler."""
@@ -393,8 +387,10 @@ class OmniInputAdapterProbe:
         from omni_runtime.adapters import InputAdapter, StageInput
         from omni_runtime.config import OmniStageConfig
 
+        stage = OmniStageConfig.from_vllm_config(scheduler.vllm_config)
+        assert stage is not None, "the probe's scheduler is built with an omni stage"
         adapter = InputAdapter(
-            OmniStageConfig.from_vllm_config(scheduler.vllm_config),
+            stage,
             max_model_len=self.spec.max_model_len,
             vocab_size=self.spec.vocab_size,
             hidden_size=self.spec.hidden_size,
