@@ -128,6 +128,29 @@ class AuditedLockstep(Lockstep):
             problems.extend(audit_scheduler(self.up.scheduler, self.sub.scheduler, self.declared))
         return problems
 
+    def clauses(self) -> set[str]:
+        """The clauses this session checks for its subject and feature (what the subject
+        declared decides which audits run, so a report credits only those)."""
+        found = {"C-01", "C-02", "C-04", "C-05", "C-06", "C-07", "C-20"}
+        if self.declared is not None:
+            found |= {"C-10", "C-11", "C-12"}
+        if self.sink is not None:
+            found.add("C-21")
+        if self.delivery is not None and self.feature.additional_config:
+            found |= {"C-42", "C-43"}
+            if self.delivery.expected_tokens(self.feature, []) is not None:
+                found |= {"C-40", "C-44", "C-45"}
+            probes = self.subject.runner_probes() if self.feature.use_worker else None
+            if probes is not None and self.subject.model_reference() is not None:
+                found.add("C-31")
+                if probes.includes_hidden(self.feature):
+                    found |= {"C-45", "C-51", "C-55"}
+                else:
+                    found.add("C-30")
+        if self.checkers[0].payloads is not None:
+            found.add("C-51")
+        return found
+
     def teardown_problems(self, *, check_reference: bool = False) -> list[str]:
         """After ``drain``: conservation, the ledger, and (optionally) model parity (C-08)."""
         problems = list(self.problems) + self.conservation_problems()
