@@ -73,23 +73,6 @@ class StagePayload:
         )
 
 
-def same_payload(a: StagePayload | None, b: StagePayload | None) -> bool:
-    """Exact equality of two payloads: positions, and every tensor bit for bit."""
-    if a is None or b is None:
-        return a is b
-    if (a.request_id, a.start, a.num_tokens) != (b.request_id, b.start, b.num_tokens):
-        return False
-    for x, y in ((a.hidden, b.hidden), (a.conditioning, b.conditioning)):
-        if x is None or y is None:
-            if x is not y:
-                return False
-        elif not torch.equal(x, y):
-            return False
-    return set(a.multimodal) == set(b.multimodal) and all(
-        torch.equal(a.multimodal[k], b.multimodal[k]) for k in a.multimodal
-    )
-
-
 @dataclass(frozen=True, eq=False)
 class StageChunk:
     """One delivery from a stage to its downstream consumer for one request.
