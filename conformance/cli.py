@@ -8,8 +8,9 @@
 ``report``    re-renders Markdown and JUnit from a report's JSON.
 ``subjects``  lists the subjects this installation can check.
 
-Environment problems (vLLM missing, an unsupported vLLM version, an unknown subject) end with
-one line on stderr and exit code 2, never a traceback.
+Environment problems (vLLM missing, an unsupported vLLM version, an unknown subject, a subject
+that cannot be loaded or that patches vLLM) end with one line on stderr and exit code 2, never a
+traceback.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -62,6 +66,53 @@ def _subject_problem(spec: str) -> str | None:
     except (ImportError, ValueError):
         found = None
     return None if found is not None else f"subject module {module!r} cannot be imported"
+
+
+@contextmanager
+def _held_stderr() -> Iterator[bytearray]:
+    """Hold what is written to file descriptor 2 meanwhile (torch and vLLM log warnings there
+    while they import, below Python's ``sys.stderr``); the caller decides whether to pass it on."""
+    held = bytearray()
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), 2)
+            try:
+                yield held
+            finally:
+                sys.stderr.flush()
+                os.dup2(saved, 2)
+                sink.seek(0)
+                held.extend(sink.read())
+    finally:
+        os.close(saved)
+
+
+def _load_subject(spec: str) -> tuple[Any, str | None]:
+    """(subject, None), or (None, a one-line problem) when it cannot be loaded or patches vLLM.
+
+    Import-time library warnings are passed on when the subject loads, and dropped when it does
+    not: the problem is then the one line an environment error promises.
+    """
+    from conformance.pristine import VllmPatched, guard_load
+    from conformance.subjects import load_subject
+
+    subject: Any = None
+    problem: str | None = None
+    with _held_stderr() as held:
+        try:
+            with guard_load(spec):
+                subject = load_subject(spec)
+        except VllmPatched as exc:
+            problem = str(exc)
+        except (LookupError, ImportError, AttributeError, TypeError, SyntaxError) as exc:
+            detail = " ".join(str(exc).split()) or "no message"
+            problem = f"cannot load subject {spec!r}: {type(exc).__name__}: {detail}"
+    if problem is None and held:
+        sys.stderr.flush()
+        os.write(2, bytes(held))
+    return subject, problem
 
 
 def _plugin_installed() -> bool:
@@ -123,6 +174,9 @@ def _summary(report: dict[str, Any]) -> str:
 
 def cmd_check(args: argparse.Namespace) -> int:
     problem = _check_environment(args.subject)
+    if problem:
+        return _fail_env(problem)
+    _, problem = _load_subject(args.subject)  # here, so a broken subject is one line, not a run
     if problem:
         return _fail_env(problem)
     report_dir = Path(args.report_dir)

@@ -178,9 +178,15 @@ def conformance_subject_spec(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="session")
 def conformance_subject(conformance_subject_spec: str) -> Any:
+    """The subject, loaded under the pristine oracle: one that patches vLLM ends the run (2)."""
+    from conformance.pristine import VllmPatched, guard_load
     from conformance.subjects import load_subject
 
-    return load_subject(conformance_subject_spec)
+    try:
+        with guard_load(conformance_subject_spec):
+            return load_subject(conformance_subject_spec)
+    except VllmPatched as exc:
+        pytest.exit(str(exc), returncode=2)
 
 
 @pytest.fixture

@@ -1,0 +1,169 @@
+"""The pristine oracle: proof that loading a subject left upstream vLLM untouched.
+
+The harness compares a subject with upstream vLLM *in the same process*. A subject that
+monkeypatches vLLM when it is imported or built — ``Scheduler.schedule = mine``, or rebinding
+``vllm.v1.core.sched.scheduler.KVCacheManager`` — changes the oracle too, and the lock-step
+comparison then agrees with a broken runtime. This module owns the check that rules that out:
+
+* ``fingerprint()`` records, for vLLM's scheduler, request, KV-cache (manager, coordinators,
+  single-type managers, block pool, free queue, blocks) and output classes, the identity of every
+  entry of each class's ``__dict__`` (functions, properties, descriptors, class constants) and its
+  bases; and for the modules that define them, which object every module attribute naming a
+  class or a function points to (so rebinding a name the scheduler module imported is caught as
+  well as replacing a method), and which module object ``sys.modules`` holds;
+* ``guard_load(label)`` imports those modules, fingerprints on enter and compares on exit,
+  raising ``VllmPatched`` — one line naming the subject and what changed — when anything did.
+
+Subjects subclass vLLM's classes; subclassing never changes a base class's ``__dict__``, so a
+conforming subject never trips the guard. Mutating an object in place (a class-level cache, an
+ABC registry) is not a rebinding and is deliberately not flagged.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import sys
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+# Modules whose classes (all classes they define) and name bindings are fingerprinted.
+REQUIRED_MODULES: tuple[str, ...] = (
+    "vllm.v1.core.sched.scheduler",
+    "vllm.v1.core.sched.async_scheduler",
+    "vllm.v1.request",
+    "vllm.v1.core.kv_cache_manager",
+    "vllm.v1.core.block_pool",
+    "vllm.v1.core.kv_cache_utils",
+    "vllm.v1.core.sched.output",
+    "vllm.v1.outputs",
+    "vllm.v1.engine",
+)
+# Fingerprinted when this vLLM has them (the coordinator layer is newer than the rest).
+OPTIONAL_MODULES: tuple[str, ...] = (
+    "vllm.v1.core.kv_cache_coordinator",
+    "vllm.v1.core.single_type_kv_cache_manager",
+)
+# Classes that must exist: a missing one means the fingerprint would silently cover less.
+REQUIRED_CLASSES: tuple[str, ...] = (
+    "vllm.v1.core.sched.scheduler:Scheduler",
+    "vllm.v1.core.sched.async_scheduler:AsyncScheduler",
+    "vllm.v1.request:Request",
+    "vllm.v1.request:RequestStatus",
+    "vllm.v1.core.kv_cache_manager:KVCacheManager",
+    "vllm.v1.core.block_pool:BlockPool",
+    "vllm.v1.core.kv_cache_utils:FreeKVCacheBlockQueue",
+    "vllm.v1.core.kv_cache_utils:KVCacheBlock",
+    "vllm.v1.core.sched.output:SchedulerOutput",
+    "vllm.v1.outputs:ModelRunnerOutput",
+    "vllm.v1.engine:EngineCoreOutput",
+    "vllm.v1.engine:EngineCoreOutputs",
+)
+MAX_LISTED = 6  # changes named in a VllmPatched message before "+N more"
+
+
+class VllmPatched(RuntimeError):
+    """Loading a subject changed vLLM's classes or module bindings (one-line message)."""
+
+    def __init__(self, subject: str, changes: Sequence[str]) -> None:
+        self.subject = subject
+        self.changes = list(changes)
+        shown = ", ".join(self.changes[:MAX_LISTED])
+        more = len(self.changes) - MAX_LISTED
+        if more > 0:
+            shown += f", +{more} more"
+        super().__init__(f"subject {subject!r} patched vLLM when loaded: {shown}")
+
+
+@dataclass
+class Fingerprint:
+    """Strong references (kept alive, so identities cannot be reused) to what was observed."""
+
+    modules: dict[str, ModuleType] = field(default_factory=dict)
+    # module name -> attribute name -> the class or function it named
+    bindings: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # class label -> (class object, its bases, copy of its __dict__)
+    classes: dict[str, tuple[type, tuple[type, ...], dict[str, Any]]] = field(
+        default_factory=dict
+    )
+
+
+def import_targets() -> list[ModuleType]:
+    """Import every fingerprinted module (optional ones only if this vLLM has them)."""
+    mods = [importlib.import_module(name) for name in REQUIRED_MODULES]
+    for name in OPTIONAL_MODULES:
+        try:
+            mods.append(importlib.import_module(name))
+        except ImportError:
+            continue
+    for spec in REQUIRED_CLASSES:
+        mod, _, attr = spec.partition(":")
+        if not inspect.isclass(getattr(sys.modules[mod], attr, None)):
+            raise ImportError(f"pristine oracle: {mod}.{attr} is not a class in this vLLM")
+    return mods
+
+
+def _is_binding(value: Any) -> bool:
+    return inspect.isclass(value) or inspect.isfunction(value) or inspect.isbuiltin(value)
+
+
+def _label(cls: type, taken: dict[str, Any]) -> str:
+    short = cls.__qualname__
+    owner = taken.get(short)
+    return short if owner is None or owner[0] is cls else f"{cls.__module__}.{short}"
+
+
+def fingerprint() -> Fingerprint:
+    fp = Fingerprint()
+    for mod in import_targets():
+        name = mod.__name__
+        fp.modules[name] = mod
+        fp.bindings[name] = {k: v for k, v in vars(mod).items() if _is_binding(v)}
+        for value in fp.bindings[name].values():
+            if inspect.isclass(value) and value.__module__ == name:
+                label = _label(value, fp.classes)
+                fp.classes[label] = (value, value.__bases__, dict(vars(value)))
+    return fp
+
+
+def changes_since(before: Fingerprint) -> list[str]:
+    """What differs now from ``before``, each as a short phrase (class first, then modules)."""
+    found: list[str] = []
+    for label, (cls, bases, members) in before.classes.items():
+        now = vars(cls)
+        if cls.__bases__ != bases:
+            found.append(f"{label}.__bases__ replaced")
+        for key, value in members.items():
+            if key not in now:
+                found.append(f"{label}.{key} deleted")
+            elif now[key] is not value:
+                found.append(f"{label}.{key} replaced")
+        found.extend(f"{label}.{key} added" for key in now if key not in members)
+    for name, mod in before.modules.items():
+        current = sys.modules.get(name)
+        if current is not mod:
+            found.append(f"sys.modules[{name!r}] replaced")
+            continue
+        now_vars = vars(mod)
+        for key, value in before.bindings[name].items():
+            if key not in now_vars:
+                found.append(f"{name}.{key} deleted")
+            elif now_vars[key] is not value:
+                found.append(f"{name}.{key} rebound")
+    return found
+
+
+@contextmanager
+def guard_load(label: str) -> Iterator[Fingerprint]:
+    """Fingerprint vLLM around the body; raise ``VllmPatched`` if the body changed it.
+
+    An exception from the body propagates unchanged (it says more than a fingerprint would).
+    """
+    before = fingerprint()
+    yield before
+    changed = changes_since(before)
+    if changed:
+        raise VllmPatched(label, changed)

@@ -1,0 +1,229 @@
+"""The oracle stays upstream: a subject that patches vLLM when it loads is refused.
+
+The harness runs upstream vLLM and the subject in one process. A subject module that replaces
+``Scheduler.schedule`` (or rebinds a name vLLM's scheduler module imported) changes the oracle
+too, and every comparison would then agree with the broken runtime. ``conformance.pristine``
+fingerprints vLLM's scheduler, request, KV-cache and output classes around loading a subject;
+these tests plant such a subject in a temporary folder (restoring vLLM afterwards, so the rest of
+the run stays pristine) and check it is refused — by ``guard_load``, through
+``omni-conformance check`` (exit 2, one line, no traceback) and through the pytest plugin — while
+upstream and this project's runtime, which only subclass, load cleanly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conformance import pristine
+from conformance.config import HarnessConfig, build_scheduler
+from conformance.pristine import VllmPatched, guard_load
+from conformance.subjects import load_subject
+
+pytestmark = pytest.mark.clauses("C-01")
+ROOT = Path(__file__).resolve().parents[1]
+
+PATCHING_SCHEDULE = """
+from vllm.v1.core.sched.scheduler import Scheduler
+
+from conformance.subjects import UpstreamSubject
+
+_original = Scheduler.schedule
+
+
+def schedule(self):
+    return _original(self)
+
+
+Scheduler.schedule = schedule
+subject = UpstreamSubject()
+"""
+
+REBINDING_MANAGER = """
+import vllm.v1.core.sched.scheduler as sched_module
+from vllm.v1.core.kv_cache_manager import KVCacheManager
+
+from conformance.subjects import UpstreamSubject
+
+
+class QuietManager(KVCacheManager):
+    pass
+
+
+sched_module.KVCacheManager = QuietManager
+subject = UpstreamSubject()
+"""
+
+
+@pytest.fixture
+def planted(tmp_path, monkeypatch):
+    """``plant(source) -> "module:subject"``: a subject module in tmp_path, importable; vLLM's
+    classes and module bindings are put back afterwards whatever the module changed."""
+    before = pristine.fingerprint()
+    names: list[str] = []
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def plant(source: str) -> str:
+        name = f"planted_{uuid.uuid4().hex[:8]}"
+        (tmp_path / f"{name}.py").write_text(source)
+        importlib.invalidate_caches()
+        names.append(name)
+        return f"{name}:subject"
+
+    try:
+        yield plant
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+        for cls, _bases, members in before.classes.values():
+            for key in [k for k in vars(cls) if k not in members]:
+                delattr(cls, key)
+            for key, value in members.items():
+                if vars(cls).get(key) is not value:
+                    setattr(cls, key, value)
+        for mod_name, mod in before.modules.items():
+            for key, value in before.bindings[mod_name].items():
+                if vars(mod).get(key) is not value:
+                    setattr(mod, key, value)
+        assert pristine.changes_since(before) == []
+
+
+def _refused(spec: str) -> VllmPatched:
+    # load_subject may guard itself; either way the outer guard sees a patched vLLM.
+    with pytest.raises(VllmPatched) as info, guard_load(spec):
+        load_subject(spec)
+    return info.value
+
+
+# ---- what must load cleanly -------------------------------------------------------------
+
+
+def test_fingerprint_covers_the_scheduler_request_kv_cache_and_output_classes():
+    fp = pristine.fingerprint()
+    covered = {(cls.__module__, cls.__name__) for cls, _, _ in fp.classes.values()}
+    for spec in pristine.REQUIRED_CLASSES:
+        module, _, name = spec.partition(":")
+        assert (module, name) in covered, spec
+    coordinators = {n for m, n in covered if m.endswith("kv_cache_coordinator")}
+    assert {"UnitaryKVCacheCoordinator", "HybridKVCacheCoordinator"} <= coordinators
+    # The names the scheduler module imported are bindings too (rebinding one is a patch).
+    assert "KVCacheManager" in fp.bindings["vllm.v1.core.sched.scheduler"]
+
+
+def test_upstream_and_this_projects_runtime_do_not_trip_the_guard():
+    with guard_load("upstream"):
+        up = load_subject("upstream")
+        up.build_scheduler(HarnessConfig())
+        up.build_scheduler(HarnessConfig(async_scheduling=True))
+    with guard_load("omni_runtime"):
+        import omni_runtime.platform  # noqa: F401
+        import omni_runtime.sched
+        import omni_runtime.worker  # noqa: F401
+
+        build_scheduler(omni_runtime.sched.OmniARScheduler, HarnessConfig())
+        build_scheduler(
+            omni_runtime.sched.OmniARAsyncScheduler, HarnessConfig(async_scheduling=True)
+        )
+    with guard_load("omni"):
+        load_subject("omni")
+
+
+# ---- what must be refused ---------------------------------------------------------------
+
+
+def test_a_subject_that_replaces_a_scheduler_method_is_refused(planted):
+    spec = planted(PATCHING_SCHEDULE)
+    exc = _refused(spec)
+    msg = str(exc)
+    assert msg.startswith(f"subject {spec!r} patched vLLM when loaded: ")
+    assert "Scheduler.schedule replaced" in msg
+    assert "\n" not in msg
+    assert exc.changes == ["Scheduler.schedule replaced"]
+
+
+def test_a_subject_that_rebinds_a_name_the_scheduler_imported_is_refused(planted):
+    exc = _refused(planted(REBINDING_MANAGER))
+    assert "vllm.v1.core.sched.scheduler.KVCacheManager rebound" in str(exc)
+
+
+def test_a_long_list_of_changes_stays_one_capped_line():
+    exc = VllmPatched("m:s", [f"Scheduler.m{i} replaced" for i in range(9)])
+    msg = str(exc)
+    assert "\n" not in msg and msg.endswith(", +3 more")
+    assert "Scheduler.m5 replaced" in msg and "Scheduler.m6 replaced" not in msg
+
+
+def _env(tmp_path: Path) -> dict[str, str]:
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {
+        **os.environ,
+        "PYTHONPATH": path,
+        "PYTHONHASHSEED": "0",
+        "HF_HUB_OFFLINE": "1",
+    }
+
+
+def test_check_refuses_a_patching_subject_in_one_line(planted, tmp_path):
+    spec = planted(PATCHING_SCHEDULE)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "conformance.cli",
+            "check",
+            "--subject",
+            spec,
+            "--report-dir",
+            str(tmp_path / "report"),
+            "--failures-dir",
+            str(tmp_path / "failures"),
+        ],
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    err = proc.stderr.strip()
+    assert proc.returncode == 2, (proc.stdout[-2000:], err[-3000:])
+    assert len(err.splitlines()) == 1, err[-3000:]
+    assert "Traceback" not in err
+    assert err.startswith("omni-conformance: error: ") and "Scheduler.schedule replaced" in err
+    assert spec in err
+    assert not (tmp_path / "report" / "compat-report.json").exists()  # no suite ran
+
+
+def test_the_plugin_ends_the_session_when_the_subject_patches_vllm(planted, tmp_path):
+    spec = planted(PATCHING_SCHEDULE)
+    (tmp_path / "test_uses_subject.py").write_text(
+        "def test_uses_subject(conformance_subject):\n    assert conformance_subject\n"
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            "-q",
+            "--subject",
+            spec,
+            "test_uses_subject.py",
+        ],
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    assert "Scheduler.schedule replaced" in out
