@@ -1,10 +1,21 @@
 """``omni-conformance``: the CI gate and its tools.
 
-``check``     runs ``pytest -m invariants`` on the installed ``invariants`` suite with the plugin,
-              against the installed vLLM and the chosen subject; shows pytest's progress, prints a
-              summary table and the first difference of each violation, writes the compat report
-              (JSON, Markdown, JUnit) into ``--report-dir``; exits non-zero on any violation.
-``replay``    re-runs a saved failure trace and prints its first difference.
+``check``     loads the subject (refusing one that patches vLLM when loaded, see
+              ``conformance.pristine``), then runs ``pytest -m invariants`` on the installed
+              ``invariants`` suite with the plugin, against the installed vLLM and that subject;
+              shows pytest's progress, prints a summary (tests ran, passed, failed, not
+              applicable; a table per invariant; the first difference of each violation), writes
+              the compat report (JSON, Markdown, JUnit) into ``--report-dir``. Exit 0 when every
+              test that ran passed (the rest being not applicable to the subject), non-zero on any
+              violation, and 1 when no test ran at all (nothing was checked).
+``replay``    re-runs a saved failure trace and says what happened. Exit codes:
+              1  reproduced: prints the first difference; when it is not the recorded one, prints
+                 both ("reproduces with a DIFFERENT first difference");
+              3  does not reproduce: no difference on this subject and vLLM (a trace is saved
+                 only for a failure, so this is never a success);
+              2  the trace file is unreadable, or an environment problem (below).
+              A one-line note comes first when the subject or the vLLM version differ from the
+              ones the trace recorded.
 ``report``    re-renders Markdown and JUnit from a report's JSON.
 ``subjects``  lists the subjects this installation can check.
 
@@ -28,6 +39,8 @@ from pathlib import Path
 from typing import Any
 
 EXIT_ENV = 2
+EXIT_REPRODUCED = 1
+EXIT_NOT_REPRODUCED = 3
 PROFILES = ("ci", "dev", "thorough")
 
 
@@ -211,16 +224,38 @@ def cmd_replay(args: argparse.Namespace) -> int:
     problem = _check_environment(args.subject)
     if problem:
         return _fail_env(problem)
-    if not Path(args.trace).exists():
+    if not Path(args.trace).is_file():
         return _fail_env(f"no such trace: {args.trace}")
-    from conformance.replay import replay
+    from conformance.replay import TraceError, load_trace, replay_trace
 
-    diff, meta = replay(args.trace, args.subject)
-    if diff is None:
-        print(f"replay {args.trace}: no difference (subject {args.subject or meta.get('subject')})")
-        return 0
-    print(diff.headline())
-    return 1
+    try:
+        trace = load_trace(args.trace)
+    except TraceError as exc:
+        return _fail_env(str(exc))
+    spec = args.subject or trace.meta.get("subject")
+    if not isinstance(spec, str) or not spec:
+        return _fail_env(f"{args.trace} records no subject; pass --subject")
+    problem = _subject_problem(spec)
+    if problem:
+        return _fail_env(problem)
+    subject, problem = _load_subject(spec)
+    if problem:
+        return _fail_env(problem)
+    outcome = replay_trace(trace, subject, spec)
+    note = outcome.context_note()
+    if note:
+        print(note)
+    if outcome.difference is None:
+        print(f"does not reproduce: no difference on subject {spec!r}, vLLM {outcome.vllm}")
+        return EXIT_NOT_REPRODUCED
+    recorded = outcome.recorded_difference
+    if recorded is not None and not outcome.same_as_recorded:
+        print("reproduces with a DIFFERENT first difference:")
+        print(f"  recorded: {recorded.headline()}")
+        print(f"  now:      {outcome.difference.headline()}")
+        return EXIT_REPRODUCED
+    print(outcome.difference.headline())
+    return EXIT_REPRODUCED
 
 
 def cmd_report(args: argparse.Namespace) -> int:

@@ -8,15 +8,18 @@ actually exercised (preemptions, prefix hits, aborts per request state, stops, r
 tests can assert that a situation really happened rather than trusting the generator.
 
 ``run_trace`` replays a whole ``Trace`` and stops at the first untolerated difference;
-``shrink`` removes operations while the same field still fails, so saved failures are short.
+``Shrinker`` (and ``shrink``) reduces a failing trace while the same field still fails — whole
+requests, chunks of operations, repeated steps, aborted ids, request sizes — within a wall-clock
+bound (``OMNI_CONFORMANCE_SHRINK_SECONDS``, default 60 s), so saved failures are short.
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from conformance import vllm_compat as vc
@@ -287,53 +290,314 @@ def run_trace(
     return RunResult(session.failure, session, executed)
 
 
+DEFAULT_SHRINK_SECONDS = 60.0
+SHRINK_SECONDS_ENV = "OMNI_CONFORMANCE_SHRINK_SECONDS"
+
+# What ``shrink`` asks of a candidate trace: falsy when it does not show the failure; ``True``, or
+# better the executed prefix of the candidate (a ``Trace`` ending at the failing operation), when
+# it does. ``same_failure`` returns the executed prefix, so everything after the failing
+# operation is dropped at once.
+FailsCheck = Callable[[Trace], "bool | Trace"]
+
+
+def shrink_seconds() -> float:
+    """The shrinker's wall-clock bound: ``OMNI_CONFORMANCE_SHRINK_SECONDS``, else 60 s."""
+    raw = os.environ.get(SHRINK_SECONDS_ENV, "")
+    try:
+        return float(raw) if raw.strip() else DEFAULT_SHRINK_SECONDS
+    except ValueError:
+        return DEFAULT_SHRINK_SECONDS
+
+
+class _OutOfBudget(Exception):
+    pass
+
+
+@dataclass
+class ShrinkResult:
+    trace: Trace
+    original_ops: int
+    runs: int
+    seconds: float
+    complete: bool  # False: the time or run bound ended the search (the trace is the best found)
+    reproduced: bool  # False: the input trace did not fail at all, and is returned unchanged
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "original_ops": self.original_ops,
+            "ops": len(self.trace.ops),
+            "runs": self.runs,
+            "seconds": round(self.seconds, 3),
+            "complete": self.complete,
+        }
+
+
+def _weight(ops: list[Op]) -> tuple[int, int, int]:
+    """Shrink order: fewer operations first, then smaller requests and fewer aborted ids, then
+    requests added earlier (a trace in which requests arrive first reads most easily)."""
+    detail = 0
+    late = 0
+    for i, op in enumerate(ops):
+        if isinstance(op, AddRequest):
+            late += i
+            detail += len(op.prompt) + op.max_tokens + len(op.stop_token_ids)
+            detail += (op.prefix is not None) + (not op.ignore_eos) + (op.final_stage is not None)
+        elif isinstance(op, Abort):
+            detail += len(op.request_ids)
+        elif isinstance(op, ResetPrefixCache):
+            detail += op.reset_running_requests + op.reset_connector
+    return len(ops), detail, late
+
+
+def _without_request(ops: list[Op], rid: str) -> list[Op]:
+    out: list[Op] = []
+    for op in ops:
+        if isinstance(op, AddRequest) and op.request_id == rid:
+            continue
+        if isinstance(op, Abort) and rid in op.request_ids:
+            rest = tuple(r for r in op.request_ids if r != rid)
+            if rest:
+                out.append(Abort(rest))
+            continue
+        out.append(op)
+    return out
+
+
+def _smaller_ints(n: int, floor: int) -> list[int]:
+    """Candidate values below ``n`` (and at least ``floor``), smallest first."""
+    return sorted({v for v in (floor, n // 4, n // 2, (3 * n) // 4, n - 1) if floor <= v < n})
+
+
+def _simplifications(op: AddRequest) -> list[list[dict[str, Any]]]:
+    """Field changes that make one request simpler, grouped by field, simplest first per group."""
+    groups: list[list[dict[str, Any]]] = []
+    if op.prefix is not None:
+        groups.append([{"prefix": None}])
+    groups.append([{"prompt": op.prompt[:n]} for n in _smaller_ints(len(op.prompt), 1)])
+    groups.append([{"max_tokens": n} for n in _smaller_ints(op.max_tokens, 1)])
+    if op.stop_token_ids:
+        groups.append([{"stop_token_ids": ()}])
+    if not op.ignore_eos:
+        groups.append([{"ignore_eos": True}])
+    if op.final_stage is not None:
+        groups.append([{"final_stage": None}])
+    return [g for g in groups if g]
+
+
+class Shrinker:
+    """Greedy reduction of a failing trace that keeps ``still_fails`` true at every step.
+
+    Passes, repeated until none makes progress: remove whole requests (with their ids in
+    aborts); delta-debugging removal of chunks of operations, halving the chunk down to single
+    operations; collapse runs of repeated steps; drop aborted ids one at a time; simplify each
+    request (no shared prefix, shorter prompt, fewer max_tokens, no stop ids, ignore_eos, no
+    final stage); move requests earlier (past the steps before them), which lets the steps that
+    only waited for them go in the next round; trade a step for a block more of some earlier
+    request's prompt (KV-cache pressure with fewer operations). Every candidate is strictly
+    smaller (``_weight``) than the current trace, so the search ends, and each distinct
+    candidate runs at most once.
+
+    Bounded by ``time_budget`` seconds (default ``shrink_seconds()``) and optionally ``budget``
+    runs; when a bound is hit the best trace found so far is the result, so a failure is always
+    saved shrunk as far as time allowed.
+    """
+
+    def __init__(
+        self,
+        trace: Trace,
+        still_fails: FailsCheck,
+        *,
+        budget: int | None = None,
+        time_budget: float | None = None,
+    ) -> None:
+        self.config = trace.config
+        self.prefixes = dict(trace.prefixes)
+        self.meta = dict(trace.meta)
+        self.ops: list[Op] = list(trace.ops)
+        self.still_fails = still_fails
+        self.max_runs = budget
+        self.time_budget = shrink_seconds() if time_budget is None else float(time_budget)
+        self.runs = 0
+        self.deadline = 0.0
+        self._tried: set[tuple[Op, ...]] = set()
+
+    def _trace(self, ops: list[Op]) -> Trace:
+        return Trace(self.config, list(ops), dict(self.prefixes), dict(self.meta))
+
+    def _verdict(self, ops: list[Op]) -> list[Op] | None:
+        """The ops to keep when ``ops`` still fails (its executed prefix), else None."""
+        self.runs += 1
+        try:
+            verdict = self.still_fails(self._trace(ops))
+        except Exception:  # a candidate that crashes the harness is not the same failure
+            return None
+        if not verdict:
+            return None
+        return list(verdict.ops) if isinstance(verdict, Trace) else list(ops)
+
+    def _try(self, candidate: list[Op]) -> bool:
+        key = tuple(candidate)
+        if not candidate or key in self._tried or _weight(candidate) >= _weight(self.ops):
+            return False
+        if time.monotonic() >= self.deadline or (
+            self.max_runs is not None and self.runs >= self.max_runs
+        ):
+            raise _OutOfBudget
+        self._tried.add(key)
+        kept = self._verdict(candidate)
+        if kept is None or _weight(kept) >= _weight(self.ops):
+            return False
+        self.ops = kept
+        return True
+
+    def run(self) -> ShrinkResult:
+        started = time.monotonic()
+        self.deadline = started + self.time_budget
+        original = len(self.ops)
+        first = self._verdict(self.ops)
+        if first is None:
+            return ShrinkResult(
+                self._trace(self.ops), original, self.runs, time.monotonic() - started, True, False
+            )
+        self.ops = first
+        complete = False
+        try:
+            while True:
+                before = _weight(self.ops)
+                self._drop_requests()
+                self._drop_chunks()
+                self._collapse_steps()
+                self._trim_aborts()
+                self._simplify_adds()
+                self._hoist_adds()
+                self._trade_steps()
+                if _weight(self.ops) >= before:
+                    break
+            complete = True
+        except _OutOfBudget:
+            pass
+        return ShrinkResult(
+            self._trace(self.ops), original, self.runs, time.monotonic() - started, complete, True
+        )
+
+    # ---- passes ---------------------------------------------------------------------------
+
+    def _drop_requests(self) -> None:
+        ids = [op.request_id for op in self.ops if isinstance(op, AddRequest)]
+        for rid in reversed(ids):
+            if any(isinstance(op, AddRequest) and op.request_id == rid for op in self.ops):
+                self._try(_without_request(self.ops, rid))
+
+    def _drop_chunks(self) -> None:
+        chunk = len(self.ops) // 2
+        while chunk >= 1:
+            i = 0
+            while i < len(self.ops):
+                if not self._try(self.ops[:i] + self.ops[i + chunk :]):
+                    i += chunk
+            chunk //= 2
+
+    def _collapse_steps(self) -> None:
+        i = 0
+        while i < len(self.ops):
+            if not isinstance(self.ops[i], Step):
+                i += 1
+                continue
+            run = 0
+            while i + run < len(self.ops) and isinstance(self.ops[i + run], Step):
+                run += 1
+            for drop in sorted({run - 1, run // 2, 1} - {0}, reverse=True):
+                if self._try(self.ops[:i] + self.ops[i + drop :]):
+                    break
+            while i < len(self.ops) and isinstance(self.ops[i], Step):
+                i += 1
+
+    def _trim_aborts(self) -> None:
+        i = 0
+        while i < len(self.ops):
+            op = self.ops[i]
+            if isinstance(op, Abort) and len(op.request_ids) > 1:
+                for rid in op.request_ids:
+                    current = self.ops[i] if i < len(self.ops) else None
+                    if not isinstance(current, Abort) or len(current.request_ids) < 2:
+                        break
+                    rest = tuple(r for r in current.request_ids if r != rid)
+                    self._try(self.ops[:i] + [Abort(rest)] + self.ops[i + 1 :])
+            i += 1
+
+    def _trade_steps(self) -> None:
+        """Drop one step by giving an earlier request a block more prompt: the KV-cache pressure
+        (preemption, eviction) that steps of decoding built up arrives with fewer operations."""
+        block = max(1, self.config.block_size)
+        j = len(self.ops) - 1
+        while j > 0:
+            if j < len(self.ops) and isinstance(self.ops[j], Step):
+                for i in range(j):
+                    op = self.ops[i] if j < len(self.ops) else None
+                    if not isinstance(op, AddRequest):
+                        continue
+                    longer = op.prompt + tuple(op.prompt[k % len(op.prompt)] for k in range(block))
+                    candidate = [*self.ops[:i], replace(op, prompt=longer), *self.ops[i + 1 :]]
+                    if self._try(candidate[:j] + candidate[j + 1 :]):
+                        break
+            j -= 1
+
+    def _hoist_adds(self) -> None:
+        """Move each request earlier, before the steps that precede it, then one op earlier;
+        steps that only waited for a late arrival then become removable."""
+        i = 1
+        while i < len(self.ops):
+            op = self.ops[i]
+            if isinstance(op, AddRequest) and not isinstance(self.ops[i - 1], AddRequest):
+                start = i
+                while start > 0 and isinstance(self.ops[start - 1], Step):
+                    start -= 1
+                for to in dict.fromkeys((start, i - 1)):
+                    if to < i:
+                        rest = self.ops[:i] + self.ops[i + 1 :]
+                        if self._try([*rest[:to], op, *rest[to:]]):
+                            break
+            i += 1
+
+    def _simplify_adds(self) -> None:
+        i = 0
+        while i < len(self.ops):
+            op = self.ops[i]
+            if isinstance(op, AddRequest) and not self._simplify_add(i, op):
+                return  # the failure now happens before this request
+            i += 1
+
+    def _simplify_add(self, i: int, op: AddRequest) -> bool:
+        """Simplify the request at ``i`` field by field; False once the failure moved before it."""
+        for group in _simplifications(op):
+            for change in group:
+                current = self.ops[i] if i < len(self.ops) else None
+                if not isinstance(current, AddRequest) or current.request_id != op.request_id:
+                    return False
+                candidate = [*self.ops[:i], replace(current, **change), *self.ops[i + 1 :]]
+                if self._try(candidate):
+                    break
+        return True
+
+
 def shrink(
     trace: Trace,
-    still_fails: Callable[[Trace], bool],
+    still_fails: FailsCheck,
     *,
-    budget: int = 200,
+    budget: int | None = None,
     time_budget: float | None = None,
 ) -> Trace:
-    """Delta-debugging over operations: drop chunks, then single ops, while the failure persists.
-
-    Bounded by ``budget`` re-runs and ``time_budget`` seconds: a CI gate must fail fast, and a
-    partly shrunk trace still replays.
-    """
-    import time
-
-    if time_budget is None:
-        time_budget = float(os.environ.get("OMNI_CONFORMANCE_SHRINK_SECONDS", "20"))
-    ops = list(trace.ops)
-    runs = 0
-    deadline = time.monotonic() + time_budget
-
-    def attempt(candidate: list[Op]) -> bool:
-        nonlocal runs
-        runs += 1
-        if time.monotonic() > deadline:
-            runs = budget
-            return False
-        return still_fails(Trace(trace.config, candidate, trace.prefixes, dict(trace.meta)))
-
-    chunk = max(1, len(ops) // 2)
-    while chunk >= 1 and runs < budget:
-        i = 0
-        changed = False
-        while i < len(ops) and runs < budget:
-            candidate = ops[:i] + ops[i + chunk :]
-            if candidate and attempt(candidate):
-                ops = candidate
-                changed = True
-            else:
-                i += chunk
-        if not changed:
-            chunk //= 2
-    return Trace(trace.config, ops, dict(trace.prefixes), dict(trace.meta))
+    """The smallest trace ``Shrinker`` finds for which ``still_fails`` holds (see ``Shrinker``)."""
+    return Shrinker(trace, still_fails, budget=budget, time_budget=time_budget).run().trace
 
 
-def same_failure(subject: Subject, path: str, **kw: Any) -> Callable[[Trace], bool]:
-    def predicate(t: Trace) -> bool:
+def same_failure(subject: Subject, path: str, **kw: Any) -> Callable[[Trace], Trace | bool]:
+    """A ``shrink`` check: the executed prefix when the run's first difference is at ``path``."""
+
+    def predicate(t: Trace) -> Trace | bool:
         res = run_trace(t, subject, **kw)
-        return res.failure is not None and res.failure.path == path
+        if res.failure is not None and res.failure.path == path:
+            return res.trace
+        return False
 
     return predicate

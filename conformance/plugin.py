@@ -39,9 +39,11 @@ _COMMON: dict[str, Any] = {
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
 }
 # ci: no hypothesis shrink phase. Shrinking a 50-step program can take minutes against a broken
-# subject; the harness's own bounded delta-debugging shrinks the saved trace instead. No example
-# database either: replaying examples a developer's earlier runs saved would change what a
-# derandomized run executes, and the gate must compare the same steps on every machine.
+# subject; the harness's own bounded shrinker (``conformance.lockstep.Shrinker``, 60 s by default)
+# shrinks the saved trace instead — under every profile, once per failing test, after hypothesis
+# has settled on its example. No example database either: replaying examples a developer's
+# earlier runs saved would change what a derandomized run executes, and the gate must compare the
+# same steps on every machine.
 settings.register_profile(
     "ci",
     max_examples=CI_EXAMPLES,
@@ -103,9 +105,19 @@ def pytest_configure(config: pytest.Config) -> None:
 class ConformanceRecorder:
     """What one test compared: sessions it ran, examples, and the failure it found."""
 
-    def __init__(self, subject_spec: str, subject: Any) -> None:
+    def __init__(
+        self,
+        subject_spec: str,
+        subject: Any,
+        *,
+        profile: str | None = None,
+        test: str | None = None,
+    ) -> None:
         self.subject_spec = subject_spec
         self.subject = subject
+        self.profile = profile
+        self.test = test
+        self._pending: tuple[Any, str] | None = None
         self.sessions: list[Any] = []
         self.examples = 0
         self.steps_compared = 0
@@ -133,27 +145,50 @@ class ConformanceRecorder:
         self.sessions = []
 
     def fail(self, session: Any, name: str, *, do_shrink: bool = True) -> None:
-        """Save the (shrunk) failing trace and raise the first difference as the test failure.
+        """Save the failing trace and raise the first difference as the test failure.
 
-        ``do_shrink=False`` means "hypothesis shrinks this example"; when the active profile has
-        no shrink phase (``ci``), the harness's bounded shrinker runs instead, so every saved
-        trace is a shrunk one.
+        The trace is written as found, right away; the harness's bounded shrinker then runs once,
+        when the test ends (``finish``), on the last failure recorded — under a profile with a
+        shrink phase that is the example hypothesis shrank to, so every profile saves a shrunk
+        trace and no failing example hypothesis tries on its way is shrunk twice.
+        ``do_shrink=False`` ("hypothesis shrinks this example") is accepted for compatibility.
         """
         from conformance.lockstep import SubjectBroken
         from conformance.replay import record_failure
 
-        if not do_shrink and Phase.shrink not in settings().phases:
-            do_shrink = True
         path, diff = record_failure(
             session,
             subject_spec=self.subject_spec,
             name=name,
             registry=session.registry,
-            do_shrink=do_shrink,
+            do_shrink=False,
+            profile=self.profile,
+            test=self.test,
         )
         self.first_difference = diff.to_dict()
         self.trace = str(path)
+        self._pending = (session, name)
         raise SubjectBroken(diff)
+
+    def finish(self) -> None:
+        """Shrink the last recorded failure (bounded; see ``conformance.lockstep.Shrinker``)."""
+        if self._pending is None:
+            return
+        from conformance.replay import record_failure
+
+        session, name = self._pending
+        self._pending = None
+        path, diff = record_failure(
+            session,
+            subject_spec=self.subject_spec,
+            name=name,
+            registry=session.registry,
+            do_shrink=True,
+            profile=self.profile,
+            test=self.test,
+        )
+        self.first_difference = diff.to_dict()
+        self.trace = str(path)
 
     def check(self, session: Any, name: str) -> None:
         if session.failure is not None:
@@ -193,11 +228,19 @@ def conformance_subject(conformance_subject_spec: str) -> Any:
 def conformance(
     request: pytest.FixtureRequest, conformance_subject_spec: str, conformance_subject: Any
 ) -> Iterator[ConformanceRecorder]:
-    rec = ConformanceRecorder(conformance_subject_spec, conformance_subject)
+    rec = ConformanceRecorder(
+        conformance_subject_spec,
+        conformance_subject,
+        profile=_profile_name(request.config),
+        test=request.node.nodeid,
+    )
     try:
         yield rec
     finally:
-        request.node.user_properties.append((_PROP, rec.properties()))
+        try:
+            rec.finish()
+        finally:
+            request.node.user_properties.append((_PROP, rec.properties()))
 
 
 @pytest.fixture

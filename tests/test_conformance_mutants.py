@@ -151,8 +151,9 @@ def test_replay_reproduces_the_failure_exactly(tmp_path, mode, capsys):
     assert again is not None and again.headline() == shrunk_diff.headline()
     assert main(["replay", str(path)]) == 1
     assert capsys.readouterr().out.strip() == shrunk_diff.headline()
-    # The same trace against the real omni subject passes.
-    assert main(["replay", str(path), "--subject", "omni"]) == 0
+    # The same trace against the real omni subject shows no difference: for a trace saved as a
+    # failure that is "does not reproduce" (exit 3), not a success.
+    assert main(["replay", str(path), "--subject", "omni"]) == 3
 
 
 def test_failures_folder_defaults_and_override(tmp_path, monkeypatch):
