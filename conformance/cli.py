@@ -155,17 +155,20 @@ def pytest_command(args: argparse.Namespace) -> list[str]:
 
 
 def _summary(report: dict[str, Any]) -> str:
+    from conformance.report import counts_line
+
     lines = [
         f"omni-conformance check: {report['status'].upper()}  subject={report['subject']}  "
         f"profile={report['profile']}  seed={report['seed']}  "
         f"vLLM {report['environment'].get('vllm')}  torch {report['environment'].get('torch')}  "
         f"Python {report['environment'].get('python')}",
-        f"{'invariant':<12} {'status':<8} {'examples':>9} {'steps':>9}  tolerated differences",
+        counts_line(report["summary"]),
+        f"{'invariant':<12} {'status':<14} {'examples':>9} {'steps':>9}  tolerated differences",
     ]
     for inv in report["invariants"]:
         tol = ", ".join(f"{k} x{v}" for k, v in sorted(inv["tolerated"].items())) or "-"
         lines.append(
-            f"{inv['id']:<12} {inv['status']:<8} {inv['examples']:>9} "
+            f"{inv['id']:<12} {inv['status']:<14} {inv['examples']:>9} "
             f"{inv['steps_compared']:>9}  {tol}"
         )
     ran = [c for c in report["clauses"] if c["status"] != "not_run"]
@@ -182,6 +185,8 @@ def _summary(report: dict[str, Any]) -> str:
             )
         if f.get("trace"):
             lines.append(f"  replay: omni-conformance replay {f['trace']}")
+    for n in report.get("not_applicable", ()):
+        lines.append(f"not applicable {n['test']}: {n['reason']}")
     return "\n".join(lines)
 
 
@@ -216,6 +221,9 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(_summary(report))
     print(f"report: {report_json} (+ compat-report.md, compat-report.junit.xml)")
     if report["status"] == "fail":
+        return rc or 1
+    if report["summary"]["ran"] == 0:
+        print("omni-conformance check: no test ran; nothing was checked", file=sys.stderr)
         return rc or 1
     return rc if rc not in (5,) else 1  # 5: no tests collected is a broken gate, not a pass
 

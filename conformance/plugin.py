@@ -12,13 +12,16 @@ hypothesis profiles and the upstream-compat report.
   and ``paired_drivers`` (an upstream and a subject scheduler/driver built from one config).
 
 Counters travel from xdist workers to the controller in ``user_properties``; only the controller
-writes the report.
+writes the report. A skipped test is recorded as *not applicable* with pytest's skip reason; a
+failure's message leads with its first difference, else with the exception's type and message.
+Loading a subject that patches vLLM (``conformance.pristine``) ends the session with exit code 2.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -295,21 +298,88 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.user_properties.append((_CLAUSES_PROP, sorted(set(ids))))
 
 
-def _first_line(report: pytest.TestReport) -> str:
-    """The failure's one-line message: the first difference's headline when there is one."""
+# Lines hypothesis adds to a failure that say nothing about its cause.
+_BOILERPLATE = (
+    "Falsifying example",
+    "Falsifying explicit example",
+    "You can reproduce",
+    "You can add @seed",
+    "@reproduce_failure",
+    "Trying example",
+    "state = ",
+    "state.",
+    "Draw ",
+    "Explanation:",
+    "The test sometimes passed",
+    "Unreliable test timings",
+    "Hypothesis found",
+    "+ Exception Group",
+    "Traceback",
+)
+_SUBJECT_BROKEN = "SubjectBroken: "
+
+
+def _meaningful(lines: Iterable[str]) -> list[str]:
+    out = []
+    for line in lines:
+        text = line.strip()
+        if text and not text.startswith(_BOILERPLATE) and not text.startswith(("|", "+-")):
+            out.append(text)
+    return out
+
+
+def _bare_type(line: str) -> bool:
+    """``AssertionError`` alone: an exception type with no message."""
+    return re.fullmatch(r"[A-Za-z_][\w.]*", line) is not None
+
+
+def _first_line(report: pytest.TestReport, first_difference: dict[str, Any] | None = None) -> str:
+    """A failure's one-line cause.
+
+    The first difference (``step N (op) field: upstream=... subject=...``) when the harness found
+    one; else the exception's type and message — never hypothesis's boilerplate ("Falsifying
+    example ...") and never a bare exception type when the report holds its message.
+    """
+    from conformance.report import difference_headline
+
+    if first_difference:
+        return difference_headline(first_difference)
     crash = getattr(report.longrepr, "reprcrash", None)
     crash_msg = str(crash.message) if crash is not None else ""
-    for line in crash_msg.splitlines():
-        if "first difference" in line:
-            return line.split("SubjectBroken: ", 1)[-1].strip()
     text = str(report.longrepr) if report.longrepr is not None else ""
-    for line in text.splitlines():
-        if line.startswith("E") and "first difference" in line:
-            return line[1:].strip().split("SubjectBroken: ", 1)[-1]
-    if crash_msg:
-        return crash_msg.splitlines()[0][:300]
-    lines = [ln for ln in text.splitlines() if ln.strip()]
+    e_lines = _meaningful(ln[1:] for ln in text.splitlines() if ln.startswith("E "))
+    for line in _meaningful(crash_msg.splitlines()) + e_lines:
+        if "first difference at " in line:
+            return "first difference at " + line.split("first difference at ", 1)[1][:300]
+    candidates = _meaningful(crash_msg.splitlines())
+    head = candidates[0] if candidates else ""
+    if not head or _bare_type(head):
+        more = [ln for ln in e_lines if not _bare_type(ln) and ln != head]
+        if more:
+            detail = more[0]
+            head = f"{head}: {detail}" if head and not detail.startswith(head) else detail
+    if head.startswith("assert "):  # pytest's rewritten assert: the type is AssertionError
+        head = "AssertionError: " + head
+    elif head.startswith(_SUBJECT_BROKEN) or f".{_SUBJECT_BROKEN}" in head:
+        head = head.split(_SUBJECT_BROKEN, 1)[1]
+    if head:
+        return head[:300]
+    lines = _meaningful(text.splitlines())
     return lines[-1][:300] if lines else report.outcome
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    """pytest's reason for a skip (``longrepr`` is ``(file, line, "Skipped: reason")``)."""
+    wasxfail = getattr(report, "wasxfail", None)
+    if wasxfail is not None:
+        return f"expected failure: {wasxfail}" if wasxfail else "expected failure"
+    longrepr = report.longrepr
+    if isinstance(longrepr, tuple) and len(longrepr) == 3:
+        reason = str(longrepr[2])
+    else:
+        reason = str(longrepr or "")
+    reason = reason.removeprefix("Skipped: ").strip()
+    return " ".join(reason.split()) or "skipped"
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -321,7 +391,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if _CLAUSES_PROP not in props and report.nodeid not in state.tests:
         return
     entry = state.tests.setdefault(
-        report.nodeid, {"outcome": "passed", "clauses": [], "duration": 0.0, "message": None}
+        report.nodeid,
+        {"outcome": "passed", "clauses": [], "duration": 0.0, "message": None, "reason": None},
     )
     if _CLAUSES_PROP in props:
         entry["clauses"] = props[_CLAUSES_PROP]
@@ -330,9 +401,16 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     entry["duration"] += float(report.duration or 0.0)
     if report.failed:
         entry["outcome"] = "failed" if report.when == "call" else "error"
-        entry["message"] = entry["message"] or _first_line(report)
+        entry["message"] = entry["message"] or _first_line(report, entry.get("first_difference"))
     elif report.skipped and report.when != "teardown" and entry["outcome"] == "passed":
-        entry["outcome"] = "skipped"
+        entry["outcome"] = "not_applicable"
+        entry["reason"] = _skip_reason(report)
+    if entry["outcome"] in ("failed", "error") and entry.get("first_difference"):
+        # The recorder's properties arrive with the teardown report, after the (shrunk) trace
+        # was saved: its first difference is the cause to lead with.
+        from conformance.report import difference_headline
+
+        entry["message"] = difference_headline(entry["first_difference"])
 
 
 _CONFIG: dict[str, pytest.Config] = {}
@@ -374,16 +452,21 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     state = config.stash.get(_STATE, None)
     if state is None or state.report is None:
         return
+    from conformance.report import counts_line
+
     rep = state.report
     tr = terminalreporter
     tr.section(f"omni-conformance: subject {rep['subject']} — {rep['status'].upper()}")
-    tr.write_line(f"{'invariant':<12} {'status':<8} {'examples':>8} {'steps':>8}  tolerated")
+    tr.write_line(counts_line(rep["summary"]))
+    tr.write_line(f"{'invariant':<12} {'status':<14} {'examples':>8} {'steps':>8}  tolerated")
     for inv in rep["invariants"]:
         tol = ", ".join(f"{k}x{v}" for k, v in sorted(inv["tolerated"].items())) or "-"
         tr.write_line(
-            f"{inv['id']:<12} {inv['status']:<8} {inv['examples']:>8} "
+            f"{inv['id']:<12} {inv['status']:<14} {inv['examples']:>8} "
             f"{inv['steps_compared']:>8}  {tol}"
         )
     for f in rep["failures"]:
         tr.write_line(f"VIOLATION {f['test']}: {f['message']}")
+    for n in rep["not_applicable"]:
+        tr.write_line(f"not applicable {n['test']}: {n['reason']}")
     tr.write_line(f"report: {state.paths.get('json')}")

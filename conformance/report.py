@@ -2,9 +2,16 @@
 
 ``ReportBuilder`` accumulates one ``TestRecord`` per test (outcome, the clauses it declares,
 examples run, steps compared, tolerated differences by registry id, its first difference and
-failure trace) and renders the report. The JSON is the source of truth (its schema is
-``conformance/schemas/compat-report.schema.json``); Markdown (a CI job summary) and JUnit XML
-(one test case per clause) are renderings of it, and ``render_from_json`` rebuilds them.
+failure trace, or why it did not apply) and renders the report. The JSON is the source of truth
+(its schema is ``conformance/schemas/compat-report.schema.json``); Markdown (a CI job summary) and
+JUnit XML (one test case per clause, then one per test) are renderings of it, and
+``render_from_json`` rebuilds them.
+
+Outcomes are honest about what ran. A test pytest skipped (a feature the subject lacks, a worker
+it does not provide) is ``not_applicable`` with pytest's skip reason, never a pass; a clause or
+invariant whose tests were all not applicable has status ``not_applicable`` (``not_run`` means no
+test covered it at all). A failure's message leads with its cause: the first difference
+(``step N (op) field: upstream=... subject=...``) when the harness found one.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
-SCHEMA_ID = "omni-conformance-compat-report/1"
+SCHEMA_ID = "omni-conformance-compat-report/2"
 SCHEMA_PATH = Path(__file__).parent / "schemas" / "compat-report.schema.json"
 
 INVARIANTS: dict[str, str] = {
@@ -43,7 +50,7 @@ class TestRecord:
     __test__ = False  # not a pytest test class, despite the name
 
     nodeid: str
-    outcome: str  # passed | failed | skipped | error
+    outcome: str  # passed | failed | error | not_applicable (pytest's "skipped")
     clauses: list[str] = field(default_factory=list)
     examples: int = 0
     steps_compared: int = 0
@@ -53,10 +60,38 @@ class TestRecord:
     message: str | None = None
     first_difference: dict[str, Any] | None = None
     trace: str | None = None
+    reason: str | None = None  # why a not-applicable test did not apply (pytest's skip reason)
+
+    def __post_init__(self) -> None:
+        if self.outcome == "skipped":
+            self.outcome = NOT_APPLICABLE
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> TestRecord:
         return cls(**{k: d[k] for k in cls.__dataclass_fields__ if k in d})
+
+    def headline(self) -> str:
+        """The failure's one-line cause: the first difference when there is one."""
+        if self.first_difference:
+            return difference_headline(self.first_difference)
+        return self.message or ""
+
+
+NOT_APPLICABLE = "not_applicable"
+OUTCOMES = ("passed", "failed", "error", NOT_APPLICABLE)
+
+
+def _short(value: Any, limit: int = 120) -> str:
+    text = json.dumps(value, default=str)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def difference_headline(diff: Mapping[str, Any]) -> str:
+    """``step N (op) field: upstream=... subject=...`` for a first difference (JSON form)."""
+    return (
+        f"step {diff.get('step')} ({diff.get('op')}) {diff.get('path')}: "
+        f"upstream={_short(diff.get('upstream'))} subject={_short(diff.get('subject'))}"
+    )
 
 
 def _status(outcomes: Iterable[str]) -> str:
@@ -65,6 +100,17 @@ def _status(outcomes: Iterable[str]) -> str:
         return "fail"
     if "passed" in seen:
         return "pass"
+    if NOT_APPLICABLE in seen:
+        return NOT_APPLICABLE
+    return "not_run"
+
+
+def _rollup(statuses: Iterable[str]) -> str:
+    """An invariant's status from its clauses': fail, else pass, else not applicable."""
+    seen = set(statuses)
+    for status in ("fail", "pass", NOT_APPLICABLE):
+        if status in seen:
+            return status
     return "not_run"
 
 
@@ -130,8 +176,7 @@ class ReportBuilder:
         for iid, title in INVARIANTS.items():
             members = [c for c in clauses.values() if c["invariant"] == iid]
             member_ids = {c["id"] for c in members}
-            statuses = {c["status"] for c in members}
-            status = "fail" if "fail" in statuses else "pass" if "pass" in statuses else "not_run"
+            status = _rollup(c["status"] for c in members)
             # Count each test once per invariant, however many of its clauses it covers.
             covering = [r for r in self.records if member_ids & set(r.clauses)]
             tolerated: dict[str, int] = {}
@@ -152,17 +197,25 @@ class ReportBuilder:
             {
                 "test": r.nodeid,
                 "clauses": r.clauses,
-                "message": r.message or "",
+                "message": r.headline(),
                 "first_difference": r.first_difference,
                 "trace": r.trace,
             }
             for r in self.records
             if r.outcome in ("failed", "error")
         ]
-        counts = {
-            k: sum(1 for r in self.records if r.outcome == k)
-            for k in ("passed", "failed", "skipped", "error")
-        }
+        not_applicable = [
+            {"test": r.nodeid, "clauses": r.clauses, "reason": r.reason or "skipped"}
+            for r in self.records
+            if r.outcome == NOT_APPLICABLE
+        ]
+        counts = {k: sum(1 for r in self.records if r.outcome == k) for k in OUTCOMES}
+        if failures:
+            status = "fail"
+        elif counts["passed"]:
+            status = "pass"
+        else:
+            status = NOT_APPLICABLE if counts[NOT_APPLICABLE] else "not_run"
         tolerated_total: dict[str, int] = {}
         for r in self.records:
             _merge(tolerated_total, r.tolerated)
@@ -175,9 +228,10 @@ class ReportBuilder:
             if isinstance(self.seed, int | str) or self.seed is None
             else str(self.seed),
             "environment": self.environment,
-            "status": "fail" if failures else ("pass" if counts["passed"] else "not_run"),
+            "status": status,
             "summary": {
                 "tests": len(self.records),
+                "ran": len(self.records) - counts[NOT_APPLICABLE],
                 **counts,
                 "violations": len(failures),
                 "examples": sum(r.examples for r in self.records),
@@ -186,18 +240,38 @@ class ReportBuilder:
             },
             "invariants": invariants,
             "clauses": list(clauses.values()),
-            "tests": [r.__dict__ for r in self.records],
+            "tests": [{**r.__dict__, "message": r.headline() or None} for r in self.records],
             "failures": failures,
+            "not_applicable": not_applicable,
         }
 
 
 # ---- renderings ---------------------------------------------------------------------------
 
-_ICON = {"pass": "✅ pass", "fail": "❌ FAIL", "not_run": "— not run"}
+_ICON = {
+    "pass": "✅ pass",
+    "fail": "❌ FAIL",
+    NOT_APPLICABLE: "➖ not applicable",
+    "not_run": "— not run",
+}
 
 
 def _tol(t: Mapping[str, int]) -> str:
     return ", ".join(f"{k}×{v}" for k, v in sorted(t.items())) or "—"
+
+
+def _cell(text: str) -> str:
+    """Text safe inside a Markdown table cell (one line, no column breaks)."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def counts_line(summary: Mapping[str, Any]) -> str:
+    """``N tests: R ran (P passed, F failed, E errors), A not applicable``."""
+    return (
+        f"{summary['tests']} tests: {summary['ran']} ran ({summary['passed']} passed, "
+        f"{summary['failed']} failed, {summary['error']} errors), "
+        f"{summary['not_applicable']} not applicable"
+    )
 
 
 def render_markdown(report: Mapping[str, Any]) -> str:
@@ -209,9 +283,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         f"vLLM {env.get('vllm')} · torch {env.get('torch')} · Python {env.get('python')} · "
         f"profile `{report['profile']}` · seed `{report['seed']}`",
         "",
-        f"{s['tests']} tests: {s['passed']} passed, {s['failed']} failed, {s['error']} errors, "
-        f"{s['skipped']} skipped · {s['examples']} examples · {s['steps_compared']} steps "
-        f"compared · tolerated: {_tol(s['tolerated'])}",
+        f"{counts_line(s)} · {s['examples']} examples · {s['steps_compared']} steps compared · "
+        f"tolerated: {_tol(s['tolerated'])}",
         "",
         "| Invariant | Status | Examples | Steps compared | Tolerated differences |",
         "|---|---|---:|---:|---|",
@@ -244,39 +317,91 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             )
             if f.get("trace"):
                 lines.append(f"  - replay: `omni-conformance replay {f['trace']}`")
+    if report["not_applicable"]:
+        lines += ["", "### Not applicable", "", "| Test | Reason |", "|---|---|"]
+        for n in report["not_applicable"]:
+            lines.append(f"| `{_cell(n['test'])}` | {_cell(n['reason'])} |")
     return "\n".join(lines) + "\n"
 
 
-def render_junit(report: Mapping[str, Any]) -> str:
+def _attr(text: str) -> str:
+    return escape(str(text), {'"': "&quot;", "\n": "&#10;"})
+
+
+def _reasons(report: Mapping[str, Any], clause: str) -> str:
+    found = [n["reason"] for n in report["not_applicable"] if clause in n["clauses"]]
+    return "; ".join(dict.fromkeys(found)) or "not applicable"
+
+
+def _clause_cases(report: Mapping[str, Any]) -> tuple[list[str], int, int]:
     cases = []
     failures = skipped = 0
     for c in report["clauses"]:
-        name = escape(c["id"], {'"': "&quot;"})
-        cls = escape(f"omni_conformance.{c['invariant']}", {'"': "&quot;"})
         body = ""
         if c["status"] == "fail":
             failures += 1
             msgs = [f["message"] for f in report["failures"] if c["id"] in f["clauses"]]
             msg = msgs[0] if msgs else "violation"
-            body = (
-                f'<failure message="{escape(msg, {chr(34): "&quot;"})}">'
-                f"{escape(chr(10).join(msgs))}</failure>"
-            )
+            body = f'<failure message="{_attr(msg)}">{escape(chr(10).join(msgs))}</failure>'
+        elif c["status"] == NOT_APPLICABLE:
+            skipped += 1
+            body = f'<skipped message="{_attr("not applicable: " + _reasons(report, c["id"]))}"/>'
         elif c["status"] == "not_run":
             skipped += 1
             body = '<skipped message="no test covered this clause"/>'
         props = (
             f'<properties><property name="examples" value="{c["examples"]}"/>'
             f'<property name="steps_compared" value="{c["steps_compared"]}"/>'
-            f'<property name="tolerated" value="{escape(_tol(c["tolerated"]))}"/></properties>'
+            f'<property name="tolerated" value="{_attr(_tol(c["tolerated"]))}"/></properties>'
         )
-        cases.append(f'  <testcase classname="{cls}" name="{name}">{props}{body}</testcase>')
-    head = (
-        '<?xml version="1.0" encoding="utf-8"?>\n'
-        f'<testsuites><testsuite name="omni-conformance[{escape(report["subject"])}]" '
-        f'tests="{len(cases)}" failures="{failures}" errors="0" skipped="{skipped}">\n'
+        cls = _attr(f"omni_conformance.{c['invariant']}")
+        cases.append(
+            f'  <testcase classname="{cls}" name="{_attr(c["id"])}">{props}{body}</testcase>'
+        )
+    return cases, failures, skipped
+
+
+def _test_cases(report: Mapping[str, Any]) -> tuple[list[str], int, int, int]:
+    cases = []
+    failures = errors = skipped = 0
+    for t in report["tests"]:
+        module, _, name = t["nodeid"].rpartition("::")
+        body = ""
+        message = t.get("message") or t["outcome"]
+        if t["outcome"] == "failed":
+            failures += 1
+            body = f'<failure message="{_attr(message)}">{escape(message)}</failure>'
+        elif t["outcome"] == "error":
+            errors += 1
+            body = f'<error message="{_attr(message)}">{escape(message)}</error>'
+        elif t["outcome"] == NOT_APPLICABLE:
+            skipped += 1
+            reason = t.get("reason") or "not applicable"
+            body = f'<skipped type="not_applicable" message="{_attr(reason)}"/>'
+        cases.append(
+            f'  <testcase classname="{_attr(module or name)}" name="{_attr(name)}" '
+            f'time="{float(t.get("duration") or 0.0):.3f}">{body}</testcase>'
+        )
+    return cases, failures, errors, skipped
+
+
+def render_junit(report: Mapping[str, Any]) -> str:
+    """Two suites: one test case per clause (the contract view), then one per test."""
+    subject = _attr(report["subject"])
+    clause_cases, c_fail, c_skip = _clause_cases(report)
+    test_cases, t_fail, t_err, t_skip = _test_cases(report)
+    return (
+        '<?xml version="1.0" encoding="utf-8"?>\n<testsuites>'
+        f'<testsuite name="omni-conformance[{subject}]" tests="{len(clause_cases)}" '
+        f'failures="{c_fail}" errors="0" skipped="{c_skip}">\n'
+        + "\n".join(clause_cases)
+        + "\n</testsuite>\n"
+        f'<testsuite name="omni-conformance[{subject}] tests" tests="{len(test_cases)}" '
+        f'failures="{t_fail}" errors="{t_err}" skipped="{t_skip}">\n'
+        + "\n".join(test_cases)
+        + ("\n" if test_cases else "")
+        + "</testsuite></testsuites>\n"
     )
-    return head + "\n".join(cases) + "\n</testsuite></testsuites>\n"
 
 
 def write_report(report: Mapping[str, Any], out_dir: str | Path) -> dict[str, Path]:
