@@ -86,9 +86,7 @@ class Fingerprint:
     # module name -> attribute name -> the class or function it named
     bindings: dict[str, dict[str, Any]] = field(default_factory=dict)
     # class label -> (class object, its bases, copy of its __dict__)
-    classes: dict[str, tuple[type, tuple[type, ...], dict[str, Any]]] = field(
-        default_factory=dict
-    )
+    classes: dict[str, tuple[type, tuple[type, ...], dict[str, Any]]] = field(default_factory=dict)
 
 
 def import_targets() -> list[ModuleType]:
