@@ -470,3 +470,14 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     for n in rep["not_applicable"]:
         tr.write_line(f"not applicable {n['test']}: {n['reason']}")
     tr.write_line(f"report: {state.paths.get('json')}")
+
+
+def covers(node: pytest.Item, clauses: set[str] | list[str]) -> None:
+    """Credit ``clauses`` to the running test on top of its ``clauses`` marker: for a test whose
+    checks depend on what the subject declared, the clauses it really checked."""
+    props = node.user_properties
+    for i, (key, value) in enumerate(props):
+        if key == _CLAUSES_PROP:
+            props[i] = (key, sorted({*value, *clauses}))  # type: ignore[misc]
+            return
+    props.append((_CLAUSES_PROP, sorted(set(clauses))))
