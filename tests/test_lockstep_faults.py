@@ -11,8 +11,8 @@ from __future__ import annotations
 from conformance.config import HarnessConfig
 from conformance.differences import Registry
 from conformance.lockstep import Lockstep
-from omni_runtime.conformance_subject import OmniSubject
 from conformance.workload import AddRequest, Step
+from omni_runtime.conformance_subject import OmniSubject
 
 STAGE = {
     "stage_id": "talker",
