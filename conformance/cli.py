@@ -249,6 +249,8 @@ def cmd_replay(args: argparse.Namespace) -> int:
     subject, problem = _load_subject(spec)
     if problem:
         return _fail_env(problem)
+    if trace.meta.get("kind") == "audit":
+        return _replay_audit(trace, subject, spec)
     outcome = replay_trace(trace, subject, spec)
     note = outcome.context_note()
     if note:
@@ -263,6 +265,38 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(f"  now:      {outcome.difference.headline()}")
         return EXIT_REPRODUCED
     print(outcome.difference.headline())
+    return EXIT_REPRODUCED
+
+
+def _replay_audit(trace: Any, subject: Any, spec: str) -> int:
+    """An audit trace (a run-time audit of the suite failed, not a lock-step difference): its
+    ``meta.replay`` names the suite function that re-runs it with the same audits."""
+    import importlib
+
+    from conformance.replay import ReplayOutcome
+    from conformance.vllm_compat import environment_versions
+
+    vllm = environment_versions().get("vllm", "missing")
+
+    module, _, attr = str(trace.meta.get("replay", "")).partition(":")
+    try:
+        rerun = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError):
+        return _fail_env(f"audit trace names no replay function it can import: {module}:{attr}")
+    note = ReplayOutcome(trace, spec, vllm, None, dict(trace.meta)).context_note()
+    if note:
+        print(note)
+    problems = rerun(trace, subject)
+    if not problems:
+        print(f"does not reproduce: audits hold on subject {spec!r}, vLLM {vllm}")
+        return EXIT_NOT_REPRODUCED
+    recorded = str(trace.meta.get("problem", ""))
+    if recorded and problems[0].split(":", 1)[0] != recorded.split(":", 1)[0]:
+        print("reproduces with a DIFFERENT problem:")
+        print(f"  recorded: {recorded}")
+        print(f"  now:      {problems[0]}")
+        return EXIT_REPRODUCED
+    print(problems[0])
     return EXIT_REPRODUCED
 
 

@@ -21,8 +21,10 @@ Why an audit can fail: each message names its clause; the positive controls are 
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,9 +33,11 @@ from hypothesis.stateful import invariant, run_state_machine_as_test
 
 from conformance.capabilities import OFF, Feature
 from conformance.config import HarnessConfig
-from conformance.lockstep import Lockstep, SubjectBroken
+from conformance.lockstep import Lockstep, Shrinker, SubjectBroken
 from conformance.machine import PREFIXES, TIGHT, LockstepMachine
-from conformance.workload import Abort, AddRequest, Step
+from conformance.replay import failures_dir
+from conformance.vllm_compat import environment_versions
+from conformance.workload import Abort, AddRequest, Step, Trace
 from invariants.audits import CheckingExecutor, RecordingSink, audit_requests, audit_scheduler
 from invariants.ledger import RequestLedger, hf_problems, ledger_problems
 from invariants.reference import cached
@@ -241,6 +245,7 @@ class InvariantMachine(LockstepMachine):
         self.run.last_ops = self.checks
         self.checks += 1
         if self.session.problems:
+            self.run.audit_failure = (self.session, list(self.session.problems))
             raise AssertionError(describe(self.session, self.session.problems))
 
     def teardown(self) -> None:
@@ -275,9 +280,111 @@ def run_machine(
     return MachineOutcome(None, run.last_ops)
 
 
-def raise_failure(outcome: MachineOutcome) -> None:
-    if outcome.error is not None:
-        raise outcome.error
+def raise_failure(outcome: MachineOutcome, run: MachineRun | None = None) -> None:
+    """Raise the property's failure; an audit failure is first saved as a shrunk trace
+    (lock-step differences are saved by the recorder as they happen)."""
+    if outcome.error is None:
+        return
+    if run is not None and run.audit_failure is not None and hasattr(run.recorder, "trace"):
+        session, problems = run.audit_failure
+        path, problem = record_audit_failure(
+            session,
+            problems,
+            subject_spec=getattr(run.recorder, "subject_spec", None),
+            name=run.name,
+            check_reference=run.check_reference,
+        )
+        run.recorder.trace = str(path)
+        raise AssertionError(f"{problem}\ntrace: {path}") from outcome.error
+    raise outcome.error
+
+
+# ---- audit failures as replayable traces ---------------------------------------------------
+
+# What ``omni-conformance replay`` imports to re-run an audit trace (see ``replay_audit``).
+REPLAY_AUDIT = "invariants.machines:replay_audit"
+
+
+def audit_problems(
+    trace: Trace, subject: Any, feature: Feature, check_reference: bool
+) -> list[str]:
+    """Re-run ``trace`` in an audited session: the problems of its operations, then (when the
+    operations ran clean) of the drain and teardown."""
+    session = AuditedLockstep(trace.config, subject, feature=feature, prefixes=dict(trace.prefixes))
+    try:
+        for op in trace.ops:
+            if session.failure is not None or session.problems:
+                break
+            session.apply(op)
+        if session.failure is not None:
+            return [f"first difference: {session.failure.headline()}"]
+        if session.problems:
+            return list(session.problems)
+        session.drain()
+        if session.failure is not None:
+            return [f"first difference: {session.failure.headline()}"]
+        return session.teardown_problems(check_reference=check_reference)
+    finally:
+        session.shutdown()
+
+
+def _clause(problem: str) -> str:
+    return problem.split(":", 1)[0]
+
+
+def record_audit_failure(
+    session: AuditedLockstep,
+    problems: list[str],
+    *,
+    subject_spec: str | None,
+    name: str,
+    check_reference: bool,
+) -> tuple[Path, str]:
+    """Shrink (bounded, ``conformance.lockstep.Shrinker``) the failing session's trace to the
+    smallest one whose audits fail with the same clause, and save it for ``replay``."""
+    found = Trace(session.config, list(session.trace.ops), dict(session.trace.prefixes))
+    subject, feature, clause = session.subject, session.feature, _clause(problems[0])
+
+    def same_clause(t: Trace) -> bool:
+        return any(
+            _clause(p) == clause for p in audit_problems(t, subject, feature, check_reference)
+        )
+
+    result = Shrinker(found, same_clause).run()
+    trace = result.trace
+    rerun = audit_problems(trace, subject, feature, check_reference)
+    same = [p for p in rerun if _clause(p) == clause]
+    if not same:
+        trace, same = found, problems
+    trace.meta = {
+        "kind": "audit",
+        "replay": REPLAY_AUDIT,
+        "subject": subject_spec or subject.name,
+        "test": name,
+        "feature": {
+            "name": feature.name,
+            "additional_config": dict(feature.additional_config),
+            "final_stages": list(feature.final_stages),
+            "use_worker": feature.use_worker,
+        },
+        "check_reference": check_reference,
+        **environment_versions(),
+        "problem": same[0],
+        "found": {"ops": len(found.ops), "problem": problems[0]},
+        "shrink": result.to_dict(),
+    }
+    path = failures_dir() / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)[:120]}.json"
+    trace.save(path)
+    return path, same[0]
+
+
+def replay_audit(trace: Trace, subject: Any) -> list[str]:
+    """The problems an audit trace shows on ``subject`` now (empty: it does not reproduce)."""
+    f = trace.meta["feature"]
+    feature = Feature(
+        f["name"], f["additional_config"], tuple(f["final_stages"]), bool(f["use_worker"])
+    )
+    return audit_problems(trace, subject, feature, bool(trace.meta.get("check_reference")))
 
 
 class LocalRecorder:

@@ -61,7 +61,7 @@ def test_lockstep_parity(request, conformance, conformance_subject, feature, mod
     budget = CI_EXAMPLES_WORKER if feature.use_worker else CI_EXAMPLES
     outcome = run_machine(run, suite_settings(budget))
     covers(request.node, run.clauses)
-    raise_failure(outcome)
+    raise_failure(outcome, run)
 
 
 @pytest.mark.clauses("C-08")
@@ -83,4 +83,4 @@ def test_model_parity_with_reference(conformance, conformance_subject, mode, pre
         check_reference=True,
     )
     # Shorter runs: the reference recomputes the whole sequence for every token.
-    raise_failure(run_machine(run, suite_settings(5, stateful_step_count=15)))
+    raise_failure(run_machine(run, suite_settings(5, stateful_step_count=15)), run)

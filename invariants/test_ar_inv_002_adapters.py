@@ -63,7 +63,7 @@ def test_runtime_audit(conformance, conformance_subject, mode):
     feature = features_of(conformance_subject, worker=False)[-1]
     cfg = harness_config(feature, mode=mode, prefix=True)
     run = MachineRun(conformance, conformance_subject, feature, cfg, f"AR-INV-002-{mode}")
-    raise_failure(run_machine(run, suite_settings(10)))
+    raise_failure(run_machine(run, suite_settings(10)), run)
 
 
 # ---- malformed inputs ---------------------------------------------------------------------

@@ -43,7 +43,6 @@ from hypothesis.stateful import initialize
 from conformance.capabilities import ChunkDelivery, NotApplicable, require
 from invariants.machines import (
     InvariantMachine,
-    MachineOutcome,
     MachineRun,
     harness_config,
     raise_failure,
@@ -150,14 +149,13 @@ def processor_problems(
     return problems
 
 
-def run_chunk_contracts(
-    recorder: Any, subject: Any, mode: str, run_settings: Any
-) -> MachineOutcome:
+def chunk_run(recorder: Any, subject: Any, mode: str) -> MachineRun:
+    """The property's run for ``subject`` (``run_machine(run, settings, ChunkMachine)``)."""
     delivery: ChunkDelivery = require(subject, "chunk_delivery", "chunk delivery")
     feature = delivery.processor_feature
     if feature is None:
         raise NotApplicable(f"subject {subject.name!r} provides no processor feature")
-    run = MachineRun(
+    return MachineRun(
         recorder,
         subject,
         feature,
@@ -165,10 +163,10 @@ def run_chunk_contracts(
         f"chunk-{mode}",
         extra={"delivery": delivery},
     )
-    return run_machine(run, run_settings, ChunkMachine)
 
 
 @pytest.mark.clauses("C-40", "C-41", "C-42", "C-43", "C-44", "C-45")
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_chunk_contracts(conformance, conformance_subject, mode):
-    raise_failure(run_chunk_contracts(conformance, conformance_subject, mode, suite_settings(40)))
+    run = chunk_run(conformance, conformance_subject, mode)
+    raise_failure(run_machine(run, suite_settings(40), ChunkMachine), run)

@@ -100,12 +100,13 @@ def _machine_probe(feature_name: str, mode: str = "sync", prefix: bool = True):
 
 
 def _chunk_probe(subject: Any) -> tuple[BaseException | None, int]:
-    from invariants.machines import LocalRecorder
-    from invariants.test_chunk_contracts import run_chunk_contracts
+    from invariants.machines import LocalRecorder, run_machine
+    from invariants.test_chunk_contracts import ChunkMachine, chunk_run
 
     ops = 0
     for mode in ("sync", "async"):
-        outcome = run_chunk_contracts(LocalRecorder(subject), subject, mode, MUTANT_SETTINGS)
+        run = chunk_run(LocalRecorder(subject), subject, mode)
+        outcome = run_machine(run, MUTANT_SETTINGS, ChunkMachine)
         if outcome.error is not None:
             return outcome.error, outcome.ops
         ops = outcome.ops

@@ -1,0 +1,97 @@
+"""An audit failure (a run-time audit of the invariant suite, not a lock-step difference) is saved
+as a shrunk, replayable trace, under every profile, like a lock-step failure.
+
+The positive control is the ``extra_request_attribute`` mutant (C-12: the input adapter sets an
+undeclared attribute on ``Request``): the audited machine fails, ``raise_failure`` shrinks the
+failing program with the harness's bounded shrinker and writes it with ``meta.kind == "audit"``;
+replaying it on the mutated runtime reproduces the C-12 problem, and on the healthy runtime it
+does not reproduce — in process and through ``omni-conformance replay`` (exit 3).
+
+Why this can fail: audit failures written unshrunk or not at all, a trace that does not carry
+the feature it ran with, or a replay that cannot tell a fixed runtime from a broken one.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+
+from conformance.capabilities import features_of
+from conformance.cli import main
+from conformance.replay import load_trace
+from invariants.machines import MachineRun, harness_config, raise_failure, replay_audit, run_machine
+from omni_runtime.conformance_subject import OmniSubject
+
+HERE = Path(__file__).resolve().parent
+
+
+def _mutant(name: str):
+    spec = importlib.util.spec_from_file_location(
+        "omni_runtime_mutants", HERE / "mutants" / "runtime_mutants.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module.by_name(name)
+
+
+class Recorder:
+    """The plugin recorder's surface that ``raise_failure`` uses."""
+
+    def __init__(self, spec: str) -> None:
+        self.subject_spec = spec
+        self.trace: str | None = None
+        self.sessions: list = []
+        self.examples = 0
+
+    def fail(self, session, name, *, do_shrink=True):  # pragma: no cover - not a lock-step bug
+        raise AssertionError(session.failure.headline())
+
+
+# The ci profile's shape: no hypothesis shrink phase, so the harness's shrinker must do it.
+NO_SHRINK = settings(
+    max_examples=20,
+    stateful_step_count=40,
+    derandomize=True,
+    database=None,
+    deadline=None,
+    phases=(Phase.explicit, Phase.generate),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+@pytest.mark.clauses("C-12")
+def test_audit_failure_is_shrunk_saved_and_replayed(tmp_path, monkeypatch):
+    monkeypatch.setenv("OMNI_CONFORMANCE_FAILURES", str(tmp_path))
+    subject = OmniSubject()
+    feature = {f.name: f for f in features_of(subject)}["token-updates"]
+    recorder = Recorder("omni")
+    run = MachineRun(
+        recorder, subject, feature, harness_config(feature, mode="sync", prefix=True), "audit-c12"
+    )
+    with _mutant("extra_request_attribute").apply():
+        outcome = run_machine(run, NO_SHRINK)
+        assert outcome.error is not None, "the audit did not catch the mutant"
+        with pytest.raises(AssertionError, match=r"(?s)^C-12: .*\ntrace: ") as info:
+            raise_failure(outcome, run)
+        assert recorder.trace is not None
+        trace = load_trace(recorder.trace)
+        assert trace.meta["kind"] == "audit" and trace.meta["subject"] == "omni"
+        assert trace.meta["feature"]["name"] == "token-updates"
+        assert trace.meta["problem"].startswith("C-12")
+        # One request added is enough to show an undeclared attribute.
+        assert len(trace.ops) <= 2, [op.describe() for op in trace.ops]
+        assert trace.meta["found"]["ops"] >= len(trace.ops)
+        assert replay_audit(trace, subject)[0].startswith("C-12")
+    assert str(info.value).splitlines()[0] == trace.meta["problem"]
+    # The healthy runtime: the same trace no longer shows the problem.
+    assert replay_audit(trace, OmniSubject()) == []
+    assert main(["replay", str(recorder.trace)]) == 3
+    saved = json.loads(Path(recorder.trace).read_text())
+    assert saved["meta"]["replay"] == "invariants.machines:replay_audit"
