@@ -26,6 +26,13 @@ class NotApplicable(Exception):
     """The subject does not provide what a check needs; the plugin reports it as skipped."""
 
 
+class CheckNotRun(Exception):
+    """A check the subject's capabilities promise could not run here, for an environmental
+    reason (a missing tool or package, an unreadable file): reported as ``not_run`` with the
+    reason, and ``omni-conformance check`` fails, since a check that quietly does not run would
+    leave its clause looking as if it held."""
+
+
 @dataclass(frozen=True)
 class Feature:
     """One configuration of the subject to run the lock-step machines with.

@@ -187,6 +187,8 @@ def _summary(report: dict[str, Any]) -> str:
             lines.append(f"  replay: omni-conformance replay {f['trace']}")
     for n in report.get("not_applicable", ()):
         lines.append(f"not applicable {n['test']}: {n['reason']}")
+    for n in report.get("not_run", ()):
+        lines.append(f"COULD NOT RUN {n['test']}: {n['reason']}")
     return "\n".join(lines)
 
 
@@ -221,6 +223,15 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(_summary(report))
     print(f"report: {report_json} (+ compat-report.md, compat-report.junit.xml)")
     if report["status"] == "fail":
+        return rc or 1
+    if report.get("not_run"):
+        first = report["not_run"][0]
+        more = len(report["not_run"]) - 1
+        print(
+            f"omni-conformance check: a promised check could not run here: {first['test']}: "
+            f"{first['reason']}" + (f" (+{more} more)" if more else ""),
+            file=sys.stderr,
+        )
         return rc or 1
     if report["summary"]["ran"] == 0:
         print("omni-conformance check: no test ran; nothing was checked", file=sys.stderr)

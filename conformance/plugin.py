@@ -382,6 +382,21 @@ def _skip_reason(report: pytest.TestReport) -> str:
     return " ".join(reason.split()) or "skipped"
 
 
+# A suite test that could not run a promised check fails with this prefix
+# (``conformance.capabilities.CheckNotRun``); the report gives it its own outcome.
+NOT_RUN_PREFIX = "not run here: "
+
+
+def _not_run_reason(report: pytest.TestReport) -> str | None:
+    crash = getattr(report.longrepr, "reprcrash", None)
+    text = str(crash.message) if crash is not None else str(report.longrepr or "")
+    for line in text.splitlines():
+        line = line.strip().removeprefix("Failed: ")
+        if line.startswith(NOT_RUN_PREFIX):
+            return line[len(NOT_RUN_PREFIX) :]
+    return None
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     config = _CONFIG.get("config")
     if config is None:
@@ -399,7 +414,10 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if _PROP in props:
         entry.update(props[_PROP])
     entry["duration"] += float(report.duration or 0.0)
-    if report.failed:
+    if report.failed and report.when == "call" and _not_run_reason(report) is not None:
+        entry["outcome"] = "not_run"
+        entry["reason"] = _not_run_reason(report)
+    elif report.failed:
         entry["outcome"] = "failed" if report.when == "call" else "error"
         entry["message"] = entry["message"] or _first_line(report, entry.get("first_difference"))
     elif report.skipped and report.when != "teardown" and entry["outcome"] == "passed":

@@ -50,7 +50,7 @@ class TestRecord:
     __test__ = False  # not a pytest test class, despite the name
 
     nodeid: str
-    outcome: str  # passed | failed | error | not_applicable (pytest's "skipped")
+    outcome: str  # passed | failed | error | not_applicable (pytest's "skipped") | not_run
     clauses: list[str] = field(default_factory=list)
     examples: int = 0
     steps_compared: int = 0
@@ -60,7 +60,9 @@ class TestRecord:
     message: str | None = None
     first_difference: dict[str, Any] | None = None
     trace: str | None = None
-    reason: str | None = None  # why a not-applicable test did not apply (pytest's skip reason)
+    # Why a not-applicable test did not apply (pytest's skip reason), or why a not-run test
+    # could not run here (a missing tool, an unreadable file).
+    reason: str | None = None
 
     def __post_init__(self) -> None:
         if self.outcome == "skipped":
@@ -78,7 +80,9 @@ class TestRecord:
 
 
 NOT_APPLICABLE = "not_applicable"
-OUTCOMES = ("passed", "failed", "error", NOT_APPLICABLE)
+# A check the subject's capabilities promise that could not run here: never a pass.
+NOT_RUN = "not_run"
+OUTCOMES = ("passed", "failed", "error", NOT_APPLICABLE, NOT_RUN)
 
 
 def _short(value: Any, limit: int = 120) -> str:
@@ -98,6 +102,8 @@ def _status(outcomes: Iterable[str]) -> str:
     seen = set(outcomes)
     if seen & {"failed", "error"}:
         return "fail"
+    if NOT_RUN in seen:
+        return "not_run"
     if "passed" in seen:
         return "pass"
     if NOT_APPLICABLE in seen:
@@ -209,9 +215,16 @@ class ReportBuilder:
             for r in self.records
             if r.outcome == NOT_APPLICABLE
         ]
+        not_run = [
+            {"test": r.nodeid, "clauses": r.clauses, "reason": r.reason or "could not run"}
+            for r in self.records
+            if r.outcome == NOT_RUN
+        ]
         counts = {k: sum(1 for r in self.records if r.outcome == k) for k in OUTCOMES}
         if failures:
             status = "fail"
+        elif not_run:
+            status = "incomplete"
         elif counts["passed"]:
             status = "pass"
         else:
@@ -231,7 +244,7 @@ class ReportBuilder:
             "status": status,
             "summary": {
                 "tests": len(self.records),
-                "ran": len(self.records) - counts[NOT_APPLICABLE],
+                "ran": len(self.records) - counts[NOT_APPLICABLE] - counts[NOT_RUN],
                 **counts,
                 "violations": len(failures),
                 "examples": sum(r.examples for r in self.records),
@@ -243,6 +256,7 @@ class ReportBuilder:
             "tests": [{**r.__dict__, "message": r.headline() or None} for r in self.records],
             "failures": failures,
             "not_applicable": not_applicable,
+            "not_run": not_run,
         }
 
 
@@ -253,6 +267,7 @@ _ICON = {
     "fail": "❌ FAIL",
     NOT_APPLICABLE: "➖ not applicable",
     "not_run": "— not run",
+    "incomplete": "⚠️ INCOMPLETE",
 }
 
 
@@ -271,6 +286,7 @@ def counts_line(summary: Mapping[str, Any]) -> str:
         f"{summary['tests']} tests: {summary['ran']} ran ({summary['passed']} passed, "
         f"{summary['failed']} failed, {summary['error']} errors), "
         f"{summary['not_applicable']} not applicable"
+        + (f", {summary['not_run']} could not run" if summary.get("not_run") else "")
     )
 
 
@@ -306,9 +322,14 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             f"| {c['id']} | {c['invariant']} | {_ICON[c['status']]} | {c['examples']} | "
             f"{c['steps_compared']} | {_tol(c['tolerated'])} |"
         )
-    not_run = [c["id"] for c in report["clauses"] if c["status"] == "not_run"]
-    if not_run:
-        lines += ["", f"Clauses not covered by this run: {', '.join(not_run)}"]
+    blocked = {c for n in report.get("not_run", ()) for c in n["clauses"]}
+    uncovered = [
+        c["id"] for c in report["clauses"] if c["status"] == "not_run" and c["id"] not in blocked
+    ]
+    if blocked:
+        lines += ["", f"Clauses whose check could not run here: {', '.join(sorted(blocked))}"]
+    if uncovered:
+        lines += ["", f"Clauses not covered by this run: {', '.join(uncovered)}"]
     if report["failures"]:
         lines += ["", "### Violations", ""]
         for f in report["failures"]:
@@ -317,6 +338,10 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             )
             if f.get("trace"):
                 lines.append(f"  - replay: `omni-conformance replay {f['trace']}`")
+    if report.get("not_run"):
+        lines += ["", "### Could not run here", "", "| Test | Reason |", "|---|---|"]
+        for n in report["not_run"]:
+            lines.append(f"| `{_cell(n['test'])}` | {_cell(n['reason'])} |")
     if report["not_applicable"]:
         lines += ["", "### Not applicable", "", "| Test | Reason |", "|---|---|"]
         for n in report["not_applicable"]:
@@ -347,8 +372,14 @@ def _clause_cases(report: Mapping[str, Any]) -> tuple[list[str], int, int]:
             skipped += 1
             body = f'<skipped message="{_attr("not applicable: " + _reasons(report, c["id"]))}"/>'
         elif c["status"] == "not_run":
-            skipped += 1
-            body = '<skipped message="no test covered this clause"/>'
+            why = [n["reason"] for n in report.get("not_run", ()) if c["id"] in n["clauses"]]
+            if why:  # a covering test could not run here: an error, not a skip
+                failures += 1
+                msg = "could not run: " + "; ".join(dict.fromkeys(why))
+                body = f'<failure type="not_run" message="{_attr(msg)}">{escape(msg)}</failure>'
+            else:
+                skipped += 1
+                body = '<skipped message="no test covered this clause"/>'
         props = (
             f'<properties><property name="examples" value="{c["examples"]}"/>'
             f'<property name="steps_compared" value="{c["steps_compared"]}"/>'
@@ -378,6 +409,10 @@ def _test_cases(report: Mapping[str, Any]) -> tuple[list[str], int, int, int]:
             skipped += 1
             reason = t.get("reason") or "not applicable"
             body = f'<skipped type="not_applicable" message="{_attr(reason)}"/>'
+        elif t["outcome"] == NOT_RUN:
+            errors += 1
+            reason = "could not run: " + (t.get("reason") or "unknown")
+            body = f'<error type="not_run" message="{_attr(reason)}">{escape(reason)}</error>'
         cases.append(
             f'  <testcase classname="{_attr(module or name)}" name="{_attr(name)}" '
             f'time="{float(t.get("duration") or 0.0):.3f}">{body}</testcase>'

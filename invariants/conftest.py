@@ -52,9 +52,12 @@ def pytest_configure(config):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    from conformance.capabilities import NotApplicable
+    from conformance.capabilities import CheckNotRun, NotApplicable
+    from conformance.plugin import NOT_RUN_PREFIX
 
     try:
         return (yield)
     except NotApplicable as exc:
         pytest.skip(f"not applicable: {exc}")
+    except CheckNotRun as exc:
+        pytest.fail(f"{NOT_RUN_PREFIX}{exc}", pytrace=False)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from conformance.capabilities import ModelReference
+from conformance.capabilities import CheckNotRun, ModelReference
 
 
 class CachedReference:
@@ -24,14 +24,20 @@ class CachedReference:
         key = (model_path, tuple(prompt))
         have = self._greedy.get(key, [])
         if len(have) < n:
-            have = self.reference.greedy(model_path, prompt, n)
+            try:
+                have = self.reference.greedy(model_path, prompt, n)
+            except ImportError as exc:
+                raise CheckNotRun(f"the model reference needs {exc.name or exc}") from exc
             self._greedy[key] = have
         return have[:n]
 
     def hidden_rows(self, model_path: str, tokens: Sequence[int]) -> Any:
         key = (model_path, tuple(tokens))
         if key not in self._rows:
-            self._rows[key] = self.reference.hidden_rows(model_path, tokens)
+            try:
+                self._rows[key] = self.reference.hidden_rows(model_path, tokens)
+            except ImportError as exc:
+                raise CheckNotRun(f"the model reference needs {exc.name or exc}") from exc
         return self._rows[key]
 
 

@@ -485,11 +485,10 @@ class OmniSchedulerSubject(BaseSubject):
         return OmniChunkDelivery()
 
     def source_layout(self) -> SourceLayout:
-        pyproject = PACKAGE.parent / "pyproject.toml"
         return SourceLayout(
             worker_roots=(PACKAGE / "worker", PACKAGE / "models"),
-            # The contracts are the project's lint configuration: present in a source checkout.
-            import_contracts=pyproject if pyproject.is_file() else None,
+            # Shipped with the package, so the gate checks them in any installation.
+            import_contracts=PACKAGE / "import_contracts.toml",
             payload_root=PACKAGE,
             payload_type="StagePayload",
             payload_builders=("adapters/",),

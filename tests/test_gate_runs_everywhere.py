@@ -1,0 +1,111 @@
+"""Nothing in the gate skips silently: a promised check runs wherever the gate runs, or is
+reported as not run, by name and reason, and ``check`` fails.
+
+* With an empty ``PATH`` (only the interpreter known, by absolute path — an installed tool run
+  from a shell where no environment is activated), the static import-contract check (C-21) and
+  the source audits still run and pass: they reach their checkers through the interpreter
+  running the suite, never a ``PATH`` lookup.
+* A subject whose declared import contracts are missing gets ``not_run`` for that check, with
+  the reason; ``check`` exits non-zero and says which check in one line on stderr. A capability
+  the subject does not declare stays ``not_applicable`` and does not fail the run.
+
+Why this can fail: a check that looks its tool up on ``PATH`` and skips itself when absent (the
+report would say its clause holds), or a "could not run" that is reported as a pass or a skip.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import invariants
+
+SUITE = Path(invariants.__file__).resolve().parent
+STATIC_TESTS = [
+    f"{SUITE / 'test_ar_inv_003_workers.py'}::test_import_contracts_hold",
+    f"{SUITE / 'test_ar_inv_003_workers.py'}::test_worker_code_is_what_the_sink_watches",
+    f"{SUITE / 'test_ar_inv_002_adapters.py'}::test_only_adapters_build_payloads",
+]
+
+pytestmark = pytest.mark.clauses("C-21")
+
+
+def _check(
+    tmp_path: Path, subject: str, env_path: str | None, *tests: str
+) -> tuple[int, dict, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VIRTUAL_ENV"))}
+    env.update(HF_HUB_OFFLINE="1", PYTHONHASHSEED="0")
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")]).strip(
+        os.pathsep
+    )
+    if env_path is not None:
+        env["PATH"] = env_path
+    report_dir = tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, "-m", "conformance.cli", "check", "--subject", subject, "-n", "1"]
+        + ["--report-dir", str(report_dir), "--failures-dir", str(tmp_path / "failures")]
+        + ["-q", "--tests", *tests],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    report_json = report_dir / "compat-report.json"
+    report = json.loads(report_json.read_text()) if report_json.exists() else {}
+    return proc.returncode, report, proc.stderr
+
+
+def test_static_checks_run_with_an_empty_path(tmp_path):
+    rc, report, stderr = _check(tmp_path, "omni", "", *STATIC_TESTS)
+    assert rc == 0, stderr[-2000:]
+    outcomes = {t["nodeid"].rsplit("::", 1)[-1]: t["outcome"] for t in report["tests"]}
+    assert outcomes == {
+        "test_import_contracts_hold": "passed",
+        "test_worker_code_is_what_the_sink_watches": "passed",
+        "test_only_adapters_build_payloads": "passed",
+    }, outcomes
+    assert report["summary"]["not_run"] == 0 and report["summary"]["not_applicable"] == 0
+
+
+MISSING_CONTRACTS = """
+from pathlib import Path
+
+from conformance.capabilities import SourceLayout
+from conformance.subjects import BaseSubject
+
+
+class MissingContracts(BaseSubject):
+    name = "missing-contracts"
+
+    def source_layout(self):
+        return SourceLayout(import_contracts=Path(__file__).with_name("no-such-contracts.toml"))
+"""
+
+
+def test_a_promised_check_that_cannot_run_fails_the_gate(tmp_path):
+    (tmp_path / "missing_contracts.py").write_text(MISSING_CONTRACTS)
+    rc, report, stderr = _check(
+        tmp_path,
+        "missing_contracts:MissingContracts",
+        None,
+        STATIC_TESTS[0],
+        f"{SUITE / 'test_ar_inv_002_adapters.py'}::test_malformed_inputs_rejected_at_adapter",
+    )
+    assert rc not in (0, 2), stderr[-2000:]
+    assert report["status"] == "incomplete"
+    (not_run,) = report["not_run"]
+    assert not_run["test"].endswith("test_import_contracts_hold")
+    assert "no-such-contracts.toml" in not_run["reason"] and "missing" in not_run["reason"]
+    # Not declaring an input adapter is not a problem of the environment: not applicable.
+    (na,) = report["not_applicable"]
+    assert na["test"].endswith("test_malformed_inputs_rejected_at_adapter")
+    assert "input adapter" in na["reason"]
+    assert {c["id"]: c["status"] for c in report["clauses"]}["C-21"] == "not_run"
+    last = [line for line in stderr.splitlines() if line.startswith("omni-conformance check:")]
+    assert last and "could not run" in last[-1] and "test_import_contracts_hold" in last[-1]
