@@ -175,3 +175,13 @@ def test_import_linter_contract_declares_the_boundary():
     }
     missing = sorted(on_disk - {ALLOWED} - forbidden)
     assert not missing, f"the gate contract does not forbid {missing}"
+
+
+def test_import_linter_contract_holds(tmp_path):
+    """The boundary contract itself, run by import-linter (its Python API, this interpreter)."""
+    from invariants.test_ar_inv_003_workers import import_linter_config, run_import_linter
+
+    config = import_linter_config(ROOT / "pyproject.toml", tmp_path)
+    proc = run_import_linter(config, tmp_path)
+    kept = config.read_text().count("[[tool.importlinter.contracts]]")
+    assert proc.returncode == 0 and f"{kept} kept, 0 broken" in proc.stdout, proc.stdout[-3000:]
