@@ -212,6 +212,10 @@ class MachineRun:
     check_reference: bool = False
     last_ops: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    # Clauses the sessions of this run checked (``AuditedLockstep.clauses``).
+    clauses: set[str] = field(default_factory=set)
+    # The last session whose audits failed, and its problems (saved as a trace at the end).
+    audit_failure: tuple[AuditedLockstep, list[str]] | None = None
 
     def open_session(self) -> AuditedLockstep:
         """An audited session registered with the recorder so its steps are counted."""
@@ -220,6 +224,9 @@ class MachineRun:
         )
         self.recorder.sessions.append(session)
         self.recorder.examples += 1
+        self.clauses |= session.clauses()
+        if self.check_reference:
+            self.clauses.add("C-08")
         return session
 
 
