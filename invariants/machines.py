@@ -263,6 +263,7 @@ class InvariantMachine(LockstepMachine):
                     self.recorder.fail(self.session, self.name, do_shrink=False)
                 problems = self.session.teardown_problems(check_reference=self.run.check_reference)
                 if problems:
+                    self.run.audit_failure = (self.session, problems)
                     raise AssertionError(describe(self.session, problems))
         finally:
             self.session.shutdown()
