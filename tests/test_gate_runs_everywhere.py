@@ -26,18 +26,21 @@ import pytest
 import invariants
 
 SUITE = Path(invariants.__file__).resolve().parent
-STATIC_TESTS = [
-    f"{SUITE / 'test_ar_inv_003_workers.py'}::test_import_contracts_hold",
-    f"{SUITE / 'test_ar_inv_003_workers.py'}::test_worker_code_is_what_the_sink_watches",
-    f"{SUITE / 'test_ar_inv_002_adapters.py'}::test_only_adapters_build_payloads",
-]
+WORKERS = f"{SUITE / 'test_ar_inv_003_workers.py'}"
+ADAPTERS = f"{SUITE / 'test_ar_inv_002_adapters.py'}"
+STATIC_CHECKS = (
+    "test_import_contracts_hold",
+    "test_worker_code_is_what_the_sink_watches",
+    "test_only_adapters_build_payloads",
+)
 
 pytestmark = pytest.mark.clauses("C-21")
 
 
 def _check(
-    tmp_path: Path, subject: str, env_path: str | None, *tests: str
+    tmp_path: Path, subject: str, env_path: str | None, *, workers: int = 1, tests: tuple = ()
 ) -> tuple[int, dict, str]:
+    """``check`` in a subprocess: ``tests`` (none: the whole installed suite)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VIRTUAL_ENV"))}
     env.update(HF_HUB_OFFLINE="1", PYTHONHASHSEED="0")
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")]).strip(
@@ -47,30 +50,31 @@ def _check(
         env["PATH"] = env_path
     report_dir = tmp_path / "report"
     proc = subprocess.run(
-        [sys.executable, "-m", "conformance.cli", "check", "--subject", subject, "-n", "1"]
+        [sys.executable, "-m", "conformance.cli", "check", "--subject", subject]
+        + ["-n", str(workers), "-q"]
         + ["--report-dir", str(report_dir), "--failures-dir", str(tmp_path / "failures")]
-        + ["-q", "--tests", *tests],
+        + (["--tests", *tests] if tests else []),
         cwd=tmp_path,
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     report_json = report_dir / "compat-report.json"
     report = json.loads(report_json.read_text()) if report_json.exists() else {}
     return proc.returncode, report, proc.stderr
 
 
-def test_static_checks_run_with_an_empty_path(tmp_path):
-    rc, report, stderr = _check(tmp_path, "omni", "", *STATIC_TESTS)
+def test_every_check_runs_with_an_empty_path(tmp_path):
+    """The whole gate on the project's own runtime with ``PATH`` empty: every test of the suite
+    runs (none skipped, none not run) and passes, the static checks included."""
+    rc, report, stderr = _check(tmp_path, "omni", "", workers=2)
     assert rc == 0, stderr[-2000:]
+    summary = report["summary"]
+    assert summary["not_run"] == 0 and summary["not_applicable"] == 0, summary
+    assert summary["passed"] == summary["tests"] > 40, summary
     outcomes = {t["nodeid"].rsplit("::", 1)[-1]: t["outcome"] for t in report["tests"]}
-    assert outcomes == {
-        "test_import_contracts_hold": "passed",
-        "test_worker_code_is_what_the_sink_watches": "passed",
-        "test_only_adapters_build_payloads": "passed",
-    }, outcomes
-    assert report["summary"]["not_run"] == 0 and report["summary"]["not_applicable"] == 0
+    assert all(outcomes[name] == "passed" for name in STATIC_CHECKS), outcomes
 
 
 MISSING_CONTRACTS = """
@@ -94,8 +98,10 @@ def test_a_promised_check_that_cannot_run_fails_the_gate(tmp_path):
         tmp_path,
         "missing_contracts:MissingContracts",
         None,
-        STATIC_TESTS[0],
-        f"{SUITE / 'test_ar_inv_002_adapters.py'}::test_malformed_inputs_rejected_at_adapter",
+        tests=(
+            f"{WORKERS}::test_import_contracts_hold",
+            f"{ADAPTERS}::test_malformed_inputs_rejected_at_adapter",
+        ),
     )
     assert rc not in (0, 2), stderr[-2000:]
     assert report["status"] == "incomplete"
