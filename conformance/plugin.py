@@ -157,19 +157,8 @@ class ConformanceRecorder:
         ``do_shrink=False`` ("hypothesis shrinks this example") is accepted for compatibility.
         """
         from conformance.lockstep import SubjectBroken
-        from conformance.replay import record_failure
 
-        path, diff = record_failure(
-            session,
-            subject_spec=self.subject_spec,
-            name=name,
-            registry=session.registry,
-            do_shrink=False,
-            profile=self.profile,
-            test=self.test,
-        )
-        self.first_difference = diff.to_dict()
-        self.trace = str(path)
+        diff = self._record(session, name, do_shrink=False)
         self._pending = (session, name)
         raise SubjectBroken(diff)
 
@@ -177,21 +166,25 @@ class ConformanceRecorder:
         """Shrink the last recorded failure (bounded; see ``conformance.lockstep.Shrinker``)."""
         if self._pending is None:
             return
-        from conformance.replay import record_failure
-
         session, name = self._pending
         self._pending = None
+        self._record(session, name, do_shrink=True)
+
+    def _record(self, session: Any, name: str, *, do_shrink: bool) -> Any:
+        from conformance.replay import record_failure
+
         path, diff = record_failure(
             session,
             subject_spec=self.subject_spec,
             name=name,
             registry=session.registry,
-            do_shrink=True,
+            do_shrink=do_shrink,
             profile=self.profile,
             test=self.test,
         )
         self.first_difference = diff.to_dict()
         self.trace = str(path)
+        return diff
 
     def check(self, session: Any, name: str) -> None:
         if session.failure is not None:

@@ -13,9 +13,7 @@ the feature it ran with, or a replay that cannot tell a fixed runtime from a bro
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,19 +24,7 @@ from conformance.cli import main
 from conformance.replay import load_trace
 from invariants.machines import MachineRun, harness_config, raise_failure, replay_audit, run_machine
 from omni_runtime.conformance_subject import OmniSubject
-
-HERE = Path(__file__).resolve().parent
-
-
-def _mutant(name: str):
-    spec = importlib.util.spec_from_file_location(
-        "omni_runtime_mutants", HERE / "mutants" / "runtime_mutants.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module.by_name(name)
+from tests.mutants.runtime_mutants import by_name
 
 
 class Recorder:
@@ -75,7 +61,7 @@ def test_audit_failure_is_shrunk_saved_and_replayed(tmp_path, monkeypatch):
     run = MachineRun(
         recorder, subject, feature, harness_config(feature, mode="sync", prefix=True), "audit-c12"
     )
-    with _mutant("extra_request_attribute").apply():
+    with by_name("extra_request_attribute").apply():
         outcome = run_machine(run, NO_SHRINK)
         assert outcome.error is not None, "the audit did not catch the mutant"
         with pytest.raises(AssertionError, match=r"(?s)^C-12: .*\ntrace: ") as info:
