@@ -33,7 +33,8 @@ INVARIANTS: dict[str, str] = {
     "AR-INV-003": "Workers execute assigned work",
 }
 
-# Clause -> the invariant (or contract group) it belongs to; ids from CONTRACTS.md.
+# Clause -> the invariant (or contract group) it belongs to; the ids the suite's ``clauses``
+# markers cite (each test module's docstring states the clauses it checks).
 CLAUSES: dict[str, str] = {
     **{f"C-0{i}": "AR-INV-001" for i in range(1, 9)},
     **{f"C-1{i}": "AR-INV-002" for i in range(0, 4)},

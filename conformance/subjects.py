@@ -35,6 +35,7 @@ from conformance.capabilities import (
     DeclaredAttributes,
     InputAdapterProbe,
     ModelReference,
+    NotApplicable,
     RunnerProbes,
     SourceLayout,
 )
@@ -166,7 +167,8 @@ class BaseSubject:
     def make_worker(self, cfg: HarnessConfig) -> Any:
         """A started worker (optional hook); the default starts ``worker_cls`` as EngineCore does."""
         if self.worker_cls is None:
-            raise NotImplementedError(f"subject {self.name!r} provides no worker")
+            # A capability the subject does not declare: the test asking is not applicable.
+            raise NotApplicable(f"subject {self.name!r} provides no real worker")
         from conformance.token_worker import start_worker
 
         return start_worker(self.worker_cls, cfg)

@@ -211,7 +211,6 @@ class MachineRun:
     name: str
     check_reference: bool = False
     last_ops: int = 0
-    extra: dict[str, Any] = field(default_factory=dict)
     # Clauses the sessions of this run checked (``AuditedLockstep.clauses``).
     clauses: set[str] = field(default_factory=set)
     # The last session whose audits failed, and its problems (saved as a trace at the end).

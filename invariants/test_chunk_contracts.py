@@ -65,7 +65,7 @@ class ChunkMachine(InvariantMachine):
 
     def __init__(self, run: MachineRun) -> None:
         super().__init__(run)
-        self.delivery: ChunkDelivery = run.extra["delivery"]
+        self.delivery: ChunkDelivery = require(run.subject, "chunk_delivery", "chunk delivery")
         for side in (self.session.up, self.session.sub):
             side.executor.inner = PayloadTokenSource(self.delivery)  # under the CheckingExecutor
         self.spec: ProcessorSpec | None = None
@@ -161,7 +161,6 @@ def chunk_run(recorder: Any, subject: Any, mode: str) -> MachineRun:
         feature,
         harness_config(feature, mode=mode, prefix=True),
         f"chunk-{mode}",
-        extra={"delivery": delivery},
     )
 
 

@@ -1,6 +1,6 @@
 """Runtime mutants: named, deliberately broken variants of ``omni_runtime`` (positive controls).
 
-Every invariant in ``invariants/`` must kill at least one of these (STYLE.md section 3): a check
+Every invariant in ``invariants/`` must kill at least one of these: a check
 that no mutant can fail is a check that never fails. Each mutant is applied only inside the test
 that uses it — a subclass (scheduler, runner, subject) or a ``unittest.mock.patch`` of one
 attribute, undone on exit — never by a flag in the runtime. ``tests/test_mutant_selftest.py``
