@@ -368,6 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", default=None)
     rp.set_defaults(func=cmd_report)
 
+    from conformance.matrix_report import add_merge_parser  # merge: matrix cells -> one report
+
+    add_merge_parser(sub)
+
     s = sub.add_parser("subjects", help="list available subjects")
     s.set_defaults(func=cmd_subjects)
     return p
