@@ -38,22 +38,32 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
+from conformance.vllm_compat.versions import ALLOW_UNTESTED_ENV
+
 EXIT_ENV = 2
 EXIT_REPRODUCED = 1
 EXIT_NOT_REPRODUCED = 3
+EXIT_UNSUPPORTED = 4
 PROFILES = ("ci", "dev", "thorough")
 
 
+class Unsupported(str):
+    """A refusal that is the subject's declared support, not a broken environment (exit 4)."""
+
+
 def _fail_env(message: str) -> int:
+    if isinstance(message, Unsupported):
+        print(f"omni-conformance: unsupported: {message}", file=sys.stderr)
+        return EXIT_UNSUPPORTED
     print(f"omni-conformance: error: {message}", file=sys.stderr)
     return EXIT_ENV
 
 
-def _check_environment(subject: str | None) -> str | None:
+def _check_environment(subject: str | None, allow_untested: bool = False) -> str | None:
     from conformance.vllm_compat import EnvironmentProblem, check_vllm
 
     try:
-        check_vllm()
+        check_vllm(allow_untested=allow_untested)
     except EnvironmentProblem as exc:
         return str(exc)
     if subject is not None:
@@ -109,7 +119,7 @@ def _load_subject(spec: str) -> tuple[Any, str | None]:
     not: the problem is then the one line an environment error promises.
     """
     from conformance.pristine import VllmPatched, guard_load
-    from conformance.subjects import load_subject
+    from conformance.subjects import SubjectUnsupported, load_subject
 
     subject: Any = None
     problem: str | None = None
@@ -119,6 +129,8 @@ def _load_subject(spec: str) -> tuple[Any, str | None]:
                 subject = load_subject(spec)
         except VllmPatched as exc:
             problem = str(exc)
+        except SubjectUnsupported as exc:
+            problem = Unsupported(f"subject {spec!r} does not support this environment: {exc}")
         except (LookupError, ImportError, AttributeError, TypeError, SyntaxError) as exc:
             detail = " ".join(str(exc).split()) or "no message"
             problem = f"cannot load subject {spec!r}: {type(exc).__name__}: {detail}"
@@ -193,9 +205,13 @@ def _summary(report: dict[str, Any]) -> str:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    problem = _check_environment(args.subject)
+    allow_untested = bool(getattr(args, "allow_untested_vllm", False))
+    problem = _check_environment(args.subject, allow_untested)
     if problem:
         return _fail_env(problem)
+    if allow_untested:
+        # The pytest child checks the version again; the opt-in reaches it this way.
+        os.environ[ALLOW_UNTESTED_ENV] = "1"
     _, problem = _load_subject(args.subject)  # here, so a broken subject is one line, not a run
     if problem:
         return _fail_env(problem)
@@ -352,6 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--failures-dir",
         default=os.environ.get("OMNI_CONFORMANCE_FAILURES", "conformance-failures"),
     )
+    c.add_argument(
+        "--allow-untested-vllm",
+        action="store_true",
+        help="run on a vLLM release outside the supported range; the report says 'untested vLLM'",
+    )
     c.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers (2 cores)")
     c.add_argument("-q", "--quiet", action="store_true")
     c.add_argument("--tests", nargs="*", help="test paths instead of the installed suite")
@@ -371,6 +392,10 @@ def build_parser() -> argparse.ArgumentParser:
     from conformance.matrix_report import add_merge_parser  # merge: matrix cells -> one report
 
     add_merge_parser(sub)
+
+    from conformance.matrix import add_parser as add_matrix_parser
+
+    add_matrix_parser(sub)
 
     s = sub.add_parser("subjects", help="list available subjects")
     s.set_defaults(func=cmd_subjects)

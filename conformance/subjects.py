@@ -45,6 +45,14 @@ from conformance.workload import AddRequest
 ENTRY_POINT_GROUP = "omni_conformance.subjects"
 
 
+class SubjectUnsupported(Exception):
+    """The subject does not support this environment (for example the installed vLLM release).
+
+    Raised by a subject's factory; the gate reports it as "unsupported" (``check`` exits 4),
+    which is a fact about the subject's declared support, not a failure of the subject.
+    """
+
+
 @runtime_checkable
 class DifferenceEntry(Protocol):
     """What the harness needs from one registry entry (``omni_runtime.differences.Difference``)."""

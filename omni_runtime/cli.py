@@ -202,6 +202,13 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    from omni_runtime.vllm_support import UnsupportedVllm, check_vllm
+
+    try:
+        check_vllm()
+    except UnsupportedVllm as exc:
+        print(f"omni-runtime: error: {exc}", file=sys.stderr)
+        return 2
     if args.command == "run":
         return cmd_run(args)
     return 2

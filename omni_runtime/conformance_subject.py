@@ -536,9 +536,22 @@ class OmniSubject(OmniSchedulerSubject):
         return OmniModelReference()
 
 
+def _supported() -> None:
+    """Refuse, as unsupported rather than broken, a vLLM release the runtime does not support."""
+    from conformance.subjects import SubjectUnsupported
+    from omni_runtime.vllm_support import UnsupportedVllm, check_vllm
+
+    try:
+        check_vllm()
+    except UnsupportedVllm as exc:
+        raise SubjectUnsupported(str(exc)) from None
+
+
 def omni_subject() -> OmniSubject:
+    _supported()
     return OmniSubject()
 
 
 def omni_scheduler_subject() -> OmniSchedulerSubject:
+    _supported()
     return OmniSchedulerSubject()

@@ -322,20 +322,61 @@ def test_report_validates_and_renders(tmp_path):
 # ---- environment -------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("problem", ["missing", "0.32.1"])
+@pytest.mark.parametrize("problem", ["missing", "0.27.1", "0.34.0"])
 def test_wrong_environment_is_one_clear_line(monkeypatch, capsys, problem):
-    def fake():
+    from importlib import metadata
+
+    real = metadata.version
+
+    def fake(name):
+        if name != "vllm":
+            return real(name)
         if problem == "missing":
-            raise vllm_compat.EnvironmentProblem(
-                "vLLM is not installed: pip install 'vllm==0.33.0'"
-            )
+            raise metadata.PackageNotFoundError(name)
         return problem
 
-    monkeypatch.setattr(vllm_compat, "vllm_version", fake)
+    monkeypatch.setattr(metadata, "version", fake)
+    monkeypatch.delenv(vllm_compat.ALLOW_UNTESTED_ENV, raising=False)
     assert main(["check"]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
-    assert ("not installed" in err) if problem == "missing" else ("0.32.1" in err)
+    if problem == "missing":
+        assert "not installed" in err
+    else:
+        # Names the installed release and every supported one, and how to run it anyway.
+        assert problem in err and "--allow-untested-vllm" in err
+        assert all(v in err for v in vllm_compat.SUPPORTED_VLLM)
+
+
+def test_supported_releases_and_keyed_differences():
+    from conformance.vllm_compat.versions import ByRelease, Change, supported_minor
+
+    assert vllm_compat.SUPPORTED_VLLM == ("0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+    assert supported_minor("0.30.1") and supported_minor("0.33.0+cpu")
+    assert not supported_minor("0.27.9") and not supported_minor("0.34.0")
+    queues = vllm_compat.ADMISSION_QUEUES
+    assert [n for n, _ in queues.at("0.30.0")] == ["skipped_waiting"]
+    assert [n for n, _ in queues.at("0.31.0")] == ["kv_holding_waiting", "deferred_waiting"]
+    assert queues.at("0.99.0") == queues.at("0.33.0")  # an untested newer release: newest entry
+    table = ByRelease("x", 1, [Change("0.32.0", 3, "c"), Change("0.29.0", 2, "b")])
+    assert [table.at(v) for v in ("0.28.0", "0.29.0", "0.31.5", "0.33.0")] == [1, 2, 2, 3]
+    assert table.describe() == ["x: 0.29.0: b", "x: 0.32.0: c"]
+
+
+def test_untested_vllm_opt_in_marks_the_environment(monkeypatch):
+    from importlib import metadata
+
+    from conformance.vllm_compat import versions
+
+    real = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda n: "0.34.0" if n == "vllm" else real(n))
+    monkeypatch.delenv(versions.ALLOW_UNTESTED_ENV, raising=False)
+    with pytest.raises(versions.EnvironmentProblem):
+        versions.check_vllm()
+    assert versions.check_vllm(allow_untested=True) == "0.34.0"
+    monkeypatch.setenv(versions.ALLOW_UNTESTED_ENV, "1")
+    assert versions.check_vllm() == "0.34.0"
+    assert versions.environment_versions()["vllm_support"] == "untested"
 
 
 def test_unknown_subject_is_one_clear_line(capsys):

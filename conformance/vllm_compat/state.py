@@ -1,58 +1,18 @@
-"""The one module that knows vLLM's internal layout (supported: vLLM 0.33.0).
+"""vLLM scheduler state the harness reads: block pool, KV coordinator, requests, queues, outputs.
 
-Everything the harness reads from inside vLLM objects — block-pool internals, the KV-cache
-coordinator's per-request block lists, request counters, queue iteration, output struct field
-tables — goes through a function here, so supporting another vLLM version is a change to this
-file alone. Nothing here mutates vLLM state, and nothing here performs a destructive read
-(``make_stats``, ``take_events``, ``take_new_block_ids``, ``take_prefill_stats`` drain state; the
-harness never calls them, so both sides see exactly the drains their own code performs).
+Everything the harness reads from inside vLLM objects goes through a function here, so a
+difference between vLLM releases is a change to this file alone, keyed by version through
+``conformance.vllm_compat.versions.by_release``. Nothing here mutates vLLM state, and nothing
+here performs a destructive read (``make_stats``, ``take_events``, ``take_new_block_ids``,
+``take_prefill_stats`` drain state; the harness never calls them, so both sides see exactly the
+drains their own code performs).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-SUPPORTED_VLLM = ("0.33.0",)
-
-
-class EnvironmentProblem(RuntimeError):
-    """The environment cannot run the harness (vLLM missing or an unsupported version)."""
-
-
-def vllm_version() -> str:
-    """The installed vLLM version, or ``EnvironmentProblem`` with a one-line reason."""
-    try:
-        from importlib.metadata import PackageNotFoundError, version
-
-        try:
-            return version("vllm")
-        except PackageNotFoundError:
-            raise EnvironmentProblem("vLLM is not installed: pip install 'vllm==0.33.0'") from None
-    except ImportError as exc:  # pragma: no cover - importlib.metadata is stdlib
-        raise EnvironmentProblem(f"cannot inspect installed packages: {exc}") from None
-
-
-def check_vllm(allowed: tuple[str, ...] = SUPPORTED_VLLM) -> str:
-    v = vllm_version()
-    if v not in allowed:
-        raise EnvironmentProblem(
-            f"vLLM {v} is installed but this harness supports vLLM {', '.join(allowed)}"
-        )
-    return v
-
-
-def environment_versions() -> dict[str, str]:
-    import platform
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {"python": platform.python_version()}
-    for pkg in ("vllm", "torch", "hypothesis"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = "missing"
-    return out
-
+from conformance.vllm_compat.versions import ByRelease, Change
 
 # ---- block pool -------------------------------------------------------------------------
 
@@ -118,14 +78,32 @@ def queue_ids(queue: Any) -> list[str]:
     return [r.request_id for r in queue]
 
 
+# Admission queues besides ``waiting``: (name, ordered?). An ordered queue is compared in
+# order; an unordered one is a marker set and compared sorted. Both sides of a comparison always
+# run on the same release, so the field names never need to match across releases.
+ADMISSION_QUEUES: ByRelease[tuple[tuple[str, bool], ...]] = ByRelease(
+    "admission queues",
+    (("skipped_waiting", True),),
+    [
+        Change(
+            "0.31.0",
+            (("kv_holding_waiting", True), ("deferred_waiting", False)),
+            "skipped_waiting replaced by kv_holding_waiting (ordered) + deferred_waiting (a set)",
+        )
+    ],
+)
+
+
 def scheduler_queues(scheduler: Any) -> dict[str, Any]:
-    return {
+    out: dict[str, Any] = {
         "running": [r.request_id for r in scheduler.running],
         "waiting": queue_ids(scheduler.waiting),
-        "kv_holding_waiting": queue_ids(scheduler.kv_holding_waiting),
-        "deferred_waiting": sorted(r.request_id for r in scheduler.deferred_waiting),
-        "finished_pending": sorted(scheduler.finished_req_ids),
     }
+    for name, ordered in ADMISSION_QUEUES.value():
+        ids = queue_ids(getattr(scheduler, name))
+        out[name] = ids if ordered else sorted(ids)
+    out["finished_pending"] = sorted(scheduler.finished_req_ids)
+    return out
 
 
 def finished_unreported(scheduler: Any) -> set[str]:

@@ -1,0 +1,558 @@
+"""``omni-conformance matrix``: the gate over several vLLM releases and subjects, one cell each.
+
+For every (subject, vLLM release) cell the matrix builds or reuses an isolated environment for
+that release (``conformance.envs``), runs ``omni-conformance check`` in it, then (unless told
+not to) ``omni-conformance upstream-tests``, and writes the cell's folder
+``<out>/cells/<subject>--vllm-<release>/``: the check's compat report, the captured log and
+``cell.json`` (what ``conformance.matrix_report`` merges). Cells are written one at a time and
+atomically, so an interrupted matrix keeps every finished cell and its merged report covers
+them; ``--resume`` skips cells already finished in ``<out>``.
+
+A subject names the extra packages its environment needs either through an
+``environment_requirements(vllm_version) -> list[str]`` attribute on what its entry point
+loads, or on the command line with ``--with SUBJECT=REQUIREMENT`` (``{vllm}`` in the requirement
+is replaced by the cell's vLLM release). A subject that does not support a release says so by
+raising ``conformance.subjects.SubjectUnsupported`` (from that hook or when it loads); the cell
+is then "unsupported", which is a statement of the subject's support, not a failure.
+
+Cell status: the check's report status (pass, fail, not_applicable, incomplete); "unsupported"
+(check exit 4, or the requirements hook refused); "error" (the environment could not be built,
+the check could not start, or it ended without a report), with one line saying why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from conformance.envs import (
+    EnvBuildError,
+    Environment,
+    EnvSpec,
+    build_environment,
+    current_environment,
+    default_envs_dir,
+    disk_usage,
+)
+from conformance.vllm_compat.versions import SUPPORTED_VLLM, release
+
+CELL_SCHEMA = "omni-conformance-matrix-cell/1"
+EXIT_UNSUPPORTED = 4  # ``omni-conformance check``: the subject refused this environment
+FINAL = frozenset({"pass", "fail", "not_applicable", "incomplete", "unsupported", "error"})
+
+
+@dataclass(frozen=True)
+class Cell:
+    subject: str
+    vllm: str
+    extras: tuple[str, ...] = ()
+    unsupported: str | None = None  # the subject's refusal, known before building anything
+
+    @property
+    def dirname(self) -> str:
+        safe = re.sub(r"[^A-Za-z0-9_.-]+", "_", self.subject)
+        return f"{safe}--vllm-{self.vllm}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.subject} @ vLLM {self.vllm}"
+
+
+@dataclass
+class CellResult:
+    cell: Cell
+    status: str
+    duration_s: float
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
+
+
+def parse_with(entries: Sequence[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for entry in entries:
+        subject, sep, req = entry.partition("=")
+        if not sep or not subject or not req:
+            raise ValueError(f"--with {entry!r}: expected SUBJECT=REQUIREMENT")
+        out.setdefault(subject, []).append(req)
+    return out
+
+
+def declared_requirements(subject: str, vllm: str) -> list[str]:
+    """What the subject's entry point says its environment needs on ``vllm``.
+
+    Raises ``SubjectUnsupported`` when the subject declares it does not support ``vllm``. A
+    subject that cannot be inspected here (not installed in this environment) declares nothing.
+    """
+    from importlib.metadata import entry_points
+
+    from conformance.subjects import ENTRY_POINT_GROUP
+
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name != subject:
+            continue
+        try:
+            obj = ep.load()
+        except Exception:  # noqa: BLE001 - a subject that cannot load here declares nothing
+            return []
+        hook: Callable[[str], Sequence[str]] | None = getattr(obj, "environment_requirements", None)
+        return list(hook(vllm)) if hook is not None else []
+    return []
+
+
+def plan_cells(
+    subjects: Sequence[str], versions: Sequence[str], with_: dict[str, list[str]]
+) -> list[Cell]:
+    from conformance.subjects import SubjectUnsupported
+
+    cells = []
+    for v in sorted(versions, key=release):
+        for s in subjects:
+            extras = [r.replace("{vllm}", v) for r in with_.get(s, [])]
+            refusal = None
+            try:
+                extras += declared_requirements(s, v)
+            except SubjectUnsupported as exc:
+                refusal = str(exc)
+            cells.append(Cell(s, v, tuple(sorted(set(extras))), refusal))
+    return cells
+
+
+class Interrupted(Exception):
+    pass
+
+
+@contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a CI job being cancelled) ends the matrix like Ctrl-C: finished cells stay."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run_logged(cmd: list[str], log_path: Path, env: dict[str, str], timeout_s: float) -> int:
+    """Run ``cmd`` in its own process group, output appended to ``log_path``; kill the group
+    on interrupt or timeout so no child outlives the matrix."""
+    with open(log_path, "a") as log:
+        log.write(f"$ {' '.join(cmd)}\n")
+        log.flush()
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            log.write(f"\n[matrix] killed after {timeout_s:.0f} s\n")
+            return -9
+        except BaseException:
+            _kill_group(proc)
+            raise
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=15)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+
+def _last_error_line(log_path: Path) -> str:
+    try:
+        lines = [ln.strip() for ln in log_path.read_text(errors="replace").splitlines()]
+    except OSError:
+        return "no log"
+    for ln in reversed(lines):
+        if ln.startswith("omni-conformance:"):
+            return ln
+    meaningful = [ln for ln in lines if ln and not ln.startswith("$ ")]
+    return meaningful[-1] if meaningful else "no output"
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    for var in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
+        env.pop(var, None)
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("PYTHONHASHSEED", "0")
+    env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    return env
+
+
+def _write_cell(cell_dir: Path, data: dict[str, Any]) -> None:
+    tmp = cell_dir / "cell.json.tmp"
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.replace(cell_dir / "cell.json")  # atomic: a reader never sees half a cell
+
+
+@dataclass
+class MatrixOptions:
+    out: Path
+    envs_dir: Path
+    installer: str = "auto"
+    profile: str = "ci"
+    workers: int = 2
+    allow_untested: bool = False
+    upstream_tests: bool = True
+    resume: bool = False
+    reuse_current: bool = True
+    timeout_s: float = 3600.0
+    python: str | None = None
+
+
+def run_cell(
+    cell: Cell, env: Environment | None, env_error: str | None, opts: MatrixOptions
+) -> CellResult:
+    cell_dir = opts.out / "cells" / cell.dirname
+    cell_dir.mkdir(parents=True, exist_ok=True)
+    for stale in ("cell.json", "compat-report.json", "upstream-tests.json"):
+        (cell_dir / stale).unlink(missing_ok=True)
+    log_path = cell_dir / "cell.log"
+    log_path.write_text("")
+    started = time.monotonic()
+    data: dict[str, Any] = {
+        "schema": CELL_SCHEMA,
+        "subject": cell.subject,
+        "vllm": cell.vllm,
+        "extras": list(cell.extras),
+        "environment": {},
+        "status": "error",
+        "untested_vllm": not _supported(cell.vllm),
+        "exit_code": None,
+        "duration_s": 0.0,
+        "started_at": _now(),
+        "finished_at": None,
+        "error": None,
+        "log": "cell.log",
+        "report": None,
+        "upstream_tests": None,
+        "env": None,
+    }
+    if env is not None:
+        data["env"] = {
+            "path": str(env.path),
+            "installer": env.installer,
+            "reused": env.reused,
+            "build_s": round(env.build_s, 1),
+        }
+    if cell.unsupported is not None:
+        data["status"] = "unsupported"
+        data["error"] = cell.unsupported
+    elif env is None:
+        data["error"] = env_error or "no environment"
+    else:
+        _check_cell(cell, env, cell_dir, log_path, opts, data)
+    data["duration_s"] = round(time.monotonic() - started, 1)
+    data["finished_at"] = _now()
+    _write_cell(cell_dir, data)
+    return CellResult(cell, data["status"], data["duration_s"], data)
+
+
+def _supported(vllm: str) -> bool:
+    return release(vllm)[:2] in {release(v)[:2] for v in SUPPORTED_VLLM}
+
+
+def _check_cell(
+    cell: Cell,
+    env: Environment,
+    cell_dir: Path,
+    log_path: Path,
+    opts: MatrixOptions,
+    data: dict[str, Any],
+) -> None:
+    child_env = _child_env()
+    cmd = [
+        *env.script("omni-conformance"),
+        "check",
+        "--subject",
+        cell.subject,
+        "--profile",
+        opts.profile,
+        "--report-dir",
+        str(cell_dir),
+        "--failures-dir",
+        str(cell_dir / "failures"),
+        "-n",
+        str(opts.workers),
+        "-q",
+    ]
+    if opts.allow_untested or not _supported(cell.vllm):
+        cmd.append("--allow-untested-vllm")
+    rc = _run_logged(cmd, log_path, child_env, opts.timeout_s)
+    data["exit_code"] = rc
+    report_path = cell_dir / "compat-report.json"
+    if rc == EXIT_UNSUPPORTED:
+        data["status"] = "unsupported"
+        data["error"] = _last_error_line(log_path).removeprefix("omni-conformance: unsupported: ")
+        return
+    if not report_path.exists():
+        data["error"] = _last_error_line(log_path)
+        return
+    try:
+        report = json.loads(report_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        data["error"] = f"unreadable compat report: {exc}"
+        return
+    data["report"] = "compat-report.json"
+    data["environment"] = report.get("environment", {})
+    data["status"] = report.get("status", "error")
+    if data["status"] == "not_run":
+        data["status"] = "error"
+        data["error"] = "no test ran"
+    if opts.upstream_tests:
+        _upstream_tests_cell(cell, env, cell_dir, log_path, opts, child_env, data)
+
+
+def _upstream_tests_cell(
+    cell: Cell,
+    env: Environment,
+    cell_dir: Path,
+    log_path: Path,
+    opts: MatrixOptions,
+    child_env: dict[str, str],
+    data: dict[str, Any],
+) -> None:
+    out = cell_dir / "upstream-tests.json"
+    cmd = [
+        *env.script("omni-conformance"),
+        "upstream-tests",
+        "--subject",
+        cell.subject,
+        "--json",
+        str(out),
+    ]
+    rc = _run_logged(cmd, log_path, child_env, opts.timeout_s)
+    if out.exists():
+        try:
+            data["upstream_tests"] = json.loads(out.read_text())
+        except (OSError, json.JSONDecodeError):
+            data["upstream_tests_error"] = "unreadable upstream-tests result"
+    else:
+        data["upstream_tests_error"] = f"exit {rc}: {_last_error_line(log_path)}"
+
+
+def _existing(cell_dir: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads((cell_dir / "cell.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    return data if data.get("status") in FINAL else None
+
+
+def _fmt(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
+
+
+def _environment_for(
+    spec: EnvSpec, opts: MatrixOptions, say: Callable[[str], None], index: int, total: int
+) -> tuple[Environment | None, str | None]:
+    """The environment for ``spec`` (this interpreter when it already is one), or why not."""
+    env = current_environment(spec) if opts.reuse_current else None
+    if env is not None:
+        return env, None
+    say(f"[{index}/{total}] building environment {spec.name} ({', '.join(spec.requirements())})")
+    build_log = opts.out / "envs" / f"{spec.name}.log"
+    build_log.parent.mkdir(parents=True, exist_ok=True)
+    with open(build_log, "w") as bl:
+
+        def log(line: str) -> None:
+            print(line, file=bl, flush=True)
+
+        try:
+            env = build_environment(
+                spec, opts.envs_dir, installer=opts.installer, python=opts.python, log=log
+            )
+        except EnvBuildError as exc:
+            error = f"environment {spec.name}: {exc}"
+            say(f"    {error} (log: {build_log})")
+            return None, error
+    how = "reused" if env.reused else f"built in {_fmt(env.build_s)}"
+    say(f"    environment {env.path}: {how} ({env.installer})")
+    return env, None
+
+
+def run_matrix(cells: Sequence[Cell], opts: MatrixOptions, say: Callable[[str], None]) -> int:
+    """Run every cell; return the number of cells finished (interrupted matrices stop early)."""
+    groups: dict[EnvSpec, list[Cell]] = {}
+    for c in cells:
+        groups.setdefault(EnvSpec(c.vllm, c.extras), []).append(c)
+    total = len(cells)
+    done: list[CellResult] = []
+    index = 0
+    t0 = time.monotonic()
+    for spec, members in groups.items():
+        pending = []
+        for c in members:
+            index += 1
+            prior = _existing(opts.out / "cells" / c.dirname) if opts.resume else None
+            if prior is not None:
+                say(f"[{index}/{total}] {c.label}: {prior['status']} (kept from an earlier run)")
+                continue
+            pending.append((index, c))
+        if not pending:
+            continue
+        env: Environment | None = None
+        env_error: str | None = None
+        if any(c.unsupported is None for _, c in pending):
+            env, env_error = _environment_for(spec, opts, say, pending[0][0], total)
+        for i, c in pending:
+            say(f"[{i}/{total}] {c.label}: running ...")
+            result = run_cell(c, env, env_error, opts)
+            done.append(result)
+            detail = f" ({result.data['error']})" if result.data.get("error") else ""
+            say(f"[{i}/{total}] {c.label}: {result.status} in {_fmt(result.duration_s)}{detail}")
+    say(f"matrix: {len(done)} cell(s) run in {_fmt(time.monotonic() - t0)}")
+    return len(done)
+
+
+def merge_into(out: Path, say: Callable[[str], None]) -> int:
+    """Merge every cell under ``out`` into the four report files; the merge's exit code."""
+    from conformance.matrix_report import build_matrix_report, load_cells, write_matrix_report
+
+    cells = load_cells([out / "cells"])
+    report = build_matrix_report(cells)
+    paths = write_matrix_report(report, out)
+    say("report: " + ", ".join(str(p) for p in paths.values()))
+    statuses = [c.get("status") for c in report.get("cells", [])]
+    return 1 if any(s in ("fail", "error", "incomplete") for s in statuses) else 0
+
+
+def cmd_matrix(args: argparse.Namespace) -> int:
+    def say(line: str) -> None:
+        print(line, flush=True)
+
+    try:
+        with_ = parse_with(args.with_ or [])
+        for v in args.vllm:
+            release(v)
+    except ValueError as exc:
+        print(f"omni-conformance: error: {exc}", file=sys.stderr)
+        return 2
+    unsupported = [v for v in args.vllm if not _supported(v)]
+    if unsupported and not args.allow_untested_vllm:
+        print(
+            f"omni-conformance: error: vLLM {', '.join(unsupported)} not supported by the harness "
+            f"(supported: {', '.join(SUPPORTED_VLLM)}); --allow-untested-vllm runs it anyway",
+            file=sys.stderr,
+        )
+        return 2
+    opts = MatrixOptions(
+        out=Path(args.out),
+        envs_dir=Path(args.envs_dir) if args.envs_dir else default_envs_dir(),
+        installer=args.installer,
+        profile=args.profile,
+        workers=args.workers,
+        allow_untested=args.allow_untested_vllm,
+        upstream_tests=not args.no_upstream_tests,
+        resume=args.resume,
+        reuse_current=not args.no_reuse_current,
+        timeout_s=args.cell_timeout,
+        python=args.python,
+    )
+    try:
+        opts.out.mkdir(parents=True, exist_ok=True)
+        probe = opts.out / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        print(f"omni-conformance: error: cannot write to --out {opts.out}: {exc}", file=sys.stderr)
+        return 2
+    cells = plan_cells(args.subject, args.vllm, with_)
+    say(
+        f"omni-conformance matrix: {len(cells)} cell(s): subjects {', '.join(args.subject)} x "
+        f"vLLM {', '.join(sorted(args.vllm, key=release))}; environments in {opts.envs_dir}"
+    )
+    interrupted = False
+    started = time.monotonic()
+    with _terminate_as_interrupt():
+        try:
+            run_matrix(cells, opts, say)
+        except KeyboardInterrupt:
+            interrupted = True
+            say("matrix interrupted: merging the cells finished so far")
+    envs = sorted({p for p in opts.envs_dir.glob("vllm-*") if p.is_dir()})
+    if envs:
+        gib = disk_usage(envs) / 2**30
+        say(f"environments: {len(envs)} in {opts.envs_dir}, {gib:.1f} GiB on disk")
+    say(f"matrix wall time: {_fmt(time.monotonic() - started)}")
+    rc = merge_into(opts.out, say) if (opts.out / "cells").is_dir() else 1
+    return 130 if interrupted else rc
+
+
+def add_parser(sub: Any) -> None:
+    m = sub.add_parser(
+        "matrix",
+        help="run the gate per vLLM release x subject, each in its own environment",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    m.add_argument(
+        "--vllm", nargs="+", default=list(SUPPORTED_VLLM), help="vLLM releases (columns)"
+    )
+    m.add_argument("--subject", nargs="+", default=["upstream"], help="subjects (rows)")
+    m.add_argument(
+        "--with",
+        dest="with_",
+        action="append",
+        metavar="SUBJECT=REQ",
+        help="an extra requirement for SUBJECT's environments; {vllm} becomes the release",
+    )
+    m.add_argument("--out", default="matrix-report", help="cells and the merged report go here")
+    m.add_argument(
+        "--envs-dir",
+        default=None,
+        help=f"where environments are kept (default: ${'OMNI_CONFORMANCE_ENVS'} or "
+        "~/.cache/omni-conformance/envs)",
+    )
+    m.add_argument(
+        "--installer", choices=("auto", "uv", "pip"), default="auto", help="uv when available"
+    )
+    m.add_argument("--python", default=None, help="base interpreter (default: this one)")
+    m.add_argument("--profile", choices=("ci", "dev", "thorough"), default="ci", help="profile")
+    m.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers per cell")
+    m.add_argument(
+        "--allow-untested-vllm",
+        action="store_true",
+        help="accept releases outside the supported range; their cells say 'untested vLLM'",
+    )
+    m.add_argument(
+        "--no-upstream-tests",
+        action="store_true",
+        help="skip vLLM's own scheduler tests with the subject's classes in each cell",
+    )
+    m.add_argument("--resume", action="store_true", help="keep cells already finished in --out")
+    m.add_argument(
+        "--no-reuse-current",
+        action="store_true",
+        help="build an environment even for the release this interpreter already has",
+    )
+    m.add_argument(
+        "--cell-timeout", type=float, default=3600.0, help="seconds per check / upstream-tests"
+    )
+    m.set_defaults(func=cmd_matrix)
