@@ -434,14 +434,25 @@ def run_matrix(cells: Sequence[Cell], opts: MatrixOptions, say: Callable[[str], 
 
 def merge_into(out: Path, say: Callable[[str], None]) -> int:
     """Merge every cell under ``out`` into the four report files; the merge's exit code."""
-    from conformance.matrix_report import build_matrix_report, load_cells, write_matrix_report
+    from conformance.matrix_report import (
+        CellError,
+        build_matrix_report,
+        exit_code,
+        load_cells,
+        summary_text,
+        write_matrix_report,
+    )
 
-    cells = load_cells([out / "cells"])
+    try:
+        cells = load_cells([out / "cells"])
+    except CellError as exc:
+        print(f"omni-conformance: error: {exc}", file=sys.stderr)
+        return 2
     report = build_matrix_report(cells)
     paths = write_matrix_report(report, out)
+    say(summary_text(report))
     say("report: " + ", ".join(str(p) for p in paths.values()))
-    statuses = [c.get("status") for c in report.get("cells", [])]
-    return 1 if any(s in ("fail", "error", "incomplete") for s in statuses) else 0
+    return exit_code(report)
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
