@@ -6,8 +6,12 @@
               shows pytest's progress, prints a summary (tests ran, passed, failed, not
               applicable; a table per invariant; the first difference of each violation), writes
               the compat report (JSON, Markdown, JUnit) into ``--report-dir``. Exit 0 when every
-              test that ran passed (the rest being not applicable to the subject), non-zero on any
-              violation, and 1 when no test ran at all (nothing was checked).
+              test that ran passed (the rest being not applicable to the subject), 1 on any
+              violation and when no test ran at all (nothing was checked), 2 for an environment
+              problem (below) or a suite that could not start, 4 when the subject declares it does
+              not support this environment (``SubjectUnsupported``, e.g. its vLLM release).
+``matrix``    the gate per vLLM release x subject, each cell in its own environment, merged into
+              one report (``conformance.matrix``); ``merge`` merges cell folders.
 ``replay``    re-runs a saved failure trace and says what happened. Exit codes:
               1  reproduced: prints the first difference; when it is not the recorded one, prints
                  both ("reproduces with a DIFFERENT first difference");
@@ -231,10 +235,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     )
     rc = subprocess.call(cmd, env=env)
     if not report_json.exists():
-        print(
-            f"omni-conformance check: pytest exited {rc} without writing a report", file=sys.stderr
-        )
-        return rc or 1
+        # check's exit codes are its own (pytest's 4 is a usage error, not "unsupported").
+        return _fail_env(f"the suite did not run: pytest exited {rc} without writing a report")
     report = json.loads(report_json.read_text())
     print(_summary(report))
     print(f"report: {report_json} (+ compat-report.md, compat-report.junit.xml)")
