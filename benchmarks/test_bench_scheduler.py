@@ -1,4 +1,4 @@
-"""Scheduler step cost: omni vs upstream, measured side by side in the same run (issue 2).
+"""Scheduler step cost: omni vs upstream, measured side by side in the same run.
 
 One step is ``schedule()`` + ``update_from_output()`` with N running decode requests. Upstream and
 omni steps alternate round by round so drift on the machine hits both equally; the reported

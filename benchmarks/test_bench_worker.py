@@ -1,4 +1,4 @@
-"""Worker / runner benchmarks (issue 3).
+"""Worker / runner benchmarks: decode throughput and the payload critical path.
 
 * ``test_decode_throughput[N]`` — thinker decode tokens/s with N = 1, 8, 32 running requests;
   one round is a full step: ``schedule()`` + ``execute_model`` + ``sample_tokens`` +

@@ -3,7 +3,7 @@ executors, malformed stage inputs and runner-level batches.
 
 Everything here is data or a pure function of its arguments, so two runs of one hypothesis
 example build identical objects (no ``hash()`` of strings, no clocks, no global RNG): the suite's
-verdicts and step counts must not depend on ``PYTHONHASHSEED`` (flake-freedom, issue 6 item 8).
+verdicts and step counts must not depend on ``PYTHONHASHSEED`` (no flaky verdicts).
 
 Nothing here knows a runtime: stage configurations come from the subject
 (``Subject.feature_configs``), payload objects from its ``ChunkDelivery.with_payloads`` and the

@@ -1,4 +1,4 @@
-"""Issue 2: a scripted lock-step comparison of upstream vLLM and the omni schedulers.
+"""A scripted lock-step comparison of upstream vLLM and the omni schedulers.
 
 The canonical workload (``conformance.scenarios``) runs shared prefixes under a tight block
 budget (preemption), aborts in every state (waiting, running, preempted, finished but not yet

@@ -1,4 +1,5 @@
-"""Prints how many lock-step steps the invariant suite compared (issue 6: >= 20,000 under ci).
+"""Prints how many lock-step steps the invariant suite compared (the suite's budget under the
+``ci`` profile is at least 20,000).
 
 pytest loads ``conftest.py`` of ``test*`` folders under each test path at start-up, so this hook
 runs on the xdist controller too. It sums the ``steps_compared`` and ``examples`` that the
