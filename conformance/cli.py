@@ -160,8 +160,10 @@ def pytest_command(args: argparse.Namespace) -> list[str]:
     cmd = [sys.executable, "-m", "pytest", "-m", "invariants", "-p", "no:cacheprovider"]
     if not _plugin_installed():
         cmd += ["-p", "conformance.plugin"]
-    cmd += ["--subject", args.subject, "--compat-report", str(args.report_dir)]
-    cmd += ["--hypothesis-profile", args.profile, "--conformance-failures", str(args.failures_dir)]
+    # Each check option backs the plugin option of the same last word.
+    cmd += ["--conformance-subject", args.subject, "--conformance-profile", args.profile]
+    cmd += ["--conformance-report-dir", str(args.report_dir)]
+    cmd += ["--conformance-failures-dir", str(args.failures_dir)]
     cmd += ["-o", "addopts=", "-rfE", "-v" if not args.quiet else "-q"]
     if args.workers and args.workers > 1 and _has_xdist():
         cmd += ["-n", str(args.workers)]
@@ -226,7 +228,6 @@ def cmd_check(args: argparse.Namespace) -> int:
     env = dict(os.environ)
     env.setdefault("PYTHONHASHSEED", "0")  # multi-id aborts free blocks in set order
     env.setdefault("HF_HUB_OFFLINE", "1")
-    env["OMNI_CONFORMANCE_PROFILE"] = args.profile
     cmd = pytest_command(args)
     print(
         f"omni-conformance check: subject={args.subject} profile={args.profile} "
@@ -360,15 +361,34 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omni-conformance", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
-    c = sub.add_parser("check", help="run the invariant suite and write the compat report")
-    c.add_argument("--subject", default=os.environ.get("OMNI_CONFORMANCE_SUBJECT", "omni"))
-    c.add_argument(
-        "--profile", choices=PROFILES, default=os.environ.get("OMNI_CONFORMANCE_PROFILE", "ci")
+    c = sub.add_parser(
+        "check",
+        help="run the invariant suite and write the compat report",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    c.add_argument("--report-dir", default="compat-report")
+    c.add_argument(
+        "--subject",
+        default=os.environ.get("OMNI_CONFORMANCE_SUBJECT", "omni"),
+        help="subject runtime: a registered name (see 'subjects') or module:attr; "
+        "$OMNI_CONFORMANCE_SUBJECT sets the default",
+    )
+    c.add_argument(
+        "--profile",
+        choices=PROFILES,
+        default=os.environ.get("OMNI_CONFORMANCE_PROFILE", "ci"),
+        help="hypothesis profile: ci (derandomized, bounded), dev, or thorough (10x ci "
+        "examples); $OMNI_CONFORMANCE_PROFILE sets the default",
+    )
+    c.add_argument(
+        "--report-dir",
+        default="compat-report",
+        help="folder for the compat report (JSON, Markdown, JUnit XML)",
+    )
     c.add_argument(
         "--failures-dir",
         default=os.environ.get("OMNI_CONFORMANCE_FAILURES", "conformance-failures"),
+        help="folder for shrunk failure traces (omni-conformance replay re-runs them); "
+        "$OMNI_CONFORMANCE_FAILURES sets the default",
     )
     c.add_argument(
         "--allow-untested-vllm",
@@ -376,9 +396,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="run on a vLLM release outside the supported range; the report says 'untested vLLM'",
     )
     c.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers (2 cores)")
-    c.add_argument("-q", "--quiet", action="store_true")
-    c.add_argument("--tests", nargs="*", help="test paths instead of the installed suite")
-    c.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
+    c.add_argument("-q", "--quiet", action="store_true", help="pytest's quiet progress")
+    c.add_argument(
+        "--tests",
+        nargs="*",
+        default=[],
+        help="test paths instead of the installed suite (empty: the installed suite)",
+    )
+    c.add_argument("pytest_args", nargs="*", default=[], help="extra pytest arguments (after --)")
     c.set_defaults(func=cmd_check)
 
     r = sub.add_parser("replay", help="re-run a saved failure trace")

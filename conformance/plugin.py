@@ -1,27 +1,36 @@
 """The pytest plugin (entry point ``pytest11: omni_conformance``): markers, options, fixtures,
 hypothesis profiles and the upstream-compat report.
 
-* markers: ``invariants`` (the CI gate's suite) and ``clauses("C-01", ...)`` (what a test covers);
-* options: ``--subject`` (name, entry point or ``module:attr``; default ``omni``),
-  ``--compat-report DIR`` (write the report there), ``--conformance-failures DIR`` (failure
-  traces; default ``./conformance-failures``);
-* hypothesis profiles ``ci`` (derandomized, bounded), ``dev`` and ``thorough`` (10x ci examples),
-  chosen by ``--hypothesis-profile`` or ``OMNI_CONFORMANCE_PROFILE`` (default ``ci``);
-* fixtures: ``conformance_subject``, ``conformance`` (a ``ConformanceRecorder`` that builds
-  lock-step sessions for the chosen subject and records what they compared), ``paired_schedulers``
-  and ``paired_drivers`` (an upstream and a subject scheduler/driver built from one config).
+* markers: ``invariants`` (the CI gate's suite) and ``clauses("C-01", ...)`` (what a test covers;
+  an id that ``conformance.clauses`` does not define fails collection);
+* options, each backing the ``omni-conformance check`` option of the same last word:
+  ``--conformance-subject`` (name, entry point or ``module:attr``; default
+  ``$OMNI_CONFORMANCE_SUBJECT`` or ``omni``), ``--conformance-report-dir DIR`` (write the report
+  there; default: no report), ``--conformance-failures-dir DIR`` (failure traces; default
+  ``$OMNI_CONFORMANCE_FAILURES`` or ``./conformance-failures``), ``--conformance-profile``
+  (``ci``, ``dev`` or ``thorough``; default ``$OMNI_CONFORMANCE_PROFILE`` or ``ci``; hypothesis's
+  own ``--hypothesis-profile``, when given, wins);
+* hypothesis profiles ``ci`` (derandomized, bounded), ``dev`` and ``thorough`` (10x ci examples);
+* fixtures: ``conformance_subject`` (raises ``SubjectLoadError`` when the subject cannot be
+  loaded), ``conformance`` (a ``ConformanceRecorder`` that builds lock-step sessions for the
+  chosen subject and records what they compared), ``paired_schedulers`` and ``paired_drivers``
+  (an upstream and a subject scheduler/driver built from one config).
 
-Counters travel from xdist workers to the controller in ``user_properties``; only the controller
-writes the report. A skipped test is recorded as *not applicable* with pytest's skip reason; a
-failure's message leads with its first difference, else with the exception's type and message.
-Loading a subject that patches vLLM (``conformance.pristine``) ends the session with exit code 2.
+The run's state is a ``ConformanceSession`` registered with pytest's plugin manager (as
+``omni_conformance_session``); its hooks collect per-test results and write the report. Counters
+travel from xdist workers to the controller in ``user_properties``; only the controller writes
+the report. A skipped test is recorded as *not applicable* with pytest's skip reason; a failure's
+message leads with its cause, recognised by type where the harness raised it (a subject that
+cannot be loaded, a lock-step difference), else the exception's type and message. Loading a
+subject that patches vLLM (``conformance.pristine``) ends the session with exit code 2.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable, Iterable, Iterator
+import sys
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
@@ -30,10 +39,18 @@ from hypothesis import HealthCheck, Phase, settings
 if TYPE_CHECKING:  # the plugin loads in every pytest run here: keep vLLM and torch out of it
     from conformance.config import HarnessConfig
 
+# User-facing defaults of the options (the same variables ``omni-conformance check`` reads).
 PROFILE_ENV = "OMNI_CONFORMANCE_PROFILE"
 SUBJECT_ENV = "OMNI_CONFORMANCE_SUBJECT"
+FAILURES_ENV = "OMNI_CONFORMANCE_FAILURES"
+DEFAULT_SUBJECT = "omni"
+DEFAULT_PROFILE = "ci"
+DEFAULT_FAILURES_DIR = "conformance-failures"
+PROFILES = ("ci", "dev", "thorough")
+SESSION_PLUGIN = "omni_conformance_session"
 _PROP = "omni_conformance"
 _CLAUSES_PROP = "omni_conformance_clauses"
+_CAUSE_PROP = "omni_conformance_cause"
 
 CI_EXAMPLES = 20
 _COMMON: dict[str, Any] = {
@@ -64,28 +81,43 @@ settings.register_profile(
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("omni-conformance", "differential conformance against upstream vLLM")
+    subject = os.environ.get(SUBJECT_ENV) or DEFAULT_SUBJECT
     group.addoption(
-        "--subject",
-        default=os.environ.get(SUBJECT_ENV, "omni"),
-        help="subject runtime: a registered name (omni, upstream, entry points) or module:attr",
+        "--conformance-subject",
+        default=subject,
+        metavar="NAME",
+        help="subject runtime to check: a registered name (omni, upstream, entry points) or "
+        f"module:attr (default: {subject}; from ${SUBJECT_ENV}, else {DEFAULT_SUBJECT})",
     )
     group.addoption(
-        "--compat-report",
+        "--conformance-report-dir",
         default=None,
         metavar="DIR",
-        help="write the upstream-compat report (JSON, Markdown, JUnit) into DIR",
+        help="write the upstream-compat report (JSON, Markdown, JUnit XML) into DIR "
+        "(default: no report)",
     )
+    failures = os.environ.get(FAILURES_ENV) or DEFAULT_FAILURES_DIR
     group.addoption(
-        "--conformance-failures",
-        default=None,
+        "--conformance-failures-dir",
+        default=failures,
         metavar="DIR",
-        help="folder for failing traces (default ./conformance-failures)",
+        help="folder for shrunk failure traces that omni-conformance replay re-runs "
+        f"(default: {failures}; from ${FAILURES_ENV}, else ./{DEFAULT_FAILURES_DIR})",
+    )
+    profile = os.environ.get(PROFILE_ENV) or DEFAULT_PROFILE
+    group.addoption(
+        "--conformance-profile",
+        default=profile,
+        choices=PROFILES,
+        help="hypothesis profile: ci (derandomized, bounded), dev, or thorough (10x ci "
+        f"examples); --hypothesis-profile wins when given (default: {profile}; from "
+        f"${PROFILE_ENV}, else {DEFAULT_PROFILE})",
     )
 
 
 def _profile_name(config: pytest.Config) -> str:
     explicit = config.getoption("hypothesis_profile", None)
-    return str(explicit or os.environ.get(PROFILE_ENV) or "ci")
+    return str(explicit or config.getoption("conformance_profile", None) or DEFAULT_PROFILE)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -93,13 +125,27 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "invariants: the property-based invariant suite (the CI gate)"
     )
     config.addinivalue_line(
-        "markers", "clauses(*ids): contract clauses (C-xx) a test covers, for the compat report"
+        "markers",
+        "clauses(*ids): contract clauses (C-xx, defined in conformance/clauses.py) a test "
+        "covers, for the compat report",
     )
     if config.getoption("hypothesis_profile", None) is None:
         settings.load_profile(_profile_name(config))
-    if failures := config.getoption("conformance_failures"):
-        os.environ["OMNI_CONFORMANCE_FAILURES"] = str(failures)
-    config.stash[_STATE] = _SessionState()
+    if not config.pluginmanager.has_plugin(SESSION_PLUGIN):
+        config.pluginmanager.register(ConformanceSession(config), SESSION_PLUGIN)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    session = config.pluginmanager.get_plugin(SESSION_PLUGIN)
+    if session is not None:
+        config.pluginmanager.unregister(session, SESSION_PLUGIN)
+
+
+def conformance_session(config: pytest.Config) -> ConformanceSession:
+    """This run's ``ConformanceSession`` (registered by ``pytest_configure``)."""
+    session = config.pluginmanager.get_plugin(SESSION_PLUGIN)
+    assert isinstance(session, ConformanceSession), "the omni-conformance plugin is not configured"
+    return session
 
 
 # ---- per-test recording -------------------------------------------------------------------
@@ -115,11 +161,14 @@ class ConformanceRecorder:
         *,
         profile: str | None = None,
         test: str | None = None,
+        failures_dir: str | None = None,
     ) -> None:
         self.subject_spec = subject_spec
         self.subject = subject
         self.profile = profile
         self.test = test
+        # Where failure traces go (``--conformance-failures-dir``); None: ``failures_dir()``.
+        self.failures_dir = failures_dir
         self._pending: tuple[Any, str] | None = None
         self.sessions: list[Any] = []
         self.examples = 0
@@ -178,6 +227,7 @@ class ConformanceRecorder:
             subject_spec=self.subject_spec,
             name=name,
             registry=session.registry,
+            folder=self.failures_dir,
             do_shrink=do_shrink,
             profile=self.profile,
             test=self.test,
@@ -202,14 +252,26 @@ class ConformanceRecorder:
         }
 
 
+class SubjectLoadError(Exception):
+    """The subject named by ``--conformance-subject`` cannot be loaded (unknown name, import
+    error, a factory that raised). Raised by the ``conformance_subject`` fixture; the report
+    records every test it stops as an error with this one-line message."""
+
+    def __init__(self, spec: str, cause: BaseException) -> None:
+        detail = " ".join(str(cause).split()) or "no message"
+        super().__init__(f"cannot load subject {spec!r}: {type(cause).__name__}: {detail}")
+        self.spec = spec
+
+
 @pytest.fixture(scope="session")
 def conformance_subject_spec(request: pytest.FixtureRequest) -> str:
-    return str(request.config.getoption("subject"))
+    return str(request.config.getoption("conformance_subject"))
 
 
 @pytest.fixture(scope="session")
 def conformance_subject(conformance_subject_spec: str) -> Any:
-    """The subject, loaded under the pristine oracle: one that patches vLLM ends the run (2)."""
+    """The subject, loaded under the pristine oracle: one that patches vLLM ends the run (2);
+    one that cannot be loaded raises ``SubjectLoadError``."""
     from conformance.pristine import VllmPatched, guard_load
     from conformance.subjects import load_subject
 
@@ -218,6 +280,8 @@ def conformance_subject(conformance_subject_spec: str) -> Any:
             return load_subject(conformance_subject_spec)
     except VllmPatched as exc:
         pytest.exit(str(exc), returncode=2)
+    except (LookupError, ImportError, AttributeError, TypeError, SyntaxError) as exc:
+        raise SubjectLoadError(conformance_subject_spec, exc) from exc
 
 
 @pytest.fixture
@@ -229,6 +293,7 @@ def conformance(
         conformance_subject,
         profile=_profile_name(request.config),
         test=request.node.nodeid,
+        failures_dir=str(request.config.getoption("conformance_failures_dir")),
     )
     try:
         yield rec
@@ -272,23 +337,44 @@ def paired_drivers(paired_schedulers: Callable[..., tuple[Any, Any]]) -> Callabl
 # ---- collecting results -------------------------------------------------------------------
 
 
-class _SessionState:
-    def __init__(self) -> None:
-        self.tests: dict[str, dict[str, Any]] = {}
-        self.report: dict[str, Any] | None = None
-        self.paths: dict[str, Any] = {}
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from conformance.clauses import unknown
 
-
-_STATE = pytest.StashKey[_SessionState]()
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    problems: list[str] = []
     for item in items:
         ids: list[str] = []
         for mark in item.iter_markers("clauses"):
             ids.extend(str(a) for a in mark.args)
+        if bad := unknown(ids):
+            problems.append(f"{item.nodeid}: {', '.join(bad)}")
         if ids or item.get_closest_marker("invariants") is not None:
             item.user_properties.append((_CLAUSES_PROP, sorted(set(ids))))
+    if problems:
+        shown = "\n  ".join(problems[:20]) + ("\n  ..." if len(problems) > 20 else "")
+        raise pytest.UsageError(
+            "clauses(...) markers name clause ids that conformance/clauses.py does not define "
+            f"(see docs/contracts.md):\n  {shown}"
+        )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failure the harness raised is recognised here, by its type, where the exception still
+    exists (on the xdist worker); its one-line cause travels in ``user_properties``."""
+    report: pytest.TestReport = yield
+    excinfo = call.excinfo
+    if excinfo is None or not report.failed:
+        return report
+    error = excinfo.value
+    # Only a run that imported the harness can have raised its difference: no vLLM import here.
+    lockstep = sys.modules.get("conformance.lockstep")
+    if isinstance(error, SubjectLoadError):
+        report.user_properties.append((_CAUSE_PROP, str(error)))
+    elif lockstep is not None and isinstance(error, lockstep.SubjectBroken):
+        report.user_properties.append((_CAUSE_PROP, error.difference.headline()))
+    return report
 
 
 # Lines hypothesis adds to a failure that say nothing about its cause.
@@ -309,7 +395,6 @@ _BOILERPLATE = (
     "+ Exception Group",
     "Traceback",
 )
-_SUBJECT_BROKEN = "SubjectBroken: "
 
 
 def _meaningful(lines: Iterable[str]) -> list[str]:
@@ -353,8 +438,6 @@ def _first_line(report: pytest.TestReport, first_difference: dict[str, Any] | No
             head = f"{head}: {detail}" if head and not detail.startswith(head) else detail
     if head.startswith("assert "):  # pytest's rewritten assert: the type is AssertionError
         head = "AssertionError: " + head
-    elif head.startswith(_SUBJECT_BROKEN) or f".{_SUBJECT_BROKEN}" in head:
-        head = head.split(_SUBJECT_BROKEN, 1)[1]
     if head:
         return head[:300]
     lines = _meaningful(text.splitlines())
@@ -390,97 +473,98 @@ def _not_run_reason(report: pytest.TestReport) -> str | None:
     return None
 
 
-def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    config = _CONFIG.get("config")
-    if config is None:
-        return
-    state = config.stash[_STATE]
-    props: dict[str, Any] = dict(report.user_properties)
-    if _CLAUSES_PROP not in props and report.nodeid not in state.tests:
-        return
-    entry = state.tests.setdefault(
-        report.nodeid,
-        {"outcome": "passed", "clauses": [], "duration": 0.0, "message": None, "reason": None},
-    )
-    if _CLAUSES_PROP in props:
-        entry["clauses"] = props[_CLAUSES_PROP]
-    if _PROP in props:
-        entry.update(props[_PROP])
-    entry["duration"] += float(report.duration or 0.0)
-    if report.failed and report.when == "call" and _not_run_reason(report) is not None:
-        entry["outcome"] = "not_run"
-        entry["reason"] = _not_run_reason(report)
-    elif report.failed:
-        entry["outcome"] = "failed" if report.when == "call" else "error"
-        entry["message"] = entry["message"] or _first_line(report, entry.get("first_difference"))
-    elif report.skipped and report.when != "teardown" and entry["outcome"] == "passed":
-        entry["outcome"] = "not_applicable"
-        entry["reason"] = _skip_reason(report)
-    if entry["outcome"] in ("failed", "error") and entry.get("first_difference"):
-        # The recorder's properties arrive with the teardown report, after the (shrunk) trace
-        # was saved: its first difference is the cause to lead with.
-        from conformance.report import difference_headline
+class ConformanceSession:
+    """One pytest run's results and report: a plugin object registered with pytest's plugin
+    manager (``SESSION_PLUGIN``), whose hooks record each test and, on the controller, write
+    the report."""
 
-        entry["message"] = difference_headline(entry["first_difference"])
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+        self.tests: dict[str, dict[str, Any]] = {}
+        self.report: dict[str, Any] | None = None
+        self.paths: dict[str, Any] = {}
 
-
-_CONFIG: dict[str, pytest.Config] = {}
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_sessionstart(session: pytest.Session) -> None:
-    _CONFIG["config"] = session.config
-
-
-def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    config = session.config
-    if hasattr(config, "workerinput"):
-        return
-    out_dir = config.getoption("compat_report")
-    state = config.stash[_STATE]
-    if not out_dir:
-        return
-    from conformance.report import ReportBuilder, TestRecord, write_report
-    from conformance.vllm_compat import environment_versions
-
-    profile = _profile_name(config)
-    seed = config.getoption("hypothesis_seed", None)
-    if seed is None:
-        seed = 0 if settings.get_profile(profile).derandomize else "random"
-    builder = ReportBuilder(
-        subject=str(config.getoption("subject")),
-        profile=profile,
-        seed=seed,
-        environment=environment_versions(),
-    )
-    for nodeid, data in state.tests.items():
-        builder.add(TestRecord.from_dict({"nodeid": nodeid, **data}))
-    state.report = builder.build()
-    state.paths = write_report(state.report, out_dir)
-
-
-def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    state = config.stash.get(_STATE, None)
-    if state is None or state.report is None:
-        return
-    from conformance.report import counts_line
-
-    rep = state.report
-    tr = terminalreporter
-    tr.section(f"omni-conformance: subject {rep['subject']} — {rep['status'].upper()}")
-    tr.write_line(counts_line(rep["summary"]))
-    tr.write_line(f"{'invariant':<12} {'status':<14} {'examples':>8} {'steps':>8}  tolerated")
-    for inv in rep["invariants"]:
-        tol = ", ".join(f"{k}x{v}" for k, v in sorted(inv["tolerated"].items())) or "-"
-        tr.write_line(
-            f"{inv['id']:<12} {inv['status']:<14} {inv['examples']:>8} "
-            f"{inv['steps_compared']:>8}  {tol}"
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        props: dict[str, Any] = dict(report.user_properties)
+        if _CLAUSES_PROP not in props and report.nodeid not in self.tests:
+            return
+        entry = self.tests.setdefault(
+            report.nodeid,
+            {"outcome": "passed", "clauses": [], "duration": 0.0, "message": None, "reason": None},
         )
-    for f in rep["failures"]:
-        tr.write_line(f"VIOLATION {f['test']}: {f['message']}")
-    for n in rep["not_applicable"]:
-        tr.write_line(f"not applicable {n['test']}: {n['reason']}")
-    tr.write_line(f"report: {state.paths.get('json')}")
+        if _CLAUSES_PROP in props:
+            entry["clauses"] = props[_CLAUSES_PROP]
+        if _PROP in props:
+            entry.update(props[_PROP])
+        entry["duration"] += float(report.duration or 0.0)
+        not_run = _not_run_reason(report) if report.failed and report.when == "call" else None
+        if not_run is not None:
+            entry["outcome"] = "not_run"
+            entry["reason"] = not_run
+        elif report.failed:
+            entry["outcome"] = "failed" if report.when == "call" else "error"
+            cause = props.get(_CAUSE_PROP)
+            entry["message"] = (
+                entry["message"]
+                or (str(cause)[:300] if cause else None)
+                or _first_line(report, entry.get("first_difference"))
+            )
+        elif report.skipped and report.when != "teardown" and entry["outcome"] == "passed":
+            entry["outcome"] = "not_applicable"
+            entry["reason"] = _skip_reason(report)
+        if entry["outcome"] in ("failed", "error") and entry.get("first_difference"):
+            # The recorder's properties arrive with the teardown report, after the (shrunk) trace
+            # was saved: its first difference is the cause to lead with.
+            from conformance.report import difference_headline
+
+            entry["message"] = difference_headline(entry["first_difference"])
+
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus: int) -> None:
+        config = self.config
+        if hasattr(config, "workerinput"):
+            return
+        out_dir = config.getoption("conformance_report_dir")
+        if not out_dir:
+            return
+        from conformance.report import ReportBuilder, TestRecord, write_report
+        from conformance.vllm_compat import environment_versions
+
+        profile = _profile_name(config)
+        seed = config.getoption("hypothesis_seed", None)
+        if seed is None:
+            seed = 0 if settings.get_profile(profile).derandomize else "random"
+        builder = ReportBuilder(
+            subject=str(config.getoption("conformance_subject")),
+            profile=profile,
+            seed=seed,
+            environment=environment_versions(),
+        )
+        for nodeid, data in self.tests.items():
+            builder.add(TestRecord.from_dict({"nodeid": nodeid, **data}))
+        self.report = builder.build()
+        self.paths = write_report(self.report, out_dir)
+
+    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+        if self.report is None:
+            return
+        from conformance.report import counts_line
+
+        rep = self.report
+        tr = terminalreporter
+        tr.section(f"omni-conformance: subject {rep['subject']} — {rep['status'].upper()}")
+        tr.write_line(counts_line(rep["summary"]))
+        tr.write_line(f"{'invariant':<12} {'status':<14} {'examples':>8} {'steps':>8}  tolerated")
+        for inv in rep["invariants"]:
+            tol = ", ".join(f"{k}x{v}" for k, v in sorted(inv["tolerated"].items())) or "-"
+            tr.write_line(
+                f"{inv['id']:<12} {inv['status']:<14} {inv['examples']:>8} "
+                f"{inv['steps_compared']:>8}  {tol}"
+            )
+        for f in rep["failures"]:
+            tr.write_line(f"VIOLATION {f['test']}: {f['message']}")
+        for n in rep["not_applicable"]:
+            tr.write_line(f"not applicable {n['test']}: {n['reason']}")
+        tr.write_line(f"report: {self.paths.get('json')}")
 
 
 def covers(node: pytest.Item, clauses: set[str] | list[str]) -> None:

@@ -1,10 +1,10 @@
 """Failure traces: where they are written, what they record, and how a saved trace is re-run.
 
 Every lock-step failure is written as a trace (JSON) into the failures folder —
-``./conformance-failures/`` unless ``OMNI_CONFORMANCE_FAILURES`` or the pytest option
-``--conformance-failures`` says otherwise — shrunk by ``conformance.lockstep.Shrinker``
-(bounded, 60 s by default). The trace's ``meta`` says where it came from, so a replay can tell
-whether it still means what it meant:
+``./conformance-failures/`` unless the pytest option ``--conformance-failures-dir`` (``check
+--failures-dir``) or ``OMNI_CONFORMANCE_FAILURES`` says otherwise — shrunk by
+``conformance.lockstep.Shrinker`` (bounded, 60 s by default). The trace's ``meta`` says where it
+came from, so a replay can tell whether it still means what it meant:
 
 * ``subject`` (the spec that loads it again), ``test``, ``profile``, ``mode`` (sync or async
   scheduling; the whole harness config is the trace's ``config``), ``use_worker``;

@@ -28,9 +28,14 @@ _SUBJECT = pytest.StashKey[object]()
 def collection_subject(config):
     """The subject the run names, loaded once per process for parametrization."""
     if _SUBJECT not in config.stash:
+        from conformance.plugin import SubjectLoadError
         from conformance.subjects import load_subject
 
-        config.stash[_SUBJECT] = load_subject(str(config.getoption("subject")))
+        spec = str(config.getoption("conformance_subject"))
+        try:
+            config.stash[_SUBJECT] = load_subject(spec)
+        except (LookupError, ImportError, AttributeError, TypeError, SyntaxError) as exc:
+            raise SubjectLoadError(spec, exc) from exc
     return config.stash[_SUBJECT]
 
 

@@ -300,6 +300,7 @@ def raise_failure(outcome: MachineOutcome, run: MachineRun | None = None) -> Non
             subject_spec=getattr(run.recorder, "subject_spec", None),
             name=run.name,
             check_reference=run.check_reference,
+            folder=getattr(run.recorder, "failures_dir", None),
         )
         run.recorder.trace = str(path)
         raise AssertionError(f"{problem}\ntrace: {path}") from outcome.error
@@ -346,6 +347,7 @@ def record_audit_failure(
     subject_spec: str | None,
     name: str,
     check_reference: bool,
+    folder: str | Path | None = None,
 ) -> tuple[Path, str]:
     """Shrink (bounded, ``conformance.lockstep.Shrinker``) the failing session's trace to the
     smallest one whose audits fail with the same clause, and save it for ``replay``."""
@@ -380,7 +382,7 @@ def record_audit_failure(
         "found": {"ops": len(found.ops), "problem": problems[0]},
         "shrink": result.to_dict(),
     }
-    path = failures_dir() / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)[:120]}.json"
+    path = failures_dir(folder) / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)[:120]}.json"
     trace.save(path)
     return path, same[0]
 

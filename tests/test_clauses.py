@@ -6,6 +6,7 @@ reference to a document the repository does not hold.
 * ``docs/contracts.md`` defines exactly those clauses, each under a heading
   ``### C-xx · <title>`` with the table's title and a line naming its invariant or group.
 * The compat report counts exactly the table's clauses and invariants.
+* A ``clauses(...)`` marker with an id the table lacks fails collection, naming the test and id.
 * No file references a document that is not in the repository: a ``*.md`` path that does not
   exist, an issue-tracker number, a folder beside the checkout.
 """
@@ -15,11 +16,13 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from conformance import clauses
+from conformance.cli import _plugin_installed
 from conformance.report import CLAUSES as REPORT_CLAUSES
 from conformance.report import INVARIANTS as REPORT_INVARIANTS
 
@@ -133,6 +136,28 @@ def test_contracts_doc_defines_exactly_the_table():
 def test_the_report_counts_the_tables_clauses():
     assert REPORT_CLAUSES == {cid: c.invariant for cid, c in clauses.CLAUSES.items()}
     assert REPORT_INVARIANTS == clauses.INVARIANTS
+
+
+def test_an_unknown_clause_in_a_marker_fails_collection(tmp_path):
+    (tmp_path / "test_unknown_clause.py").write_text(
+        "import pytest\n\n\n"
+        "@pytest.mark.clauses('C-01', 'C-99')\n"
+        "def test_cites_a_clause_nobody_defined():\n"
+        "    pass\n"
+    )
+    plugin = [] if _plugin_installed() else ["-p", "conformance.plugin"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *plugin, "-o", "addopts=", "-q", "-p", "no:cacheprovider"]
+        + [str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out[-3000:]
+    assert "test_cites_a_clause_nobody_defined: C-99" in out, out[-3000:]
+    assert "conformance/clauses.py" in out, out[-3000:]
 
 
 # ---- references to documents ----------------------------------------------------------------

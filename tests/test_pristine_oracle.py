@@ -214,7 +214,7 @@ def test_the_plugin_ends_the_session_when_the_subject_patches_vllm(planted, tmp_
             "-o",
             "addopts=",
             "-q",
-            "--subject",
+            "--conformance-subject",
             spec,
             "test_uses_subject.py",
         ],

@@ -4,19 +4,22 @@ A test the subject cannot run (pytest skipped it: a capability the subject lacks
 applicable*, with the reason — never counted as a pass, never lost. A clause or invariant whose
 tests were all not applicable says so (``not_applicable``), distinct from ``pass``, ``fail`` and
 ``not_run`` (no test covered it). A failure's headline leads with its cause: the first
-difference when there is one, else the exception — never hypothesis's boilerplate.
+difference when there is one, else the exception — never hypothesis's boilerplate; a subject
+that cannot be loaded is recognised by its error's type, and says so in one line.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from types import SimpleNamespace
 
 import jsonschema
 import pytest
 
-from conformance.cli import _summary, main
+from conformance.cli import _plugin_installed, _summary, main
 from conformance.plugin import _first_line, _skip_reason
 from conformance.report import (
     ReportBuilder,
@@ -259,3 +262,29 @@ def test_failure_headline_prefers_the_recorded_first_difference():
     assert _first_line(rep, DIFF) == (
         'step 4 (step) queues.waiting: upstream=["q2", "q5"] subject=["q5", "q2"]'
     )
+
+
+def test_a_subject_that_cannot_be_loaded_is_one_line_per_test(tmp_path):
+    (tmp_path / "test_needs_subject.py").write_text(
+        "import pytest\n\n\n"
+        "@pytest.mark.clauses('C-01')\n"
+        "def test_needs_subject(conformance_subject):\n"
+        "    pass\n"
+    )
+    plugin = [] if _plugin_installed() else ["-p", "conformance.plugin"]
+    report_dir = tmp_path / "report"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", *plugin, "-o", "addopts=", "-q", "-p", "no:cacheprovider"]
+        + ["--conformance-subject", "no_such_runtime_here:subject"]
+        + ["--conformance-report-dir", str(report_dir), str(tmp_path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == pytest.ExitCode.TESTS_FAILED, (proc.stdout + proc.stderr)[-3000:]
+    report = json.loads((report_dir / "compat-report.json").read_text())
+    (test,) = report["tests"]
+    assert test["outcome"] == "error" and test["clauses"] == ["C-01"]
+    assert test["message"].startswith("cannot load subject 'no_such_runtime_here:subject': ")
+    assert len(test["message"].splitlines()) == 1

@@ -4,7 +4,7 @@
 pytest loads ``conftest.py`` of ``test*`` folders under each test path at start-up, so this hook
 runs on the xdist controller too. It sums the ``steps_compared`` and ``examples`` that the
 harness plugin's ``conformance`` recorder attaches to each test report (``user_properties``), so
-it needs no ``--compat-report`` and works across workers. No tests live in this folder.
+it needs no ``--conformance-report-dir`` and works across workers. No tests live in this folder.
 """
 
 from __future__ import annotations
