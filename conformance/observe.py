@@ -62,32 +62,7 @@ def observe_state(scheduler: Any, subject: Any) -> dict[str, Any]:
 
 def observe_schedule(so: Any) -> dict[str, Any]:
     """The ``SchedulerOutput``, copied right after ``schedule()`` returned."""
-    new_ids = []
-    computed: dict[str, int] = {}
-    blocks: dict[str, Any] = {}
-    for new in so.scheduled_new_reqs:
-        new_ids.append(new.req_id)
-        computed[new.req_id] = new.num_computed_tokens
-        blocks[new.req_id] = tuple(tuple(g) for g in new.block_ids)
-    cached = so.scheduled_cached_reqs
-    out_tokens: dict[str, int] = {}
-    for i, rid in enumerate(cached.req_ids):
-        computed[rid] = cached.num_computed_tokens[i]
-        out_tokens[rid] = cached.num_output_tokens[i]
-        nb = cached.new_block_ids[i]
-        blocks[rid] = None if nb is None else tuple(tuple(g) for g in nb)
-    return {
-        "scheduled_new": new_ids,
-        "scheduled_cached": list(cached.req_ids),
-        "resumed": sorted(cached.resumed_req_ids),
-        "preempted": sorted(so.preempted_req_ids or ()),
-        "finished": sorted(so.finished_req_ids),
-        "total_tokens": so.total_num_scheduled_tokens,
-        "num_scheduled_tokens": dict(so.num_scheduled_tokens),
-        "num_computed_tokens": computed,
-        "num_output_tokens": out_tokens,
-        "block_ids": blocks,
-    }
+    return vc.schedule_fields(so)
 
 
 def observe_outputs(outputs: dict[int, Any] | None) -> dict[str, Any]:

@@ -18,6 +18,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+from conformance import vllm_compat as vc
+
 # One position in STOP_PERIOD emits a stop token when the request allows one.
 STOP_PERIOD = 7
 EOS_PERIOD = 11
@@ -65,11 +67,9 @@ class DeterministicTokenSource:
                 stop_ids=tuple(sp.stop_token_ids or ()) if sp is not None else (),
                 eos=sp.eos_token_id if sp is not None else None,
             )
-        cached = so.scheduled_cached_reqs
-        computed: dict[str, int] = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
-        for i, rid in enumerate(cached.req_ids):
-            computed[rid] = cached.num_computed_tokens[i]
-            all_ids = cached.all_token_ids.get(rid)
+        computed = vc.computed_before(so)
+        for rid in so.scheduled_cached_reqs.req_ids:
+            all_ids = vc.resumed_all_token_ids(so, rid)
             view = self._reqs.get(rid)
             if all_ids is not None and view is not None:
                 # A resumed request's tokens as the scheduler knows them (V1 runner semantics).

@@ -67,15 +67,6 @@ def drive_runners(
     return steps
 
 
-def computed_before(so: Any) -> dict[str, int]:
-    """Per scheduled request, the positions computed before this step."""
-    computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
-    cached = so.scheduled_cached_reqs
-    for i, rid in enumerate(cached.req_ids):
-        computed[rid] = cached.num_computed_tokens[i]
-    return computed
-
-
 def same_view(a: PayloadView | None, b: PayloadView | None) -> bool:
     """Exact equality of two payloads: positions, and every tensor bit for bit."""
     if a is None or b is None:

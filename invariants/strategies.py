@@ -29,7 +29,9 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
+from conformance import vllm_compat as vc
 from conformance.capabilities import ChunkDelivery, StageInputSpec
+from conformance.machine import PREFIXES
 from conformance.tokens import DeterministicTokenSource
 
 
@@ -158,11 +160,8 @@ class PayloadTokenSource(DeterministicTokenSource):
 
     def execute(self, so: Any) -> Any:
         for new in so.scheduled_new_reqs:
-            self._prompt_len[new.req_id] = len(new.prompt_token_ids or ())
-        computed = {n.req_id: n.num_computed_tokens for n in so.scheduled_new_reqs}
-        cached = so.scheduled_cached_reqs
-        for i, rid in enumerate(cached.req_ids):
-            computed[rid] = cached.num_computed_tokens[i]
+            self._prompt_len[new.req_id] = vc.prompt_length(new)
+        computed = vc.computed_before(so)
         base = super().execute(so)
         rows: list[tuple[int, torch.Tensor] | None] = []
         for rid in base.req_ids:
@@ -342,7 +341,8 @@ class Job:
     abort_after: int | None
 
 
-PREFIX_TOKENS: dict[int, list[int]] = {0: [], 1: list(range(40, 72)), 2: list(range(300, 348))}
+# The workload language's shared prefixes (``conformance.machine.PREFIXES``), numbered for ``Job``.
+PREFIX_TOKENS: dict[int, list[int]] = {0: [], 1: list(PREFIXES["sys"]), 2: list(PREFIXES["doc"])}
 
 jobs = st.lists(
     st.builds(

@@ -35,6 +35,7 @@ import pytest
 import torch
 from hypothesis import given
 
+from conformance import vllm_compat as vc
 from conformance.capabilities import (
     NotApplicable,
     SourceLayout,
@@ -83,7 +84,7 @@ def check_malformed(case: Malformed, probe: Any, scheduler: Any) -> None:
     if "max_tokens" in kw:
         # vLLM's own SamplingParams refuses 0; a stage input may still arrive with it.
         sp.max_tokens = kw.pop("max_tokens")
-    pool = scheduler.kv_cache_manager.block_pool
+    pool = vc.block_pool(scheduler)
     free_before = pool.get_num_free_blocks()
     live_before = set(scheduler.requests)
     try:

@@ -33,6 +33,7 @@ import torch
 from hypothesis import given
 
 from conformance.capabilities import RunnerProbes, require, require_worker
+from conformance.vllm_compat import computed_before
 from conformance.workload import AddRequest, ResetPrefixCache, Step
 from invariants.audits import CheckingExecutor
 from invariants.machines import (
@@ -41,7 +42,7 @@ from invariants.machines import (
     suite_settings,
     worker_harness_config,
 )
-from invariants.runners import RunnerExec, computed_before, drive_runners
+from invariants.runners import RunnerExec, drive_runners
 from invariants.strategies import Job, jobs
 
 pytestmark = [pytest.mark.invariants]

@@ -2,12 +2,20 @@
 
 ``versions``  the supported vLLM releases, the version check, and ``ByRelease`` tables that key
               every per-release difference by the release that introduced it;
-``state``     scheduler state: block pool, KV coordinator, requests, admission queues, outputs.
+``state``     scheduler state: block pool, KV coordinator, requests, admission queues, outputs;
+``scheduler_output``  what a ``SchedulerOutput`` says was scheduled, and from which position.
 
 Callers import this package (``from conformance import vllm_compat as vc``); the names below are
 its public surface. Supporting another vLLM release is a change inside this package.
 """
 
+from conformance.vllm_compat.scheduler_output import (
+    computed_before,
+    finished_ids,
+    prompt_length,
+    resumed_all_token_ids,
+    schedule_fields,
+)
 from conformance.vllm_compat.state import (
     ADMISSION_QUEUES,
     base_output_fields,
@@ -54,6 +62,11 @@ __all__ = [
     "block_pool",
     "block_table",
     "check_vllm",
+    "computed_before",
+    "finished_ids",
+    "prompt_length",
+    "resumed_all_token_ids",
+    "schedule_fields",
     "environment_versions",
     "finish_reason_name",
     "finished_unreported",

@@ -1,0 +1,63 @@
+"""What the harness reads from a ``SchedulerOutput``: who was scheduled, from which position.
+
+New requests carry their state on ``NewRequestData``; requests already known to the worker carry
+it in ``CachedRequestData``'s parallel lists. Both shapes are the same in vLLM 0.28-0.33 (the
+V1 model runner layout: a resumed request stays in the cached data with ``resumed_req_ids`` and
+``all_token_ids``); this module is where a release that changes them would be keyed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def computed_before(so: Any) -> dict[str, int]:
+    """Per scheduled request, the positions already computed before this step."""
+    computed = {n.req_id: int(n.num_computed_tokens) for n in so.scheduled_new_reqs}
+    cached = so.scheduled_cached_reqs
+    for i, rid in enumerate(cached.req_ids):
+        computed[rid] = int(cached.num_computed_tokens[i])
+    return computed
+
+
+def prompt_length(new: Any) -> int:
+    """A new request's prompt length (``NewRequestData.prompt_len`` is missing on 0.28)."""
+    return len(new.prompt_token_ids or ())
+
+
+def schedule_fields(so: Any) -> dict[str, Any]:
+    """The ``SchedulerOutput`` as plain values, copied the moment it is read."""
+    new_ids = []
+    blocks: dict[str, Any] = {}
+    for new in so.scheduled_new_reqs:
+        new_ids.append(new.req_id)
+        blocks[new.req_id] = tuple(tuple(g) for g in new.block_ids)
+    cached = so.scheduled_cached_reqs
+    out_tokens: dict[str, int] = {}
+    for i, rid in enumerate(cached.req_ids):
+        out_tokens[rid] = cached.num_output_tokens[i]
+        nb = cached.new_block_ids[i]
+        blocks[rid] = None if nb is None else tuple(tuple(g) for g in nb)
+    return {
+        "scheduled_new": new_ids,
+        "scheduled_cached": list(cached.req_ids),
+        "resumed": sorted(cached.resumed_req_ids),
+        "preempted": sorted(so.preempted_req_ids or ()),
+        "finished": sorted(so.finished_req_ids),
+        "total_tokens": so.total_num_scheduled_tokens,
+        "num_scheduled_tokens": dict(so.num_scheduled_tokens),
+        "num_computed_tokens": computed_before(so),
+        "num_output_tokens": out_tokens,
+        "block_ids": blocks,
+    }
+
+
+def finished_ids(so: Any) -> list[str]:
+    """Ids the scheduler tells the worker to forget this step."""
+    return list(so.finished_req_ids)
+
+
+def resumed_all_token_ids(so: Any, request_id: str) -> list[int] | None:
+    """A resumed request's full token list as the scheduler sends it (None if not resumed)."""
+    got = so.scheduled_cached_reqs.all_token_ids.get(request_id)
+    return None if got is None else list(got)
