@@ -195,46 +195,31 @@ def test_payload_critical_path(benchmark, thinker_dir, tmp_path, variant) -> Non
 
 @pytest.mark.parametrize("include_hidden", [False, True], ids=["token_only", "include_hidden"])
 def test_bytes_per_token(benchmark, thinker_dir, include_hidden) -> None:
-    from vllm.config import (
-        CacheConfig,
-        DeviceConfig,
-        ModelConfig,
-        ParallelConfig,
-        SchedulerConfig,
-        VllmConfig,
-    )
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
 
     from omni_runtime.adapters.input import InputAdapter, StageInput
-    from omni_runtime.config import stage_additional_config
+    from omni_runtime.engine import vllm_compat as engine_compat
+    from omni_runtime.engine.config import runtime_vllm_config
 
     stage = _stage(omni_pooler_payload_include_hidden=include_hidden)
-    vc = VllmConfig(
-        model_config=ModelConfig(
-            model=thinker_dir, skip_tokenizer_init=True, max_model_len=256, dtype="float32"
-        ),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=8,
-            max_num_batched_tokens=256,
-            max_model_len=256,
-            enable_chunked_prefill=True,
-            async_scheduling=False,
-            is_encoder_decoder=False,
-            scheduler_cls="omni_runtime.sched.OmniARScheduler",
-        ),
-        cache_config=CacheConfig(block_size=16, enable_prefix_caching=False),
-        parallel_config=ParallelConfig(
-            distributed_executor_backend="uni", worker_cls="omni_runtime.worker.OmniARWorker"
-        ),
-        device_config=DeviceConfig(device="cpu"),
-        additional_config=stage_additional_config(stage),
+    vc = runtime_vllm_config(
+        thinker_dir,
+        max_model_len=256,
+        max_num_seqs=8,
+        max_num_batched_tokens=256,
+        block_size=16,
+        prefix_caching=False,
+        async_scheduling=False,
+        stage=stage,
     )
     ec = EngineCore(vc, executor_class=UniProcExecutor, log_stats=False)
     totals = {"bytes": 0, "tokens": 0}
 
     def run() -> None:
-        adapter = InputAdapter(stage, max_model_len=256, block_hasher=ec.request_block_hasher)
+        adapter = InputAdapter(
+            stage, max_model_len=256, block_hasher=engine_compat.block_hasher(ec)
+        )
         for i in range(8):
             ec.add_request(
                 adapter.build(

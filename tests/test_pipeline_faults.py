@@ -163,7 +163,7 @@ def test_connector_fault_fails_only_its_request(pipeline, edge) -> None:
 def test_worker_fault_fails_only_the_requests_it_touched(pipeline, monkeypatch) -> None:
     p = pipeline
     orch = p.orchestrator
-    worker = orch.engines["talker"].core.model_executor.driver_worker.worker
+    worker = orch.engines["talker"].worker
     real_sample = worker.sample_tokens
 
     def faulty_sample(grammar_output=None):
@@ -281,7 +281,7 @@ def test_fault_before_the_worker_ran_does_not_poison_the_prefix_cache(pipeline, 
     prompt = "poisoned prefix? " * 4  # 68 bytes: four full 16-token blocks
     [clean] = p.generate([prompt], max_text_tokens=4, max_codec_tokens=8)
     assert p.orchestrator.engines["thinker"].scheduler.reset_prefix_cache()
-    worker = p.orchestrator.engines["thinker"].core.model_executor.driver_worker.worker
+    worker = p.orchestrator.engines["thinker"].worker
     real_execute = worker.execute_model
 
     def faulty_execute(so):

@@ -33,20 +33,14 @@ from typing import Any
 import pytest
 import torch
 from vllm import SamplingParams
-from vllm.config import (
-    CacheConfig,
-    DeviceConfig,
-    ModelConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    VllmConfig,
-)
 from vllm.v1.engine.core import EngineCore
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
 from vllm.v1.request import Request
 
 from omni_runtime.adapters.input import InputAdapter, StageInput
-from omni_runtime.config import OmniStageConfig, stage_additional_config
+from omni_runtime.config import OmniStageConfig
+from omni_runtime.engine import vllm_compat as engine_compat
+from omni_runtime.engine.config import runtime_vllm_config
 from omni_runtime.models import load_model, model_dir
 from omni_runtime.payload import StageChunk
 from omni_runtime.worker import OmniARModelRunner
@@ -57,15 +51,6 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 MAX_MODEL_LEN = 128
 MAX_TOKENS = 10
 WORKER = "omni_runtime.worker.OmniARWorker"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _single_torch_thread():
-    """Tiny models on 2 shared cores: one intra-op thread avoids OpenMP spin-wait stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -124,41 +109,22 @@ def make_engine(
     blocks: int | None = None,
     stage: OmniStageConfig | None = None,
 ) -> EngineCore:
-    scheduler_cls = None
-    if stage is not None:
-        scheduler_cls = (
-            "omni_runtime.sched.OmniARAsyncScheduler"
-            if async_
-            else "omni_runtime.sched.OmniARScheduler"
-        )
-    vc = VllmConfig(
-        model_config=ModelConfig(
-            model=model, skip_tokenizer_init=True, max_model_len=MAX_MODEL_LEN, dtype="float32"
-        ),
-        scheduler_config=SchedulerConfig(
-            max_num_seqs=max_seqs,
-            max_num_batched_tokens=budget,
-            max_model_len=MAX_MODEL_LEN,
-            enable_chunked_prefill=True,
-            async_scheduling=async_,
-            is_encoder_decoder=False,
-            scheduler_cls=scheduler_cls,
-        ),
-        cache_config=CacheConfig(
-            block_size=16,
-            enable_prefix_caching=prefix,
-            prefix_caching_hash_algo="sha256",
-            num_gpu_blocks_override=blocks,
-        ),
-        parallel_config=ParallelConfig(distributed_executor_backend="uni", worker_cls=WORKER),
-        device_config=DeviceConfig(device="cpu"),
-        additional_config=stage_additional_config(stage) if stage is not None else {},
+    vc = runtime_vllm_config(
+        model,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=max_seqs,
+        max_num_batched_tokens=budget,
+        block_size=16,
+        num_blocks=blocks,
+        prefix_caching=prefix,
+        async_scheduling=async_,
+        stage=stage,
     )
     return EngineCore(vc, executor_class=UniProcExecutor, log_stats=False)
 
 
 def runner_of(ec: EngineCore) -> OmniARModelRunner:
-    return ec.model_executor.driver_worker.worker.model_runner  # type: ignore[attr-defined]
+    return engine_compat.model_runner(ec)
 
 
 def plain_request(ec: EngineCore, rid: str, prompt: list[int], **sp: Any) -> Request:
@@ -171,7 +137,7 @@ def plain_request(ec: EngineCore, rid: str, prompt: list[int], **sp: Any) -> Req
         sampling_params=params,
         pooling_params=None,
         arrival_time=0.0,
-        block_hasher=ec.request_block_hasher,
+        block_hasher=engine_compat.block_hasher(ec),
     )
 
 
@@ -187,8 +153,8 @@ class Run:
         self.after_step = after_step
 
     def step(self) -> None:
-        outputs, _ = self.ec.step_fn()
-        for req in self.ec.scheduler.requests.values():
+        outputs, _ = engine_compat.step(self.ec)
+        for req in engine_compat.scheduler_requests(self.ec.scheduler).values():
             self.max_preemptions = max(self.max_preemptions, req.num_preemptions)
         for eco in (outputs or {}).values():
             for out in eco.outputs:
@@ -202,7 +168,7 @@ class Run:
             self.after_step()
 
     def busy(self) -> bool:
-        return bool(self.ec.scheduler.has_requests() or self.ec.batch_queue)
+        return bool(self.ec.scheduler.has_requests() or engine_compat.has_queued_steps(self.ec))
 
     def run(self, waves: Iterable[list[Request]], steps_between: int = 3) -> Run:
         for wave in waves:
@@ -269,7 +235,9 @@ def _stage(**kw: Any) -> OmniStageConfig:
 
 
 def _omni_waves(ec: EngineCore, stage: OmniStageConfig, prompts: list[list[int]], **sp: Any):
-    adapter = InputAdapter(stage, max_model_len=MAX_MODEL_LEN, block_hasher=ec.request_block_hasher)
+    adapter = InputAdapter(
+        stage, max_model_len=MAX_MODEL_LEN, block_hasher=engine_compat.block_hasher(ec)
+    )
     params = dict(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True)
     params.update(sp)
     reqs = [
@@ -529,7 +497,7 @@ def test_prompt_embeds_match_token_ids(thinker_dir, hf_reference) -> None:
             sampling_params=SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True),
             pooling_params=None,
             arrival_time=0.0,
-            block_hasher=ec.request_block_hasher,
+            block_hasher=engine_compat.block_hasher(ec),
         )
         tokens = Run(ec).run([[req]]).tokens["e"]
     finally:

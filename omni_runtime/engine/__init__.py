@@ -1,10 +1,13 @@
 """The multi-stage engine: stage engines on vLLM's ``EngineCore``, connectors, orchestrator.
 
-``graph``        — the stage graph file (default ``omni_runtime/configs/default_pipeline.json``).
-``stage``        — ``StageEngine`` (one ``EngineCore`` per AR stage) and ``Code2WavStage``.
-``connectors``   — in-process and cross-process (pipe) chunk connectors.
-``orchestrator`` — routing between stages, request tracking, abort and fault outcomes.
-``pipeline``     — ``OmniPipeline``, the Python API (``generate``, ``stream``).
+``graph``          — the stage graph file (default ``omni_runtime/configs/default_pipeline.json``).
+``config``         — ``EngineOptions`` and the one builder of a runtime ``VllmConfig``.
+``stage``          — ``StageEngine``: one ``EngineCore`` per AR stage.
+``code2wav_stage`` — ``Code2WavStage``: streamed codec chunks to audio.
+``vllm_compat``    — the engine's single seam to vLLM internals.
+``connectors``     — in-process and cross-process (pipe) chunk connectors.
+``orchestrator``   — routing between stages, request tracking, abort and fault outcomes.
+``pipeline``       — ``OmniPipeline``, the Python API (``generate``, ``stream``).
 
 Names are imported lazily so that a connector's spawned relay process (which imports
 ``omni_runtime.engine._relay``) does not pay for torch and vLLM.
@@ -21,8 +24,8 @@ _EXPORTS = {
     "PipelineEvent": "omni_runtime.engine.orchestrator",
     "RequestResult": "omni_runtime.engine.orchestrator",
     "StageEngine": "omni_runtime.engine.stage",
-    "Code2WavStage": "omni_runtime.engine.stage",
-    "EngineOptions": "omni_runtime.engine.stage",
+    "Code2WavStage": "omni_runtime.engine.code2wav_stage",
+    "EngineOptions": "omni_runtime.engine.config",
     "InProcessConnector": "omni_runtime.engine.connectors",
     "PipeConnector": "omni_runtime.engine.connectors",
     "PipelineConfig": "omni_runtime.engine.graph",
@@ -44,11 +47,13 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from omni_runtime.engine.code2wav_stage import Code2WavStage
+    from omni_runtime.engine.config import EngineOptions
     from omni_runtime.engine.connectors import InProcessConnector, PipeConnector
     from omni_runtime.engine.graph import PipelineConfig, load_pipeline_config
     from omni_runtime.engine.orchestrator import Orchestrator, PipelineEvent, RequestResult
     from omni_runtime.engine.pipeline import OmniPipeline
-    from omni_runtime.engine.stage import Code2WavStage, EngineOptions, StageEngine
+    from omni_runtime.engine.stage import StageEngine
 
 
 def __getattr__(name: str) -> Any:

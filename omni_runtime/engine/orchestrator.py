@@ -36,16 +36,11 @@ import torch
 from vllm import SamplingParams
 
 from omni_runtime.adapters.input import RequestRejected, StageInput
+from omni_runtime.engine.code2wav_stage import AudioChunk, Code2WavStage
+from omni_runtime.engine.config import EngineOptions
 from omni_runtime.engine.connectors import Connector, make_connector
 from omni_runtime.engine.graph import ARStageSpec, PipelineConfig
-from omni_runtime.engine.stage import (
-    AudioChunk,
-    Code2WavStage,
-    EngineOptions,
-    StageEngine,
-    StageOutput,
-    talker_start_embeddings,
-)
+from omni_runtime.engine.stage import StageEngine, StageOutput, talker_start_embeddings
 from omni_runtime.payload import StageChunk
 
 ABORT = "abort"

@@ -17,9 +17,9 @@ import torch
 
 from omni_runtime import text as text_codec
 from omni_runtime.config import Materialization
+from omni_runtime.engine.config import EngineOptions
 from omni_runtime.engine.graph import ConnectorKind, PipelineConfig, load_pipeline_config
 from omni_runtime.engine.orchestrator import Orchestrator, PipelineEvent, RequestResult
-from omni_runtime.engine.stage import EngineOptions
 
 Prompt = str | Sequence[int]
 

@@ -1,0 +1,252 @@
+"""The engine's single seam to vLLM internals (written against vLLM 0.33.0).
+
+Every read or write the engine layer makes of an ``EngineCore`` field, of the scheduler's
+private state, of the executor's worker chain or of the batch queue's entry layout lives here,
+so that a vLLM upgrade is reviewed for the engine in this file alone. Other engine modules use
+only vLLM's public surface (``EngineCore.abort_requests`` / ``shutdown``, the scheduler's
+``has_requests`` / ``finish_requests``, ``EngineCoreOutputs``, config classes).
+
+In-flight steps (C-61): ``TrackedEngineCore`` knows which ``SchedulerOutput``s were handed to
+the executor and not yet applied by ``update_from_output``. It learns them through subclasses
+(its executor records each output it is asked to execute; its ``step`` /
+``step_with_batch_queue`` settle the record once a step returns), never by replacing methods
+on a live scheduler, so the scheduler class stays the configured one.
+
+The worker's own seam is ``omni_runtime.worker.vllm_compat``; the two are kept apart (one
+module per layer) because workers must not import engine code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.v1.core.sched.output import SchedulerOutput
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.engine.core import EngineCore
+from vllm.v1.executor.uniproc_executor import UniProcExecutor
+from vllm.v1.outputs import ModelRunnerOutput
+from vllm.v1.request import Request
+
+__all__ = [
+    "TrackedEngineCore",
+    "add_request",
+    "block_hasher",
+    "cached_prompt_tokens",
+    "evict_blocks",
+    "has_queued_steps",
+    "model_runner",
+    "num_free_blocks",
+    "num_queued_steps",
+    "num_waiting",
+    "pending_finished_ids",
+    "request_block_ids",
+    "resend_finished_ids",
+    "running_request_ids",
+    "scheduler_of",
+    "scheduler_requests",
+    "step",
+    "step_outputs",
+    "worker",
+]
+
+
+# ---- in-flight tracking ----------------------------------------------------------------------
+
+
+class _RecordingExecutor(UniProcExecutor):
+    """vLLM's uni executor that remembers every ``SchedulerOutput`` it is asked to execute.
+
+    ``EngineCore.step`` and ``step_with_batch_queue`` call ``execute_model`` right after
+    ``Scheduler.schedule``, so "handed to the executor" is "scheduled". The output is recorded
+    before the call: a worker that raises inline (vLLM 0.33 re-raises a failed non-blocking
+    call at once) still leaves its step on record.
+    """
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        self.handed_out: list[SchedulerOutput] = []
+        super().__init__(vllm_config)
+
+    def execute_model(  # type: ignore[override]
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
+        self.handed_out.append(scheduler_output)
+        return super().execute_model(scheduler_output, non_block)
+
+
+class TrackedEngineCore(EngineCore):
+    """An in-process ``EngineCore`` (uni executor) that tracks its in-flight steps.
+
+    A step is in flight from the moment its ``SchedulerOutput`` reaches the executor until a
+    step call returns without it in the batch queue (vLLM applies a step's output with
+    ``update_from_output`` inside the step call that pops it). When a step call raises, the
+    outputs it was working on are the in-flight ones that are not queued:
+    ``take_failed_steps`` hands them over; the queued ones stay in flight.
+
+    Overrides ``EngineCore.step`` and ``step_with_batch_queue`` (vLLM 0.33 binds one of them to
+    ``step_fn`` in ``__init__``, after our subclass methods exist, so the overrides are used).
+    """
+
+    model_executor: _RecordingExecutor
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        super().__init__(vllm_config, executor_class=_RecordingExecutor, log_stats=False)
+
+    @property
+    def in_flight(self) -> list[SchedulerOutput]:
+        """Scheduled and not yet applied, oldest first (a view; do not mutate)."""
+        return self.model_executor.handed_out
+
+    def step(self) -> tuple[dict[int, EngineCoreOutputs], bool]:
+        result = super().step()
+        self._settle()
+        return result
+
+    def step_with_batch_queue(self) -> tuple[dict[int, EngineCoreOutputs] | None, bool]:
+        result = super().step_with_batch_queue()
+        self._settle()
+        return result
+
+    def take_failed_steps(self) -> list[SchedulerOutput]:
+        """After a step call raised: the in-flight outputs it failed, removed from the record."""
+        queued = {id(so) for so in _queued_scheduler_outputs(self)}
+        record = self.model_executor.handed_out
+        failed = [so for so in record if id(so) not in queued]
+        record[:] = [so for so in record if id(so) in queued]
+        return failed
+
+    def _settle(self) -> None:
+        # A step call that returned applied every output it popped; what is left in flight is
+        # exactly what is still queued (nothing, without a batch queue).
+        queued = {id(so) for so in _queued_scheduler_outputs(self)}
+        record = self.model_executor.handed_out
+        record[:] = [so for so in record if id(so) in queued]
+
+
+# ---- EngineCore fields -----------------------------------------------------------------------
+
+
+def step(core: EngineCore) -> tuple[dict[int, EngineCoreOutputs] | None, bool]:
+    """One engine step: ``EngineCore.step_fn`` (``step``, or ``step_with_batch_queue`` when the
+    engine has a batch queue, i.e. under async scheduling). Returns (outputs, executed)."""
+    return core.step_fn()
+
+
+def _queued_scheduler_outputs(core: EngineCore) -> Iterator[SchedulerOutput]:
+    # ``EngineCore.batch_queue``: None without async scheduling, else a deque of
+    # ``(sample future, SchedulerOutput, execute future)``. Releases up to 0.10 kept a
+    # ``queue.Queue`` of ``(future, SchedulerOutput)`` pairs instead.
+    for entry in core.batch_queue or ():
+        yield entry[1]
+
+
+def has_queued_steps(core: EngineCore) -> bool:
+    """Whether ``EngineCore.batch_queue`` holds steps not yet applied."""
+    return bool(core.batch_queue)
+
+
+def num_queued_steps(core: EngineCore) -> int:
+    """``len(EngineCore.batch_queue)`` (0 without a batch queue)."""
+    return len(core.batch_queue or ())
+
+
+def block_hasher(core: EngineCore) -> Any:
+    """``EngineCore.request_block_hasher``: what a ``Request`` built outside the engine must
+    carry for prefix caching (None when prefix caching is off). Releases before 0.10.2 hashed
+    blocks in the KV cache manager and have no such field."""
+    return core.request_block_hasher
+
+
+def add_request(core: EngineCore, request: Request) -> None:
+    """``EngineCore.add_request(request, request_wave=0)`` with a ready ``Request`` (the
+    ``preprocess_add_request`` path starts from an ``EngineCoreRequest``, which has no room for
+    the omni slot)."""
+    core.add_request(request, request_wave=0)
+
+
+def scheduler_of(core: EngineCore) -> Any:
+    """``EngineCore.scheduler``: the instance of the configured ``scheduler_cls``."""
+    return core.scheduler
+
+
+def worker(core: EngineCore) -> Any:
+    """The worker object of an in-process engine: ``model_executor.driver_worker.worker``
+    (the uni executor's ``WorkerWrapperBase`` and the worker it wraps)."""
+    return core.model_executor.driver_worker.worker  # type: ignore[attr-defined]
+
+
+def model_runner(core: EngineCore) -> Any:
+    """The worker's model runner: ``model_executor.driver_worker.worker.model_runner``."""
+    return worker(core).model_runner
+
+
+def step_outputs(outputs: Mapping[int, EngineCoreOutputs] | None) -> Iterator[EngineCoreOutput]:
+    """Every ``EngineCoreOutput`` of one step's result, client by client."""
+    for eco in (outputs or {}).values():
+        yield from eco.outputs
+
+
+def cached_prompt_tokens(output: EngineCoreOutput) -> int | None:
+    """Prompt tokens the prefix cache served: ``EngineCoreOutput.prefill_stats.num_cached_tokens``
+    (set on a request's first output only). Older releases carried ``num_cached_tokens`` on the
+    output itself."""
+    stats = getattr(output, "prefill_stats", None)
+    return None if stats is None else int(stats.num_cached_tokens)
+
+
+# ---- scheduler internals ---------------------------------------------------------------------
+
+
+def scheduler_requests(scheduler: Any) -> Mapping[str, Request]:
+    """``Scheduler.requests``: the live dict of every request the scheduler holds (the object
+    itself, so a caller may keep it and see later changes)."""
+    return scheduler.requests  # type: ignore[no-any-return]
+
+
+def running_request_ids(scheduler: Any) -> list[str]:
+    """Ids in ``Scheduler.running``, in order."""
+    return [r.request_id for r in scheduler.running]
+
+
+def num_waiting(scheduler: Any) -> int:
+    """``len(Scheduler.waiting)`` (a request queue)."""
+    return len(scheduler.waiting)
+
+
+def pending_finished_ids(scheduler: Any) -> set[str]:
+    """``Scheduler.finished_req_ids``: ids finished since the last ``schedule()``, which the
+    next ``SchedulerOutput`` tells the worker to drop."""
+    return set(scheduler.finished_req_ids)
+
+
+def resend_finished_ids(scheduler: Any, failed_steps: Iterable[SchedulerOutput]) -> None:
+    """Put the ``SchedulerOutput.finished_req_ids`` of steps that may never have reached the
+    worker back into ``Scheduler.finished_req_ids``, so the next step sends them again (the
+    runner drops an unknown id as a no-op)."""
+    for so in failed_steps:
+        scheduler.finished_req_ids.update(so.finished_req_ids)
+
+
+def num_free_blocks(scheduler: Any) -> int:
+    """Free KV blocks: ``Scheduler.kv_cache_manager.block_pool.get_num_free_blocks()``."""
+    return int(scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
+
+
+def request_block_ids(scheduler: Any, request_ids: Iterable[str]) -> set[int]:
+    """Every KV block the requests hold, over all KV cache groups:
+    ``Scheduler.kv_cache_manager.get_block_ids(request_id)``."""
+    kv = scheduler.kv_cache_manager
+    blocks: set[int] = set()
+    for rid in request_ids:
+        for group in kv.get_block_ids(rid):
+            blocks.update(group)
+    return blocks
+
+
+def evict_blocks(scheduler: Any, block_ids: set[int]) -> None:
+    """Drop the blocks' prefix-cache entries: ``KVCacheManager.evict_blocks``. Blocks stay
+    allocated to whoever holds them; they only stop serving prefix hits."""
+    if block_ids:
+        scheduler.kv_cache_manager.evict_blocks(block_ids)
