@@ -377,7 +377,7 @@ def _environment_for(
     env = current_environment(spec) if opts.reuse_current else None
     if env is not None:
         return env, None
-    say(f"[{index}/{total}] building environment {spec.name} ({', '.join(spec.requirements())})")
+    say(f"[{index}/{total}] environment {spec.name} ({', '.join(spec.requirements())}) ...")
     build_log = opts.out / "envs" / f"{spec.name}.log"
     build_log.parent.mkdir(parents=True, exist_ok=True)
     with open(build_log, "w") as bl:
