@@ -9,6 +9,10 @@ workload and checks conservation (C-06) and that no subject state survives its r
 
 Use ``machine_for(recorder, config, ...)`` to get a factory of machines bound to one test's
 recorder and configuration, then ``run_state_machine_as_test`` it.
+
+The workload's constants live here, once, for every user (the scripted workload in
+``conformance.scenarios``, the suite, the tests): ``TIGHT``, the configuration the suite runs
+with; ``PREFIXES``, the shared prompt prefixes; ``STOP_IDS``, the stop tokens requests may use.
 """
 
 from __future__ import annotations
@@ -30,12 +34,8 @@ PREFIXES: dict[str, tuple[int, ...]] = {
 }
 STOP_IDS = (5, 6)
 # The tight budget the suite runs with: 14 blocks of 16 tokens, so preemption and eviction happen.
-TIGHT: dict[str, Any] = {
-    "num_blocks": 14,
-    "max_num_batched_tokens": 48,
-    "max_num_seqs": 6,
-    "max_model_len": 128,
-}
+# Derive variants with ``TIGHT.with_(...)``.
+TIGHT = HarnessConfig(num_blocks=14, max_num_batched_tokens=48, max_num_seqs=6, max_model_len=128)
 PINNED_HASH_SEED = os.environ.get("PYTHONHASHSEED", "random") != "random"
 
 

@@ -7,7 +7,8 @@ block budget, aborts in every state (waiting, running, preempted, finished-but-n
 in flight under async scheduling), stop tokens, EOS, max_tokens, and all three forms of
 ``reset_prefix_cache``. ``session.stats`` says what actually happened.
 
-``TIGHT`` is the configuration it is meant for: few blocks and a small token budget.
+``conformance.machine.TIGHT`` is the configuration it is meant for: few blocks and a small token
+budget; it uses that module's ``PREFIXES`` and ``STOP_IDS``.
 """
 
 from __future__ import annotations
@@ -17,14 +18,8 @@ from typing import Any
 from conformance import vllm_compat as vc
 from conformance.config import HarnessConfig
 from conformance.driver import AsyncDriver
+from conformance.machine import PREFIXES, STOP_IDS
 from conformance.workload import Abort, AddRequest, DeliverChunks, ResetPrefixCache, Step
-
-TIGHT = HarnessConfig(num_blocks=14, max_num_batched_tokens=48, max_num_seqs=6, max_model_len=128)
-PREFIXES: dict[str, tuple[int, ...]] = {
-    "sys": tuple(range(40, 72)),
-    "doc": tuple(range(300, 348)),
-}
-STOP_IDS = (5, 6)
 
 
 class _Script:

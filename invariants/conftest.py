@@ -1,7 +1,8 @@
 """The suite's pytest glue: loads the omni-conformance plugin for ``pytest -m invariants`` even when
 its ``pytest11`` entry point is not installed (a source checkout, or before the first pip
-install); parametrizes ``feature`` with the subject's own features; reports a check whose
-capability the subject does not provide as skipped ("not applicable"), with the reason.
+install); pins torch to one thread; parametrizes ``feature`` with the subject's own features;
+reports a check whose capability the subject does not provide as skipped ("not applicable"),
+with the reason.
 
 ``pytest_addoption`` is a historic hook, so registering the plugin here still gives it its
 command-line options; when the entry point already loaded it, nothing happens.
@@ -10,9 +11,14 @@ command-line options; when the entry point already loaded it, nothing happens.
 import os
 
 import pytest
+import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+
+# Two xdist workers on two cores: torch's default of one thread per core makes each worker's tiny
+# ops wait for the other's (measured: a 2 s property took 100 s).
+torch.set_num_threads(1)
 
 
 def pytest_addoption(parser, pluginmanager):

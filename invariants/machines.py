@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from hypothesis import settings
 from hypothesis.stateful import invariant, run_state_machine_as_test
 
@@ -42,20 +41,14 @@ from invariants.audits import CheckingExecutor, RecordingSink, audit_requests, a
 from invariants.ledger import RequestLedger, hf_problems, ledger_problems
 from invariants.reference import cached
 
-# Two xdist workers on two cores: torch's default of one thread per core makes each worker's tiny
-# ops wait for the other's (measured: a 2 s property took 100 s).
-torch.set_num_threads(1)
-
 
 def harness_config(feature: Feature, *, mode: str, prefix: bool, **over: Any) -> HarnessConfig:
     """The suite's tight configuration with ``feature``'s additional config."""
-    kw: dict[str, Any] = dict(TIGHT)
-    kw.update(over)
-    return HarnessConfig(
+    return TIGHT.with_(
         async_scheduling=mode == "async",
         enable_prefix_caching=prefix,
         additional_config=dict(feature.additional_config),
-        **kw,
+        **over,
     )
 
 

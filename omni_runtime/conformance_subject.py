@@ -380,7 +380,7 @@ class OmniInputAdapterProbe:
         self.rejection = RequestRejected
 
     def scheduler(self) -> Any:
-        cfg = HarnessConfig(additional_config={"omni_stage": talker_stage()}, **TIGHT)
+        cfg = TIGHT.with_(additional_config={"omni_stage": talker_stage()})
         return self.subject.build_scheduler(cfg)
 
     def build(self, scheduler: Any, request_id: str, sampling_params: Any, **fields: Any) -> Any:

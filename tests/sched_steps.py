@@ -1,4 +1,5 @@
-"""A small step loop for scheduler unit tests: the scheduler's own classes, a pure token rule.
+"""A small step loop for scheduler unit tests: the scheduler's own classes, a pure token rule,
+and the talker stage those tests run.
 
 Tokens are a pure function of (request id, position), so two schedulers given the same requests
 produce the same streams whatever their batching; partial prefill chunks sample nothing, as a real
@@ -15,7 +16,17 @@ import torch
 from vllm.v1.core.sched.output import SchedulerOutput
 from vllm.v1.outputs import ModelRunnerOutput
 
+from omni_runtime.config import OmniStageConfig
+from omni_runtime.conformance_subject import STAGES, talker_stage
 from omni_runtime.payload import OmniModelRunnerOutput, StagePayload
+
+__all__ = ["STAGES", "TALKER", "FailMarkedRequests", "run_to_completion", "step", "token_of"]
+
+# The subject's talker stage without its chunk processor (payloads go downstream as they are):
+# the stage the scheduler and input-adapter tests install processors into themselves.
+TALKER = OmniStageConfig.from_dict(
+    talker_stage(chunk_processor=None, omni_pooler_payload_include_hidden=True)
+)
 
 
 def token_of(request_id: str, position: int, vocab: int = 500) -> int:
@@ -73,8 +84,8 @@ def run_to_completion(scheduler, max_steps: int = 500, **kw) -> list:
 class FailMarkedRequests:
     """A chunk processor whose send path breaks for requests whose id contains ``fail``.
 
-    Loaded by dotted path (``sched_steps.FailMarkedRequests``) from a stage config, the way a
-    real processor is, to drive the C-61 fault path through the unmodified runtime.
+    Loaded by dotted path (``tests.sched_steps.FailMarkedRequests``) from a stage config, the way
+    a real processor is, to drive the C-61 fault path through the unmodified runtime.
     """
 
     requires_token_updates = True

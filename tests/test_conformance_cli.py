@@ -9,9 +9,6 @@ against its schema, and the failing trace is saved where ``replay`` finds it.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,43 +20,18 @@ pytestmark = pytest.mark.clauses("C-01", "C-03")
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _check(tmp_path: Path, subject: str) -> tuple[subprocess.CompletedProcess, Path, Path]:
-    report_dir, failures = tmp_path / "report", tmp_path / "failures"
-    env = {**os.environ, "PYTHONHASHSEED": "0", "OMNI_CONFORMANCE_SHRINK_SECONDS": "5"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "conformance.cli",
-            "check",
-            "--subject",
-            subject,
-            "--report-dir",
-            str(report_dir),
-            "--failures-dir",
-            str(failures),
-            "-n",
-            "1",
-            "--profile",
-            "ci",
-            "--tests",
-            "invariants/test_ar_inv_001_lockstep.py",
-            "--",
-            "-x",
-        ],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+def test_check_fails_on_a_broken_subject_and_names_the_first_difference(
+    tmp_path, capsys, run_check
+):
+    run = run_check(
+        tmp_path,
+        "tests.mutants.harness_mutants:forward_free",
+        tests=(str(ROOT / "invariants" / "test_ar_inv_001_lockstep.py"),),
+        pytest_args=("-x",),
+        extra_env={"OMNI_CONFORMANCE_SHRINK_SECONDS": "5"},
     )
-    return proc, report_dir, failures
-
-
-def test_check_fails_on_a_broken_subject_and_names_the_first_difference(tmp_path, capsys):
-    proc, report_dir, failures = _check(tmp_path, "tests.mutants.harness_mutants:forward_free")
-    out = proc.stdout + proc.stderr
-    assert proc.returncode != 0, out[-3000:]
+    report_dir, failures, out = run.report_dir, run.failures_dir, run.output
+    assert run.returncode != 0, out[-3000:]
     assert "first difference" in out and "block_pool.free_order" in out, out[-3000:]
     report = json.loads((report_dir / "compat-report.json").read_text())
     validate(report)

@@ -21,9 +21,10 @@ from conformance.compare import compare, iter_differences
 from conformance.config import HarnessConfig
 from conformance.differences import Registry, validate_entries
 from conformance.lockstep import Lockstep, run_trace, shrink
+from conformance.machine import PREFIXES, TIGHT
 from conformance.observe import observe_schedule
 from conformance.report import ReportBuilder, TestRecord, render_junit, validate, write_report
-from conformance.scenarios import PREFIXES, TIGHT, run_canonical
+from conformance.scenarios import run_canonical
 from conformance.subjects import (
     BaseSubject,
     UpstreamSubject,

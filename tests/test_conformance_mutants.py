@@ -17,8 +17,9 @@ import pytest
 
 from conformance.cli import main
 from conformance.lockstep import Lockstep
+from conformance.machine import PREFIXES, TIGHT
 from conformance.replay import record_failure, replay
-from conformance.scenarios import PREFIXES, TIGHT, run_canonical
+from conformance.scenarios import run_canonical
 from conformance.subjects import UpstreamSubject
 from conformance.workload import Abort, Step, Trace
 from omni_runtime.conformance_subject import OmniSubject

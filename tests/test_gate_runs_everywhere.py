@@ -15,10 +15,6 @@ report would say its clause holds), or a "could not run" that is reported as a p
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,39 +33,14 @@ STATIC_CHECKS = (
 pytestmark = pytest.mark.clauses("C-21")
 
 
-def _check(
-    tmp_path: Path, subject: str, env_path: str | None, *, workers: int = 1, tests: tuple = ()
-) -> tuple[int, dict, str]:
-    """``check`` in a subprocess: ``tests`` (none: the whole installed suite)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "VIRTUAL_ENV"))}
-    env.update(HF_HUB_OFFLINE="1", PYTHONHASHSEED="0")
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")]).strip(
-        os.pathsep
-    )
-    if env_path is not None:
-        env["PATH"] = env_path
-    report_dir = tmp_path / "report"
-    proc = subprocess.run(
-        [sys.executable, "-m", "conformance.cli", "check", "--subject", subject]
-        + ["-n", str(workers), "-q"]
-        + ["--report-dir", str(report_dir), "--failures-dir", str(tmp_path / "failures")]
-        + (["--tests", *tests] if tests else []),
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    report_json = report_dir / "compat-report.json"
-    report = json.loads(report_json.read_text()) if report_json.exists() else {}
-    return proc.returncode, report, proc.stderr
-
-
-def test_every_check_runs_with_an_empty_path(tmp_path):
+@pytest.mark.slow
+def test_every_check_runs_with_an_empty_path(tmp_path, run_check):
     """The whole gate on the project's own runtime with ``PATH`` empty: every test of the suite
     runs (none skipped, none not run) and passes, the static checks included."""
-    rc, report, stderr = _check(tmp_path, "omni", "", workers=2)
-    assert rc == 0, stderr[-2000:]
+    run = run_check(tmp_path, "omni", workers=2, quiet=True, extra_env={"PATH": ""})
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.report is not None, run.tail()
+    report = run.report
     summary = report["summary"]
     assert summary["not_run"] == 0 and summary["not_applicable"] == 0, summary
     assert summary["passed"] == summary["tests"] > 40, summary
@@ -92,18 +63,20 @@ class MissingContracts(BaseSubject):
 """
 
 
-def test_a_promised_check_that_cannot_run_fails_the_gate(tmp_path):
+def test_a_promised_check_that_cannot_run_fails_the_gate(tmp_path, run_check):
     (tmp_path / "missing_contracts.py").write_text(MISSING_CONTRACTS)
-    rc, report, stderr = _check(
+    run = run_check(
         tmp_path,
         "missing_contracts:MissingContracts",
-        None,
+        quiet=True,
         tests=(
             f"{WORKERS}::test_import_contracts_hold",
             f"{ADAPTERS}::test_malformed_inputs_rejected_at_adapter",
         ),
     )
-    assert rc not in (0, 2), stderr[-2000:]
+    report, stderr = run.report, run.stderr
+    assert run.returncode not in (0, 2), stderr[-2000:]
+    assert report is not None, run.tail()
     assert report["status"] == "incomplete"
     (not_run,) = report["not_run"]
     assert not_run["test"].endswith("test_import_contracts_hold")

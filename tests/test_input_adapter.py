@@ -19,9 +19,8 @@ from omni_runtime.adapters import (
 )
 from omni_runtime.config import OmniStageConfig, stage_additional_config
 from omni_runtime.sched import OmniARScheduler
+from tests.sched_steps import TALKER
 
-STAGES = ("thinker", "talker", "code2wav")
-TALKER = OmniStageConfig(stage_id="talker", stages=STAGES, downstream=("code2wav",))
 SP = SamplingParams(max_tokens=4)
 
 

@@ -12,15 +12,9 @@ from conformance.config import HarnessConfig
 from conformance.differences import Registry
 from conformance.lockstep import Lockstep
 from conformance.workload import AddRequest, Step
-from omni_runtime.conformance_subject import OmniSubject
+from omni_runtime.conformance_subject import OmniSubject, talker_stage
 
-STAGE = {
-    "stage_id": "talker",
-    "stages": ["thinker", "talker", "code2wav"],
-    "downstream": ["code2wav"],
-    "chunk_processor": "sched_steps.FailMarkedRequests",
-    "omni_pooler_payload_include_hidden": False,
-}
+STAGE = talker_stage(chunk_processor="tests.sched_steps.FailMarkedRequests")
 
 
 def _run(registry=None, async_scheduling=False):

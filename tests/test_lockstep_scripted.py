@@ -20,7 +20,8 @@ from __future__ import annotations
 import pytest
 
 from conformance.differences import Registry
-from conformance.scenarios import TIGHT, run_canonical
+from conformance.machine import TIGHT
+from conformance.scenarios import run_canonical
 from omni_runtime.conformance_subject import OmniSubject
 
 pytestmark = pytest.mark.clauses("C-01", "C-02", "C-04", "C-05", "C-06", "C-07")

@@ -12,7 +12,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,16 +30,6 @@ from omni_runtime.models import (
 )
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    # These models are tiny: intra-op threads buy nothing, and with pytest-xdist (plus the
-    # child processes below) on 2 cores, OpenMP oversubscription slows ops down ~100x.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -85,7 +74,6 @@ def _child_env(root: Path) -> dict[str, str]:
     env = dict(os.environ)
     env[MODEL_DIR_ENV] = str(root)
     env["HF_HUB_OFFLINE"] = "1"
-    env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     return env
 

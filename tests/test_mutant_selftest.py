@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib.util
 import shutil
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,23 +27,10 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-HERE = Path(__file__).resolve().parent
+from conformance.clauses import unknown
+from tests.mutants import runtime_mutants as CATALOGUE
+
 MAX_SHRUNK_OPS = 12
-
-
-def _load_catalogue() -> Any:
-    # By path: ``tests`` is not a package, and ``tests/mutants`` may or may not have an __init__.
-    spec = importlib.util.spec_from_file_location(
-        "omni_runtime_mutants", HERE / "mutants" / "runtime_mutants.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-CATALOGUE = _load_catalogue()
 
 # Deterministic, bounded: no database, derandomized, short programs so shrinking is quick, and
 # the shrink phase on (the ci profile leaves it out: the self-test reports shrunk lengths).
@@ -230,6 +216,7 @@ def run_mutant(mutant: Any, tmp: Path) -> Verdict:
 _VERDICTS: dict[str, Verdict] = {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [m.name for m in CATALOGUE.MUTANTS])
 def test_mutant_is_killed(name: str, tmp_path: Path) -> None:
     mutant = CATALOGUE.by_name(name)
@@ -260,9 +247,11 @@ def test_mutant_catalogue_covers_every_clause_group() -> None:
     }
     missing = {g: sorted(want - clauses) for g, want in groups.items() if want - clauses}
     assert not missing, f"clauses without a mutant: {missing}"
+    assert not unknown(clauses), f"mutants name clauses nobody defined: {unknown(clauses)}"
     assert len(CATALOGUE.MUTANTS) >= 15
 
 
+@pytest.mark.slow
 def test_mutant_kill_table() -> None:
     """Prints the table (run after the parametrized tests; with xdist, per worker)."""
     if not _VERDICTS:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import msgspec
 import pytest
 import torch
-from sched_steps import hidden_payload, run_to_completion, step, token_of
 from vllm import SamplingParams
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
@@ -19,13 +18,11 @@ from vllm.v1.request import Request, RequestStatus
 
 from conformance.config import HarnessConfig, block_hasher, build_scheduler
 from omni_runtime.adapters import InputAdapter, StageInput
-from omni_runtime.config import OmniStageConfig, stage_additional_config
+from omni_runtime.config import stage_additional_config
 from omni_runtime.payload import OmniEngineCoreOutputs, StagePayload
 from omni_runtime.sched import OmniARAsyncScheduler, OmniARScheduler
 from omni_runtime.sched.processors import CodecTokenStreamer
-
-STAGES = ("thinker", "talker", "code2wav")
-TALKER = OmniStageConfig(stage_id="talker", stages=STAGES, downstream=("code2wav",))
+from tests.sched_steps import TALKER, hidden_payload, run_to_completion, step, token_of
 
 
 def omni_cfg(**kw) -> HarnessConfig:
@@ -195,7 +192,7 @@ def test_abort_in_flight_under_async_scheduling():  # C-04, C-07
     sched = make(OmniARAsyncScheduler, processor=rec, async_scheduling=True)
     add(sched, "a", list(range(10, 30)), max_tokens=20)
     add(sched, "b", list(range(40, 60)), max_tokens=6)
-    from sched_steps import runner_output
+    from tests.sched_steps import runner_output
 
     so1 = sched.schedule()
     out1 = runner_output(sched, so1)

@@ -169,34 +169,16 @@ def _env(tmp_path: Path) -> dict[str, str]:
     }
 
 
-def test_check_refuses_a_patching_subject_in_one_line(planted, tmp_path):
+def test_check_refuses_a_patching_subject_in_one_line(planted, tmp_path, run_check):
     spec = planted(PATCHING_SCHEDULE)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "conformance.cli",
-            "check",
-            "--subject",
-            spec,
-            "--report-dir",
-            str(tmp_path / "report"),
-            "--failures-dir",
-            str(tmp_path / "failures"),
-        ],
-        cwd=tmp_path,
-        env=_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    err = proc.stderr.strip()
-    assert proc.returncode == 2, (proc.stdout[-2000:], err[-3000:])
+    run = run_check(tmp_path, spec, workers=2)
+    err = run.stderr.strip()
+    assert run.returncode == 2, (run.stdout[-2000:], err[-3000:])
     assert len(err.splitlines()) == 1, err[-3000:]
     assert "Traceback" not in err
     assert err.startswith("omni-conformance: error: ") and "Scheduler.schedule replaced" in err
     assert spec in err
-    assert not (tmp_path / "report" / "compat-report.json").exists()  # no suite ran
+    assert run.report is None  # no suite ran
 
 
 def test_the_plugin_ends_the_session_when_the_subject_patches_vllm(planted, tmp_path):

@@ -25,8 +25,9 @@ import pytest
 from conformance.cli import EXIT_ENV, EXIT_NOT_REPRODUCED, EXIT_REPRODUCED, main
 from conformance.config import HarnessConfig
 from conformance.lockstep import Lockstep, run_trace, shrink_seconds
+from conformance.machine import PREFIXES, STOP_IDS, TIGHT
 from conformance.replay import load_trace, record_failure
-from conformance.scenarios import TIGHT, run_canonical
+from conformance.scenarios import run_canonical
 from conformance.vllm_compat import environment_versions
 from conformance.workload import Abort, AddRequest, DeliverChunks, ResetPrefixCache, Step, Trace
 from tests.mutants import harness_mutants as M
@@ -196,8 +197,6 @@ def test_replay_through_a_console_process_reports_a_broken_trace_in_one_line(sav
 
 # ---- shrinking a long random program ----------------------------------------------------
 
-STOP_IDS = (5, 6)
-PREFIXES = {"sys": tuple(range(40, 72)), "doc": tuple(range(300, 348))}
 LONG = 40  # a found failure at least this many operations into the program
 
 
@@ -255,13 +254,7 @@ def test_requeue_at_back_from_a_long_random_program_shrinks_short(
     tmp_path, monkeypatch, mode, resets, bound
 ):
     monkeypatch.delenv("OMNI_CONFORMANCE_SHRINK_SECONDS", raising=False)
-    cfg = HarnessConfig(
-        async_scheduling=mode == "async",
-        num_blocks=14,
-        max_num_batched_tokens=48,
-        max_num_seqs=6,
-        max_model_len=128,
-    )
+    cfg = TIGHT.with_(async_scheduling=mode == "async")
     session = _long_failing_session(cfg, resets=resets)
     assert session.failure is not None and session.failure.path == "queues.waiting"
     found = len(session.trace.ops)

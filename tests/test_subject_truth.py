@@ -22,14 +22,12 @@ from __future__ import annotations
 
 import ast
 import json
-import os
-import subprocess
-import sys
 import textwrap
-import time
-from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / "invariants"
@@ -50,7 +48,6 @@ NOT_APPLICABLE = ("not_applicable", "skipped")
 # What a report says when it lost the reason: not a reason.
 PLACEHOLDER_REASONS = {"", "skipped", "not applicable", "not_applicable"}
 ALLOWED_RUNTIME_MODULES = {"omni_runtime", "omni_runtime.platform"}
-TIMEOUT = 900
 
 
 # ---- what each test of the suite needs ------------------------------------------------------
@@ -142,83 +139,7 @@ def test_needs_are_read_from_the_suite():
     assert lockstep and not any(lockstep), needs
 
 
-# ---- running the gate -----------------------------------------------------------------------
-
-
-def gate_command() -> list[str]:
-    """The installed ``omni-conformance`` script next to this interpreter, else ``-m``."""
-    script = Path(sys.executable).parent / "omni-conformance"
-    if script.is_file() and os.access(script, os.X_OK):
-        return [str(script)]
-    return [sys.executable, "-m", "conformance.cli"]
-
-
-def clean_env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    """This process's environment without the outer pytest's (or a developer's) gate settings."""
-    env = {
-        k: v for k, v in os.environ.items() if not k.startswith(("PYTEST_", "OMNI_CONFORMANCE_"))
-    }
-    env["HF_HUB_OFFLINE"] = "1"
-    env["PYTHONHASHSEED"] = "0"
-    paths = [str(tmp_path), str(ROOT)]
-    if os.environ.get("PYTHONPATH"):
-        paths.append(os.environ["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env.update(extra)
-    return env
-
-
-@dataclass
-class CheckRun:
-    returncode: int
-    output: str
-    report: dict[str, Any] | None
-    seconds: float
-    failures_dir: Path
-
-    def tail(self, n: int = 4000) -> str:
-        return self.output[-n:]
-
-    def records(self) -> list[dict[str, Any]]:
-        assert self.report is not None, f"no compat report written:\n{self.tail()}"
-        return list(self.report["tests"])
-
-
-def run_check(
-    tmp_path: Path, subject: str, *, workers: int = 2, env: dict[str, str] | None = None,
-    pytest_args: tuple[str, ...] = (),
-) -> CheckRun:  # fmt: skip
-    report_dir = tmp_path / "compat-report"
-    failures_dir = tmp_path / "failures"
-    cmd = [
-        *gate_command(),
-        "check",
-        "--subject", subject,
-        "--profile", "ci",
-        "-n", str(workers),
-        "--report-dir", str(report_dir),
-        "--failures-dir", str(failures_dir),
-    ]  # fmt: skip
-    if pytest_args:
-        cmd += ["--", *pytest_args]
-    start = time.monotonic()
-    proc = subprocess.run(
-        cmd,
-        cwd=tmp_path,
-        env=env or clean_env(tmp_path),
-        capture_output=True,
-        text=True,
-        timeout=TIMEOUT,
-    )
-    seconds = time.monotonic() - start
-    report_json = report_dir / "compat-report.json"
-    report = json.loads(report_json.read_text()) if report_json.is_file() else None
-    run = CheckRun(proc.returncode, proc.stdout + proc.stderr, report, seconds, failures_dir)
-    print(f"{subject}: exit {run.returncode} in {seconds:.1f}s; {summary(run)}")
-    return run
-
-
-# ---- reading the report ---------------------------------------------------------------------
+# ---- reading the report (the gate runs through ``tests/conftest.py``'s ``run_check``) ------
 
 
 def node_key(record: dict[str, Any]) -> tuple[str, str]:
@@ -245,7 +166,7 @@ def reason_of(record: dict[str, Any], report: dict[str, Any]) -> str:
     return ""
 
 
-def summary(run: CheckRun) -> str:
+def summary(run: Any) -> str:
     if run.report is None:
         return "no report"
     recs = run.report["tests"]
@@ -258,7 +179,7 @@ def summary(run: CheckRun) -> str:
     )
 
 
-def check_applicability(run: CheckRun, provided: set[str]) -> list[dict[str, Any]]:
+def check_applicability(run: Any, provided: set[str]) -> list[dict[str, Any]]:
     """Every test needing a hook outside ``provided`` is not applicable, with a reason naming
     what is missing; every other not-applicable test has a reason too. Returns the records of
     tests that needed nothing missing (they must have run)."""
@@ -302,9 +223,9 @@ def test_applicability_check_catches_untruthful_reports(tmp_path):
     adapter = next(k for k, v in needs.items() if set(v) == {"input_adapter"})
     plain = next(k for k, v in needs.items() if not v)
 
-    def run_with(*records: dict[str, Any]) -> CheckRun:
+    def run_with(*records: dict[str, Any]) -> SimpleNamespace:
         report = {"tests": list(records), "not_applicable": [], "summary": {}}
-        return CheckRun(0, "", report, 0.0, tmp_path)
+        return SimpleNamespace(report=report, records=lambda: list(records), tail=lambda: "")
 
     def rec(key: tuple[str, str], outcome: str, reason: str | None = None) -> dict[str, Any]:
         return {"nodeid": f"{key[0]}::{key[1]}", "outcome": outcome, "reason": reason}
@@ -404,8 +325,9 @@ def write_module(tmp_path: Path, name: str, *parts: str) -> None:
 # ---- the three runs -------------------------------------------------------------------------
 
 
-def test_upstream_passes_and_reports_what_it_cannot_be_checked_for(tmp_path):
-    run = run_check(tmp_path, "upstream")
+@pytest.mark.slow
+def test_upstream_passes_and_reports_what_it_cannot_be_checked_for(tmp_path, run_check):
+    run = run_check(tmp_path, "upstream", workers=2)
     assert run.returncode == 0, run.tail()
     assert run.report is not None and run.report["status"] == "pass", run.tail()
     assert run.report["subject"] == "upstream"
@@ -419,7 +341,8 @@ def test_upstream_passes_and_reports_what_it_cannot_be_checked_for(tmp_path):
     assert {"test_lockstep_parity", "test_runtime_audit"} <= ran, ran
 
 
-def test_third_party_subject_passes_without_loading_the_runtime(tmp_path):
+@pytest.mark.slow
+def test_third_party_subject_passes_without_loading_the_runtime(tmp_path, run_check):
     record = tmp_path / "runtime-modules.jsonl"
     write_module(tmp_path, "mymod", RECORDER, THIRD_PARTY)
     # ``-p mymod``: the module (and so its exit recorder) is also loaded in every pytest process,
@@ -427,7 +350,8 @@ def test_third_party_subject_passes_without_loading_the_runtime(tmp_path):
     run = run_check(
         tmp_path,
         "mymod:MySubject",
-        env=clean_env(tmp_path, SUBJECT_TRUTH_RECORD=str(record)),
+        workers=2,
+        extra_env={"SUBJECT_TRUTH_RECORD": str(record)},
         pytest_args=("-p", "mymod"),
     )
     assert run.returncode == 0, run.tail()
@@ -450,9 +374,10 @@ def test_third_party_subject_passes_without_loading_the_runtime(tmp_path):
     assert not leaked, f"the gate loaded runtime modules for a foreign subject: {leaked}"
 
 
-def test_planted_queue_bug_fails_only_lockstep_tests(tmp_path):
+@pytest.mark.slow
+def test_planted_queue_bug_fails_only_lockstep_tests(tmp_path, run_check):
     write_module(tmp_path, "brokenmod", BROKEN)
-    run = run_check(tmp_path, "brokenmod:BrokenSubject")
+    run = run_check(tmp_path, "brokenmod:BrokenSubject", workers=2)
     assert run.returncode not in (0, 2), f"exit {run.returncode}\n{run.tail()}"
     assert run.report is not None and run.report["status"] == "fail", run.tail()
     records = run.records()

@@ -47,15 +47,6 @@ from omni_runtime.worker.sampler import Sampler, SamplingState
 MAX_TOKENS = 6
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _single_torch_thread():
-    """Tiny models on 2 shared cores: one intra-op thread avoids OpenMP spin-wait stalls."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def thinker_dir() -> str:
     return str(model_dir("thinker"))
