@@ -22,7 +22,14 @@ Request-state rules (V1 model-runner semantics, see ``vllm_compat.cached_request
 
 Step protocol: ``execute_model`` runs the forward and returns None (or an empty output for an
 empty step); ``sample_tokens`` samples, collects connector output on the calling thread once
-(C-54), and finishes payloads inline or in the background (C-50..C-53).
+(C-54), and finishes payloads inline or in the background (C-50..C-53). In named phases:
+
+1. ``_update_states`` — apply the ``SchedulerOutput``'s request updates;
+2. ``_prepare_inputs`` — fill the persistent buffers, return a ``StepInputs``;
+3. ``_forward`` — embed, run the layers over the paged KV cache, return an ``ExecutedStep``
+   (held until ``sample_tokens``);
+4. ``_sample`` — sample the requests that reached the end of their tokens;
+5. ``_finish_payloads`` — hand the step's rows to the payload builder via the materializer.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -101,9 +108,59 @@ class RequestState:
         return self.token_ids[self.prompt_len :]
 
 
+# ---- what one phase of a step hands to the next ------------------------------------------------
+
+
+class DecodeRow(NamedTuple):
+    """A single-token request of the step: attended in the batched decode group."""
+
+    row: int  # its token's row in the step's flattened inputs
+    context_len: int  # positions it attends to, its own included
+    req_index: int  # request index in scheduler order
+    table: np.ndarray  # its block table
+
+
+class EmbedOverride(NamedTuple):
+    """Prompt-embed rows that replace the token embedding at prompt positions."""
+
+    row: int  # first row in the step's flattened inputs
+    start: int  # first prompt position covered
+    state: RequestState
+    length: int  # number of rows
+
+
+class PrefixMerge(NamedTuple):
+    """A (re)started request whose prefix-cache hit must deliver the cached hidden rows (C-55)."""
+
+    req_index: int  # request index in scheduler order
+    table: np.ndarray  # its block table
+    cached_len: int  # prompt positions the cache served
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """What ``_prepare_inputs`` leaves for ``_forward``.
+
+    The token ids, positions, slot mapping, query starts and per-request counts are in the
+    runner's persistent buffers (rows ``[0, num_tokens)``); this names everything else.
+    """
+
+    req_ids: list[str]
+    num_tokens: int
+    sample_index: list[int]  # request indices that sample this step
+    conditioning_rows: list[int]  # step rows of the prefill conditioning; -1 where none
+    decodes: list[DecodeRow]
+    prefills: list[PrefillItem]
+    embed_overrides: list[EmbedOverride]
+    merges: list[PrefixMerge]
+
+
 @dataclass
 class ExecutedStep:
-    """What ``execute_model`` leaves for ``sample_tokens``; row numbers index ``hidden_buf``."""
+    """What ``execute_model`` leaves for ``sample_tokens``; row numbers index ``hidden_buf``.
+
+    Not frozen: a subclass may rewrite the rows it hands to ``_finish_payloads``.
+    """
 
     req_ids: list[str]
     num_tokens: int
@@ -312,16 +369,47 @@ class OmniARModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
+        """Apply the step's request updates, prepare its inputs and run the forward."""
         if self._pending is not None:
             raise RuntimeError("execute_model called twice without sample_tokens in between")
         self._update_states(so)
         if so.total_num_scheduled_tokens == 0:
             return self._empty_output()
-        self._pending = self._forward(so)
+        self._pending = self._forward(self._prepare_inputs(so))
         return None
 
-    def _forward(self, so: SchedulerOutput) -> ExecutedStep:
-        assert self.kv is not None
+    @torch.inference_mode()
+    def sample_tokens(
+        self, grammar_output: GrammarOutput | None = None
+    ) -> ModelRunnerOutput | BackgroundOutput:
+        """Sample, collect connector output (C-54), then finish payloads inline or in the
+        background (C-50..C-53)."""
+        step, self._pending = self._pending, None
+        if step is None:
+            return self._empty_output()
+        sampled = self._sample(step)
+        connector = self.collect_connector_output()
+        kwargs: dict[str, Any] = dict(
+            req_ids=step.req_ids,
+            req_id_to_index={rid: i for i, rid in enumerate(step.req_ids)},
+            sampled_token_ids=sampled,
+            kv_connector_output=connector,
+        )
+        if self.stage is None:
+            return ModelRunnerOutput(**kwargs)
+        output = OmniModelRunnerOutput(**kwargs)
+        if not self.payloads_enabled:
+            return output
+        return self._finish_payloads(output, step)
+
+    # ---- phase 1: prepare inputs ------------------------------------------------------------
+
+    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+        """Fill the persistent buffers for the step and say how each request is attended.
+
+        Also records, on the request states, that the prefill conditioning is being sent and
+        that a pending prefix merge is being served (both happen once per request).
+        """
         # This list is "the request ids upstream bookkeeping copied": ModelRunnerOutput.req_ids
         # and every payload build reuse it (C-53). Order = scheduler order (C-20).
         req_ids = list(so.num_scheduled_tokens)
@@ -333,10 +421,10 @@ class OmniARModelRunner:
         qs, nsch, ncomp = self.query_start, self.num_scheduled, self.num_computed
         cond_rows: list[int] = []
         sample_index: list[int] = []
-        decodes: list[tuple[int, int, int, np.ndarray]] = []  # (row, ctx len, i, table)
+        decodes: list[DecodeRow] = []
         prefills: list[PrefillItem] = []
-        embed_overrides: list[tuple[int, int, RequestState, int]] = []
-        merges: list[tuple[int, np.ndarray, int]] = []  # (request index, table, cached len)
+        embed_overrides: list[EmbedOverride] = []
+        merges: list[PrefixMerge] = []
         off = 0
         qs[0] = 0
         for i, req_id in enumerate(req_ids):
@@ -355,7 +443,7 @@ class OmniARModelRunner:
             table = st.table()
             self.slot_mapping[off : off + n] = slots_for(table, pos, bs)
             if n == 1:
-                decodes.append((off, end, i, table))
+                decodes.append(DecodeRow(off, end, i, table))
             else:
                 ctx = np.arange(end, dtype=np.int64)
                 allowed = torch.from_numpy(ctx[None, :] <= pos[:, None])
@@ -363,7 +451,7 @@ class OmniARModelRunner:
                     PrefillItem(off, off + n, torch.from_numpy(slots_for(table, ctx, bs)), allowed)
                 )
             if st.prompt_embeds is not None and c < st.prompt_len:
-                embed_overrides.append((off, c, st, min(end, st.prompt_len) - c))
+                embed_overrides.append(EmbedOverride(off, c, st, min(end, st.prompt_len) - c))
             if end >= len(st.token_ids):
                 sample_index.append(i)
             # Prefill conditioning: the row of the prompt's last position, once per request.
@@ -376,26 +464,38 @@ class OmniARModelRunner:
             if st.merge_pending:
                 st.merge_pending = False
                 if c > 0:
-                    merges.append((i, table, c))
+                    merges.append(PrefixMerge(i, table, c))
             qs[i + 1] = off + n
             nsch[i] = n
             ncomp[i] = c
             off += n
+        return StepInputs(
+            req_ids, total, sample_index, cond_rows, decodes, prefills, embed_overrides, merges
+        )
 
+    # ---- phase 2: forward -------------------------------------------------------------------
+
+    def _forward(self, inputs: StepInputs) -> ExecutedStep:
+        """Embed, run the layers over the paged KV cache, keep the hidden rows in
+        ``hidden_buf`` and read the cached prefix rows a merge delivers."""
+        assert self.kv is not None
+        total = inputs.num_tokens
+        bs = self.block_size
         slot_t = torch.from_numpy(self.slot_mapping[:total])
-        decode = self._decode_group(decodes, bs) if decodes else None
+        decode = self._decode_group(inputs.decodes, bs) if inputs.decodes else None
         attn = StepAttention(
             self.kv,
             slot_t,
             decode,
-            prefills,
+            inputs.prefills,
             self.model.num_heads,
             self.model.num_kv_heads,
             self.model.head_dim,
         )
         ids_t = torch.from_numpy(self.input_ids[:total])
         hidden = self.model.embed(ids_t)
-        for row, c, st, m in embed_overrides:
+        for ov in inputs.embed_overrides:
+            st, c, m, row = ov.state, ov.start, ov.length, ov.row
             assert st.prompt_embeds is not None
             src = st.prompt_embeds[c : c + m]
             if st.prompt_is_token_ids is None:
@@ -411,68 +511,62 @@ class OmniARModelRunner:
             self.kv.write_hidden(slot_t, out)
             # Read merged prefix rows only now: a prefix hit may cover blocks that another
             # request of this very step computes (vLLM allows same-step hits).
-            for i, table, c in merges:
-                cached = torch.from_numpy(slots_for(table, np.arange(c, dtype=np.int64), bs))
-                prefix_rows[i] = self.kv.read_hidden(cached)
-        return ExecutedStep(req_ids, total, sample_index, cond_rows, prefix_rows)
+            for merge in inputs.merges:
+                cached = torch.from_numpy(
+                    slots_for(merge.table, np.arange(merge.cached_len, dtype=np.int64), bs)
+                )
+                prefix_rows[merge.req_index] = self.kv.read_hidden(cached)
+        return ExecutedStep(
+            inputs.req_ids, total, inputs.sample_index, inputs.conditioning_rows, prefix_rows
+        )
 
     @staticmethod
-    def _decode_group(decodes: list[tuple[int, int, int, np.ndarray]], bs: int) -> DecodeGroup:
-        lmax = max(d[1] for d in decodes)
+    def _decode_group(decodes: list[DecodeRow], bs: int) -> DecodeGroup:
+        lmax = max(d.context_len for d in decodes)
         ctx = np.arange(lmax, dtype=np.int64)
         slots = np.zeros((len(decodes), lmax), dtype=np.int64)
         valid = np.zeros((len(decodes), lmax), dtype=bool)
-        for r, (_, length, _, table) in enumerate(decodes):
-            slots[r, :length] = slots_for(table, ctx[:length], bs)
-            valid[r, :length] = True
-        rows = torch.tensor([d[0] for d in decodes], dtype=torch.long)
+        for r, d in enumerate(decodes):
+            slots[r, : d.context_len] = slots_for(d.table, ctx[: d.context_len], bs)
+            valid[r, : d.context_len] = True
+        rows = torch.tensor([d.row for d in decodes], dtype=torch.long)
         return DecodeGroup(rows, torch.from_numpy(slots), torch.from_numpy(valid))
 
-    @torch.inference_mode()
-    def sample_tokens(
-        self, grammar_output: GrammarOutput | None = None
-    ) -> ModelRunnerOutput | BackgroundOutput:
-        step, self._pending = self._pending, None
-        if step is None:
-            return self._empty_output()
+    # ---- phase 3: sample --------------------------------------------------------------------
+
+    def _sample(self, step: ExecutedStep) -> list[list[int]]:
+        """Sample the requests whose chunk reached the end of their known tokens, append each
+        token to its request, and return the step's sampled ids in scheduler order."""
         req_ids = step.req_ids
         sampled: list[list[int]] = [[] for _ in req_ids]
-        if step.sample_index:
-            rows = torch.tensor(
-                [int(self.query_start[i + 1]) - 1 for i in step.sample_index], dtype=torch.long
-            )
-            logits = self.model.logits(self.hidden_buf.index_select(0, rows))
-            states = [self.requests[req_ids[i]] for i in step.sample_index]
-            tokens = self.sampler.sample(
-                logits,
-                [s.sampling for s in states],
-                [s.token_ids[: s.prompt_len] for s in states] if self._need_history(states) else [],
-                [s.output_ids for s in states],
-            )
-            for i, st, tok in zip(step.sample_index, states, tokens, strict=True):
-                st.token_ids.append(tok)
-                sampled[i] = [tok]
-        connector = self.collect_connector_output()
-        kwargs: dict[str, Any] = dict(
-            req_ids=req_ids,
-            req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
-            sampled_token_ids=sampled,
-            kv_connector_output=connector,
+        if not step.sample_index:
+            return sampled
+        rows = torch.tensor(
+            [int(self.query_start[i + 1]) - 1 for i in step.sample_index], dtype=torch.long
         )
-        if self.stage is None:
-            return ModelRunnerOutput(**kwargs)
-        output = OmniModelRunnerOutput(**kwargs)
-        if not self.payloads_enabled:
-            return output
-        return self._finish_payloads(output, step)
+        logits = self.model.logits(self.hidden_buf.index_select(0, rows))
+        states = [self.requests[req_ids[i]] for i in step.sample_index]
+        tokens = self.sampler.sample(
+            logits,
+            [s.sampling for s in states],
+            [s.token_ids[: s.prompt_len] for s in states] if self._need_history(states) else [],
+            [s.output_ids for s in states],
+        )
+        for i, st, tok in zip(step.sample_index, states, tokens, strict=True):
+            st.token_ids.append(tok)
+            sampled[i] = [tok]
+        return sampled
 
     @staticmethod
     def _need_history(states: list[RequestState]) -> bool:
         return any(s.sampling.needs_logit_processing for s in states)
 
+    # ---- phase 4: payloads -------------------------------------------------------------------
+
     def _finish_payloads(
         self, output: OmniModelRunnerOutput, step: ExecutedStep
     ) -> OmniModelRunnerOutput | BackgroundOutput:
+        """Hand the step's rows to the payload builder through the materializer (C-50..C-53)."""
         has_cond = any(r >= 0 for r in step.conditioning_rows)
         if not (
             self.include_hidden
