@@ -20,6 +20,7 @@ pytestmark = pytest.mark.clauses("C-01", "C-03")
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_check_fails_on_a_broken_subject_and_names_the_first_difference(
     tmp_path, capsys, run_check
 ):

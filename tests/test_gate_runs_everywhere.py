@@ -63,6 +63,7 @@ class MissingContracts(BaseSubject):
 """
 
 
+@pytest.mark.slow
 def test_a_promised_check_that_cannot_run_fails_the_gate(tmp_path, run_check):
     (tmp_path / "missing_contracts.py").write_text(MISSING_CONTRACTS)
     run = run_check(

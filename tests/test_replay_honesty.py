@@ -240,6 +240,7 @@ def _long_failing_session(cfg: HarnessConfig, *, resets: bool) -> Lockstep:
     raise AssertionError("no long random program caught RequeueAtBack")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "resets", "bound"),
     [

@@ -264,6 +264,7 @@ def test_failure_headline_prefers_the_recorded_first_difference():
     )
 
 
+@pytest.mark.slow
 def test_a_subject_that_cannot_be_loaded_is_one_line_per_test(tmp_path):
     (tmp_path / "test_needs_subject.py").write_text(
         "import pytest\n\n\n"
