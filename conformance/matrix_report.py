@@ -33,7 +33,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -984,28 +984,36 @@ def _md_upstream(report: Mapping[str, Any]) -> list[str]:
     return lines
 
 
-def _md_notes(report: Mapping[str, Any]) -> list[str]:
+def _note_texts(
+    report: Mapping[str, Any], text: Callable[[Any], str], code: Callable[[Any], str]
+) -> list[str]:
+    """The report's notes (duplicate cells, unfinished cells, per-cell notes), each rendered
+    with ``text`` for plain values and ``code`` for paths: Markdown and HTML share them."""
     notes: list[str] = []
     for d in report["duplicates"]:
         others = ", ".join(
-            f"{_md_code(x['path'])} ({x['finished_at'] or 'no finish time'})"
+            f"{code(x['path'])} ({text(x['finished_at'] or 'no finish time')})"
             for x in d["superseded"]
         )
         notes.append(
-            f"- {_md(d['subject'])} on vLLM {_md(d['vllm'])} was found more than once: used "
-            f"{_md_code(d['used']['path'])} (finished {d['used']['finished_at'] or '?'}, the "
+            f"{text(d['subject'])} on vLLM {text(d['vllm'])} was found more than once: used "
+            f"{code(d['used']['path'])} (finished {text(d['used']['finished_at'] or '?')}, the "
             f"newest), not {others}"
         )
     for u in report["unfinished"]:
         notes.append(
-            f"- {_md(u['subject'])} on vLLM {_md(u['vllm'])} has not finished: "
-            f"{_md_code(u['path'])} has no cell.json yet"
+            f"{text(u['subject'])} on vLLM {text(u['vllm'])} has not finished: "
+            f"{code(u['path'])} has no cell.json yet"
         )
     for e in report["cells"]:
-        if e["status"] in ("incomplete",):
+        if e["status"] == "incomplete":
             continue  # already listed with the incomplete cells
-        for n in e["notes"]:
-            notes.append(f"- {_md(e['subject'])} on vLLM {_md(e['vllm'])}: {_md(n)}")
+        notes += [f"{text(e['subject'])} on vLLM {text(e['vllm'])}: {text(n)}" for n in e["notes"]]
+    return notes
+
+
+def _md_notes(report: Mapping[str, Any]) -> list[str]:
+    notes = [f"- {n}" for n in _note_texts(report, _md, _md_code)]
     return ["", "### Notes", "", *notes] if notes else []
 
 
@@ -1331,28 +1339,7 @@ def _html_upstream(report: Mapping[str, Any]) -> list[str]:
 
 
 def _html_notes(report: Mapping[str, Any]) -> list[str]:
-    items: list[str] = []
-    for d in report["duplicates"]:
-        others = ", ".join(
-            f"<code>{_h(x['path'])}</code> ({_h(x['finished_at'] or 'no finish time')})"
-            for x in d["superseded"]
-        )
-        items.append(
-            f"<li>{_h(d['subject'])} on vLLM {_h(d['vllm'])} was found more than once: used "
-            f"<code>{_h(d['used']['path'])}</code> (finished "
-            f"{_h(d['used']['finished_at'] or '?')}, the newest), not {others}</li>"
-        )
-    for u in report["unfinished"]:
-        items.append(
-            f"<li>{_h(u['subject'])} on vLLM {_h(u['vllm'])} has not finished: "
-            f"<code>{_h(u['path'])}</code> has no cell.json yet</li>"
-        )
-    for e in report["cells"]:
-        if e["status"] == "incomplete":
-            continue
-        items += [
-            f"<li>{_h(e['subject'])} on vLLM {_h(e['vllm'])}: {_h(n)}</li>" for n in e["notes"]
-        ]
+    items = [f"<li>{n}</li>" for n in _note_texts(report, _h, lambda t: f"<code>{_h(t)}</code>")]
     return ["<h2>Notes</h2><ul>", *items, "</ul>"] if items else []
 
 
