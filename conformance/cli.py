@@ -426,6 +426,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("subjects", help="list available subjects")
     s.set_defaults(func=cmd_subjects)
+
+    from conformance.upstream_tests import add_subparser as add_upstream_tests
+
+    add_upstream_tests(sub)  # vLLM's own scheduler tests on the subject's classes
     return p
 
 

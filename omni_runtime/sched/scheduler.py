@@ -19,6 +19,7 @@ and ``update_from_output`` is upstream's call alone.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import msgspec
@@ -39,10 +40,19 @@ from omni_runtime.sched.transfer import ChunkTransferAdapter, load_processor
 class OmniARScheduler(Scheduler):
     """vLLM's ``Scheduler`` plus the omni chunk-transfer decision; see the module docstring."""
 
+    # Class-level defaults for what ``__init__`` sets: vLLM's own tests (0.33.0's
+    # ``test_abort_request_when_structured_output_fsm_cannot_advance``) and tools build a
+    # scheduler with ``object.__new__`` and set upstream's attributes by hand. Such a scheduler
+    # has no omni stage, so it must behave as upstream's does, not raise AttributeError.
+    omni_stage: OmniStageConfig | None = None
+    transfer: ChunkTransferAdapter | None = None
+    _in_update: bool = False
+    _last_failed: AbstractSet[str] = frozenset()
+
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.omni_stage: OmniStageConfig | None = OmniStageConfig.from_vllm_config(self.vllm_config)
-        self.transfer: ChunkTransferAdapter | None = None
+        self.omni_stage = OmniStageConfig.from_vllm_config(self.vllm_config)
+        self.transfer = None
         if self.omni_stage is not None and self.omni_stage.has_downstream:
             self.transfer = ChunkTransferAdapter(
                 self.omni_stage.stage_id, load_processor(self.omni_stage.chunk_processor)
@@ -53,7 +63,7 @@ class OmniARScheduler(Scheduler):
         self._in_update = False
         # Ids failed by the send path in the most recent update or finish call: per-step facts
         # for audits (OMNI-ERR-001's condition), never per-request state kept past the step.
-        self._last_failed: set[str] = set()
+        self._last_failed = set()
 
     # ---- request lifecycle -------------------------------------------------------------
 
