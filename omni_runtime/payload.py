@@ -133,7 +133,9 @@ class OmniEngineCoreOutputs(
     outputs: list[OmniEngineCoreOutput] = []  # type: ignore[assignment]
 
 
-def omni_output_from(base: EngineCoreOutput, refs: list[str] | None, eof: bool) -> OmniEngineCoreOutput:
+def omni_output_from(
+    base: EngineCoreOutput, refs: list[str] | None, eof: bool
+) -> OmniEngineCoreOutput:
     """Copy an upstream output into its omni form, field for field."""
     # Positional construction from astuple is the cheap path (C-level) on every chunk step.
     return OmniEngineCoreOutput(*msgspec.structs.astuple(base), refs, eof)  # type: ignore[call-arg]

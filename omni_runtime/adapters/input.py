@@ -191,12 +191,16 @@ class InputAdapter:
                     )
                 if t < 0 or (self.vocab_size is not None and t >= self.vocab_size):
                     raise RequestRejected(
-                        rid, f"prompt_token_ids[{i}]", f"{t} outside vocabulary [0, {self.vocab_size})"
+                        rid,
+                        f"prompt_token_ids[{i}]",
+                        f"{t} outside vocabulary [0, {self.vocab_size})",
                     )
             return out, None, len(out)
         assert embeds is not None
         if not isinstance(embeds, torch.Tensor):
-            raise RequestRejected(rid, "prompt_embeds", f"expected a tensor, got {type(embeds).__name__}")
+            raise RequestRejected(
+                rid, "prompt_embeds", f"expected a tensor, got {type(embeds).__name__}"
+            )
         if embeds.dim() != 2:
             raise RequestRejected(
                 rid, "prompt_embeds", f"expected shape [tokens, hidden], got {tuple(embeds.shape)}"
@@ -223,7 +227,9 @@ class InputAdapter:
         if final is None:
             return stages[-1]
         if final not in stages:
-            raise RequestRejected(rid, "final_stage_id", f"unknown stage {final!r}; known {list(stages)}")
+            raise RequestRejected(
+                rid, "final_stage_id", f"unknown stage {final!r}; known {list(stages)}"
+            )
         if stages.index(final) < stages.index(self.stage.stage_id):
             raise RequestRejected(
                 rid, "final_stage_id", f"{final!r} comes before this stage {self.stage.stage_id!r}"

@@ -25,7 +25,11 @@ class HiddenRowsForwarder:
     def __call__(self, request_id: str, payload: StagePayload | None, is_final: bool) -> Any:
         if payload is None:
             return None
-        return {"hidden": payload.hidden, "conditioning": payload.conditioning, "start": payload.start}
+        return {
+            "hidden": payload.hidden,
+            "conditioning": payload.conditioning,
+            "start": payload.start,
+        }
 
 
 class CodecTokenStreamer:

@@ -70,7 +70,8 @@ def accepts_new_token_ids(processor: ChunkProcessor) -> bool:
     except (TypeError, ValueError):
         return False
     return any(
-        p.name == "new_token_ids" and p.kind is not inspect.Parameter.POSITIONAL_ONLY
+        p.name == "new_token_ids"
+        and p.kind is not inspect.Parameter.POSITIONAL_ONLY
         or p.kind is inspect.Parameter.VAR_KEYWORD
         for p in params
     )
@@ -192,7 +193,9 @@ class ChunkTransferAdapter:
         )
         prog.next_seq += 1
         if payload is not None and payload.hidden is not None:
-            prog.delivered_positions = max(prog.delivered_positions, payload.start + payload.num_tokens)
+            prog.delivered_positions = max(
+                prog.delivered_positions, payload.start + payload.num_tokens
+            )
         if is_final:
             self.progress.pop(request_id, None)
         try:
