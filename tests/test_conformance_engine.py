@@ -35,6 +35,8 @@ def _run_engine(scheduler_cls: str, async_: bool) -> tuple[list, dict]:
     from vllm.v1.executor.uniproc_executor import UniProcExecutor
     from vllm.v1.request import Request
 
+    from omni_runtime.engine import vllm_compat as engine_compat
+
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     cfg = HarnessConfig(
         async_scheduling=async_, num_blocks=12, max_model_len=128, max_num_batched_tokens=64
@@ -69,11 +71,11 @@ def _run_engine(scheduler_cls: str, async_: bool) -> tuple[list, dict]:
             )
         steps: list = []
         for n in range(200):
-            if not engine.scheduler.has_requests() and not engine.batch_queue:
+            if not engine.scheduler.has_requests() and not engine_compat.has_queued_steps(engine):
                 break
             if n == 6:
                 engine.abort_requests(["e5"])
-            out, _ = engine.step_fn()
+            out, _ = engine_compat.step(engine)
             facts["preemptions"] = max(
                 facts["preemptions"],
                 sum(r.num_preemptions for r in engine.scheduler.requests.values()),
