@@ -20,16 +20,12 @@ from vllm.v1.request import Request
 from conformance.config import HarnessConfig, block_hasher, build_scheduler
 from omni_runtime.adapters import InputAdapter, StageInput
 from omni_runtime.config import OmniStageConfig, stage_additional_config
+from omni_runtime.conformance_subject import talker_stage
 from omni_runtime.sched import OmniARScheduler
 
 ROUNDS = 300
-TALKER = OmniStageConfig(
-    stage_id="talker",
-    stages=("thinker", "talker", "code2wav"),
-    downstream=("code2wav",),
-    chunk_processor="omni_runtime.sched.processors.CodecTokenStreamer",
-    omni_pooler_payload_include_hidden=False,
-)
+# The same talker stage the gate's omni subject runs.
+TALKER = OmniStageConfig.from_dict(talker_stage())
 
 
 def _ready(cls, n: int, omni: bool):
