@@ -271,6 +271,9 @@ def build_environment(
     harness_args = ["-e", source] if editable else [source]
     reqs = harness_requirements()
     if uv:
+        # uv makes venvs without pip; upstream-tests fetches vLLM's sdist with the env's pip.
+        reqs.append("pip")
+    if uv:
         pip = [*uv, "pip", "install", "--python", str(py)]
         quiet: list[str] = ["-q"]
     else:
