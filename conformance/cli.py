@@ -179,7 +179,8 @@ def _summary(report: dict[str, Any]) -> str:
         f"omni-conformance check: {report['status'].upper()}  subject={report['subject']}  "
         f"profile={report['profile']}  seed={report['seed']}  "
         f"vLLM {report['environment'].get('vllm')}  torch {report['environment'].get('torch')}  "
-        f"Python {report['environment'].get('python')}",
+        f"Python {report['environment'].get('python')}"
+        + ("  (untested vLLM)" if report["environment"].get("vllm_support") == "untested" else ""),
         counts_line(report["summary"]),
         f"{'invariant':<12} {'status':<14} {'examples':>9} {'steps':>9}  tolerated differences",
     ]

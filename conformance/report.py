@@ -287,7 +287,12 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         f"## omni-conformance: {report['status'].upper()} — subject `{report['subject']}`",
         "",
         f"vLLM {env.get('vllm')} · torch {env.get('torch')} · Python {env.get('python')} · "
-        f"profile `{report['profile']}` · seed `{report['seed']}`",
+        f"profile `{report['profile']}` · seed `{report['seed']}`"
+        + (
+            " · **untested vLLM** (outside the harness's supported releases, run by opt-in)"
+            if env.get("vllm_support") == "untested"
+            else ""
+        ),
         "",
         f"{counts_line(s)} · {s['examples']} examples · {s['steps_compared']} steps compared · "
         f"tolerated: {_tol(s['tolerated'])}",
