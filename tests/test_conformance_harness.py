@@ -391,3 +391,16 @@ def test_paired_fixtures(paired_schedulers, paired_drivers):
     d_up, d_sub = paired_drivers(TIGHT.with_(async_scheduling=True))
     assert d_up.mode == d_sub.mode == "async"
     assert type(d_sub.scheduler).__name__ == "OmniARAsyncScheduler"
+
+
+def test_report_marks_an_untested_vllm():
+    from conformance.report import render_markdown
+
+    env = {"python": "3.11", "vllm": "0.34.0", "torch": "2.14.0", "vllm_support": "untested"}
+    b = ReportBuilder(subject="upstream", profile="ci", seed=0, environment=env)
+    b.add(TestRecord("t::a", "passed", clauses=["C-01"], examples=1, steps_compared=3))
+    report = b.build()
+    validate(report)
+    assert "untested vLLM" in render_markdown(report)
+    supported = b.build() | {"environment": {**env, "vllm_support": "supported"}}
+    assert "untested vLLM" not in render_markdown(supported)
