@@ -43,20 +43,23 @@ def _private_root(models_root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-@pytest.fixture(scope="module")
-def thinker(models_root: Path) -> LlamaLM:
+def _load_from(models_root: Path, name: str) -> torch.nn.Module:
+    """``load_model(name)`` with the private model root (module fixtures cannot monkeypatch)."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv(MODEL_DIR_ENV, str(models_root))
-        m = load_model("thinker")
+        return load_model(name)
+
+
+@pytest.fixture(scope="module")
+def thinker(models_root: Path) -> LlamaLM:
+    m = _load_from(models_root, "thinker")
     assert isinstance(m, LlamaLM)
     return m
 
 
 @pytest.fixture(scope="module")
 def code2wav(models_root: Path) -> Code2Wav:
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv(MODEL_DIR_ENV, str(models_root))
-        m = load_model("code2wav")
+    m = _load_from(models_root, "code2wav")
     assert isinstance(m, Code2Wav)
     return m
 
