@@ -31,6 +31,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
 from conformance.config import HarnessConfig, block_hasher, build_kv_cache_config, build_scheduler
+from conformance.driver import WorkerExecutor
 from omni_runtime.config import OmniStageConfig
 from omni_runtime.models import LlamaLM, LlamaLMConfig, load_model, model_dir
 from omni_runtime.models.llama import init_llama_state_dict
@@ -81,12 +82,7 @@ def _setup(
 
 def _step(sched: Scheduler, runner: OmniARModelRunner) -> None:
     so = sched.schedule()
-    out = runner.execute_model(so)
-    if out is None:
-        out = runner.sample_tokens(None)
-    if isinstance(out, BackgroundOutput):
-        out = out.get_output()
-    sched.update_from_output(so, out)
+    sched.update_from_output(so, WorkerExecutor(runner).execute(so))
 
 
 @pytest.mark.parametrize("n", [1, 8, 32])

@@ -34,6 +34,7 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
 from conformance.config import HarnessConfig, block_hasher, build_kv_cache_config, build_scheduler
+from conformance.driver import WorkerExecutor
 from omni_runtime.adapters.input import InputAdapter, StageInput
 from omni_runtime.adapters.output import PayloadBuilder, PayloadInputs, PayloadPlan
 from omni_runtime.config import OmniStageConfig
@@ -41,7 +42,7 @@ from omni_runtime.models import LlamaLM, load_model, model_dir, reference_attent
 from omni_runtime.payload import OmniModelRunnerOutput, StagePayload
 from omni_runtime.sched import OmniARScheduler
 from omni_runtime.worker import OmniARModelRunner, OmniARWorker
-from omni_runtime.worker.materialize import BackgroundMaterializer, BackgroundOutput
+from omni_runtime.worker.materialize import BackgroundMaterializer
 from omni_runtime.worker.sampler import Sampler, SamplingState
 
 MAX_TOKENS = 6
@@ -144,11 +145,7 @@ def drive(
         if pending and step % stagger == 0:
             sched.add_request(pending.pop(0))
         so = sched.schedule()
-        out = runner.execute_model(so)
-        if out is None:
-            out = runner.sample_tokens(None)
-        if isinstance(out, BackgroundOutput):
-            out = out.get_output()
+        out = WorkerExecutor(runner).execute(so)
         if so.total_num_scheduled_tokens == 0:
             assert out.req_ids == [] and not getattr(out, "omni_payloads", None)
         elif check is not None:
