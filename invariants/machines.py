@@ -300,6 +300,23 @@ def raise_failure(outcome: MachineOutcome, run: MachineRun | None = None) -> Non
     raise outcome.error
 
 
+def lockstep_run(
+    recorder: Any, subject: Any, feature: Feature, name: str, *, mode: str, prefix: bool, **kw: Any
+) -> MachineRun:
+    """The run of a lock-step property of ``feature`` under ``harness_config(feature, ...)``."""
+    cfg = harness_config(feature, mode=mode, prefix=prefix)
+    return MachineRun(recorder, subject, feature, cfg, name, **kw)
+
+
+def check_machine(
+    run: MachineRun,
+    run_settings: settings | None = None,
+    machine: Callable[[MachineRun], InvariantMachine] = InvariantMachine,
+) -> None:
+    """Run the property and raise its failure (``run_machine`` then ``raise_failure``)."""
+    raise_failure(run_machine(run, run_settings, machine), run)
+
+
 # ---- audit failures as replayable traces ---------------------------------------------------
 
 # What ``omni-conformance replay`` imports to re-run an audit trace (see ``replay_audit``).

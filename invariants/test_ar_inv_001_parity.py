@@ -32,8 +32,8 @@ import pytest
 from conformance.capabilities import features_of, require, require_worker
 from conformance.plugin import covers
 from invariants.machines import (
-    MachineRun,
-    harness_config,
+    check_machine,
+    lockstep_run,
     raise_failure,
     run_machine,
     suite_settings,
@@ -54,10 +54,8 @@ CI_EXAMPLES_WORKER = 12
 @pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "noprefix"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_lockstep_parity(request, conformance, conformance_subject, feature, mode, prefix):
-    cfg = harness_config(feature, mode=mode, prefix=prefix)
-    run = MachineRun(
-        conformance, conformance_subject, feature, cfg, f"AR-INV-001-{feature.name}-{mode}-{prefix}"
-    )
+    name = f"AR-INV-001-{feature.name}-{mode}-{prefix}"
+    run = lockstep_run(conformance, conformance_subject, feature, name, mode=mode, prefix=prefix)
     budget = CI_EXAMPLES_WORKER if feature.use_worker else CI_EXAMPLES
     outcome = run_machine(run, suite_settings(budget))
     covers(request.node, run.clauses)
@@ -73,14 +71,14 @@ def test_model_parity_with_reference(conformance, conformance_subject, mode, pre
     features = {f.name: f for f in features_of(conformance_subject, worker=True)}
     # Prefix caching on runs the reference's first feature, off its last.
     feature = features[reference.features[0 if prefix else -1]]
-    cfg = harness_config(feature, mode=mode, prefix=prefix)
-    run = MachineRun(
+    run = lockstep_run(
         conformance,
         conformance_subject,
         feature,
-        cfg,
         f"AR-INV-001-C08-{mode}-{prefix}",
+        mode=mode,
+        prefix=prefix,
         check_reference=True,
     )
     # Shorter runs: the reference recomputes the whole sequence for every token.
-    raise_failure(run_machine(run, suite_settings(5, stateful_step_count=15)), run)
+    check_machine(run, suite_settings(5, stateful_step_count=15))

@@ -42,13 +42,7 @@ from conformance.capabilities import (
     features_of,
     require,
 )
-from invariants.machines import (
-    MachineRun,
-    harness_config,
-    raise_failure,
-    run_machine,
-    suite_settings,
-)
+from invariants.machines import check_machine, lockstep_run, suite_settings
 from invariants.strategies import Malformed, malformed_inputs
 
 pytestmark = [pytest.mark.invariants]
@@ -62,9 +56,10 @@ pytestmark = [pytest.mark.invariants]
 def test_runtime_audit(conformance, conformance_subject, mode):
     require(conformance_subject, "declared_attributes", "declared attributes")
     feature = features_of(conformance_subject, worker=False)[-1]
-    cfg = harness_config(feature, mode=mode, prefix=True)
-    run = MachineRun(conformance, conformance_subject, feature, cfg, f"AR-INV-002-{mode}")
-    raise_failure(run_machine(run, suite_settings(10)), run)
+    run = lockstep_run(
+        conformance, conformance_subject, feature, f"AR-INV-002-{mode}", mode=mode, prefix=True
+    )
+    check_machine(run, suite_settings(10))
 
 
 # ---- malformed inputs ---------------------------------------------------------------------
