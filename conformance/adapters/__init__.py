@@ -1,0 +1,1 @@
+"""Subject adapters for published runtimes the harness checks but does not ship."""

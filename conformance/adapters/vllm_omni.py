@@ -1,0 +1,330 @@
+"""vllm-omni's autoregressive schedulers as a conformance subject (``--subject vllm-omni``).
+
+vllm-omni (PyPI ``vllm-omni``) publishes one release per even vLLM minor, 0.14 to 0.30, each
+targeting the vLLM release of the same number. Its autoregressive (AR) stages run
+``OmniARScheduler`` (sync scheduling) or ``OmniARAsyncScheduler`` (async scheduling), both in
+``vllm_omni.core.sched.omni_ar_scheduler`` and both subclasses of vLLM's ``Scheduler`` /
+``AsyncScheduler``; ``vllm_omni.config.stage_config._resolve_scheduler`` picks one from the
+stage's ``async_scheduling``. This subject checks exactly those two classes, with the harness's
+token source (no worker, no connector).
+
+How they are built here, following vllm-omni's engine for a plain AR text stage:
+
+* configuration: the harness's ``VllmConfig`` (identical to the oracle's) whose ``ModelConfig``
+  becomes vllm-omni's ``OmniModelConfig`` through ``OmniModelConfig.from_vllm_model_config``,
+  which is what ``OmniEngineArgs.create_model_config`` does. The stage fields are those of a
+  single, final, turn-based AR text stage: stage 0, ``model_stage="thinker"``, worker type
+  ``"ar"``, text output, no async chunk, no KV transfer to a next stage, vLLM's v1 model runner.
+  Only fields the installed release defines are passed (0.28 has no ``final_output``,
+  ``use_v2_model_runner`` or ``supports_native_mrv2_data_plane``).
+* requests: ``vllm_omni.request.OmniRequest``, as vllm-omni's ``EngineCore`` builds every
+  request (``Request.from_engine_core_request``, with ``Request`` rebound to ``OmniRequest``),
+  for a text prompt: no prompt embeddings, no additional information, no intermediate buffer,
+  the client's id as ``external_req_id``.
+
+Loading. Importing any module under ``vllm_omni`` first runs ``vllm_omni/__init__.py``, which
+imports ``vllm_omni.patch``: it adds ``WAITING_FOR_CHUNK`` and ``WAITING_FOR_INPUT`` to vLLM's
+``RequestStatus`` and rebinds ``Request``, ``EngineCoreOutput(s)``, ``EngineCoreRequest``,
+``StreamingUpdate``, ``TokensPrompt`` and ``MRotaryEmbedding`` in every loaded ``vllm`` module
+(among them vLLM's scheduler, request, KV-cache and engine modules) to vllm-omni's subclasses.
+The AR scheduler depends on both (it uses the added statuses, and builds its outputs with the
+rebound ``EngineCoreOutput``), and vllm-omni runs it nowhere without them. The factory therefore
+imports the scheduler module itself, as vLLM does when it resolves a stage's ``scheduler_cls``,
+inside the harness's pristine guard, which sees those changes and refuses the subject
+(``conformance.pristine``): the oracle would otherwise be vLLM as vllm-omni patched it. Nothing
+in this module imports ``vllm_omni`` when the module itself is imported, so the matrix can ask
+``vllm_omni_subject.environment_requirements`` where vllm-omni is not installed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from conformance.config import (
+    HarnessConfig,
+    block_hasher,
+    build_kv_cache_config,
+    build_vllm_config,
+)
+from conformance.subjects import (
+    BaseSubject,
+    DifferenceEntry,
+    SubjectUnsupported,
+    make_sampling_params,
+)
+from conformance.vllm_compat.versions import release
+from conformance.workload import AddRequest
+
+DISTRIBUTION = "vllm-omni"
+PACKAGE = "vllm_omni"
+SCHEDULER_MODULE = "vllm_omni.core.sched.omni_ar_scheduler"
+# vllm-omni publishes X.Y.0 for each even vLLM minor in this range (PyPI, checked with
+# ``pip index versions vllm-omni``); 0.30.0 is the newest.
+PUBLISHED_MINORS: tuple[int, ...] = tuple(range(14, 31, 2))
+
+# The stage fields of a single, final, turn-based AR text stage (``OmniModelConfig``).
+TEXT_STAGE: dict[str, Any] = {
+    "stage_id": 0,
+    "model_stage": "thinker",
+    "worker_type": "ar",
+    "engine_output_type": "text",
+    "final_output": True,
+    "async_chunk": False,
+    "session_mode": "turn",
+    "use_v2_model_runner": False,
+    "supports_native_mrv2_data_plane": False,
+    "requires_full_payload_input": False,
+    "omni_kv_config": None,
+}
+
+
+# ---- which release, and whether it can run here ----------------------------------------------
+
+
+def _minor_of(vllm_version: str) -> tuple[int, int]:
+    major, minor, _ = release(vllm_version)
+    return major, minor
+
+
+def requirement_for(vllm_version: str) -> str:
+    """``vllm-omni==X.Y.0`` for vLLM ``X.Y.*``; ``SubjectUnsupported`` where none is published."""
+    major, minor = _minor_of(vllm_version)
+    if major != 0 or minor not in PUBLISHED_MINORS:
+        published = ", ".join(f"0.{m}" for m in PUBLISHED_MINORS)
+        raise SubjectUnsupported(
+            f"vllm-omni publishes no release for vLLM {major}.{minor} "
+            f"(it publishes one for each of vLLM {published})"
+        )
+    return f"{DISTRIBUTION}=={major}.{minor}.0"
+
+
+def environment_requirements(vllm_version: str) -> list[str]:
+    """What a matrix cell on ``vllm_version`` must install besides vLLM and the harness."""
+    return [requirement_for(vllm_version)]
+
+
+def _installed(distribution: str) -> str | None:
+    try:
+        return version(distribution)
+    except PackageNotFoundError:
+        return None
+
+
+def _importable(package: str) -> bool:
+    return importlib.util.find_spec(package) is not None
+
+
+def check_environment() -> str:
+    """The installed vllm-omni version when it matches the installed vLLM minor; otherwise
+    ``SubjectUnsupported`` with one line saying what to install. Imports nothing."""
+    vllm = _installed("vllm")
+    if vllm is None:
+        raise SubjectUnsupported("vLLM is not installed (vllm-omni runs on vLLM)")
+    wanted = requirement_for(vllm)
+    omni = _installed(DISTRIBUTION)
+    if omni is None or not _importable(PACKAGE):
+        raise SubjectUnsupported(
+            f"vllm-omni is not installed: pip install '{wanted}' (the release for vLLM {vllm})"
+        )
+    if _minor_of(omni) != _minor_of(vllm):
+        raise SubjectUnsupported(
+            f"vllm-omni {omni} targets vLLM {'.'.join(map(str, _minor_of(omni)))}, "
+            f"but vLLM {vllm} is installed: pip install '{wanted}'"
+        )
+    return omni
+
+
+# ---- the differences vllm-omni documents -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One behaviour vllm-omni documents as intended, and where it documents it."""
+
+    id: str
+    fields: tuple[str, ...]
+    condition: str
+    applies: Callable[[Mapping[str, Any]], bool]
+    rationale: str
+    # "vllm_omni/path.py:Symbol (what it says)" in the installed vllm-omni; a reference that
+    # ends "[from 0.Y]" holds from vllm-omni 0.Y on.
+    documented_at: tuple[str, ...]
+    tests: tuple[str, ...]
+    clauses: tuple[str, ...]
+
+
+def _absent_upstream(ctx: Mapping[str, Any]) -> bool:
+    return ctx.get("upstream") is None
+
+
+def _omni_output_envelope(ctx: Mapping[str, Any]) -> bool:
+    """The output's class is ``OmniEngineCoreOutput`` where upstream's is its own, or a trailing
+    field of that class that upstream's output does not have carries its generated-token count."""
+    if not _absent_upstream(ctx):
+        return False
+    field = str(ctx.get("path", "")).rsplit(".", 1)[-1]
+    value = ctx.get("subject")
+    if field == "__type__":
+        return value == "OmniEngineCoreOutput"
+    if field == "num_generation_tokens":
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return False
+
+
+def _synthesized_abort(ctx: Mapping[str, Any]) -> bool:
+    """A whole output upstream does not emit: no tokens, finish reason abort, for a request the
+    subject finished outside ``update_from_output`` (an abort) and had not reported yet."""
+    value = ctx.get("subject")
+    path = str(ctx.get("path", ""))
+    rid = ctx.get("request_id")
+    if not _absent_upstream(ctx) or not isinstance(value, Mapping) or rid is None:
+        return False
+    if path != f"outputs.{rid}":
+        return False
+    facts = (ctx.get("subject_state") or {}).get(rid, {})
+    return (
+        bool(facts.get(AWAITING_FINISH_REPORT))
+        and value.get("finish_reason") == "abort"
+        and not value.get("new_token_ids")
+        and value.get("stop_reason") is None
+    )
+
+
+# The fact ``scheduler_facts`` records for requests in the scheduler's unreported finished set.
+AWAITING_FINISH_REPORT = "vllm_omni_awaiting_finish_report"
+SCHED = "vllm_omni/core/sched"
+VO_TEST = "tests/test_vllm_omni_subject.py::test_documented_differences_happen"
+
+DIFFERENCES: tuple[Difference, ...] = (
+    Difference(
+        id="VLLM-OMNI-OUT-001",
+        fields=("outputs.*.__type__", "outputs.*.num_generation_tokens"),
+        condition=(
+            "every output: its class is OmniEngineCoreOutput, and (vllm-omni 0.30) its trailing "
+            "num_generation_tokens (absent upstream) holds a token count"
+        ),
+        applies=_omni_output_envelope,
+        rationale=(
+            "vllm-omni replaces vLLM's EngineCoreOutput with its msgspec subclass "
+            "OmniEngineCoreOutput, whose trailing optional fields carry multimodal outputs, "
+            "serialized pooling payloads, segment ends, streaming prompt lengths and the "
+            "request's generated-token count (added in 0.30) to the orchestrator; the AR "
+            "scheduler builds every request output through one envelope, which in 0.30 fills "
+            "num_generation_tokens. Upstream "
+            "decoders read the leading fields only, which the envelope fills as upstream does."
+        ),
+        documented_at=(
+            "vllm_omni/patch.py (module body: EngineCoreOutput rebound to OmniEngineCoreOutput "
+            "in every loaded vllm module)",
+            "vllm_omni/engine/__init__.py:OmniEngineCoreOutput (a comment per added field)",
+            f"{SCHED}/omni_scheduler_mixin.py:OmniSchedulerMixin._make_omni_engine_output",
+        ),
+        tests=(VO_TEST,),
+        clauses=("C-02",),
+    ),
+    Difference(
+        id="VLLM-OMNI-ABORT-001",
+        fields=("outputs.*",),
+        condition=(
+            "a request finished outside update_from_output (an abort) gets one output with no "
+            "tokens and finish reason abort at the next update"
+        ),
+        applies=_synthesized_abort,
+        rationale=(
+            "The AR scheduler reports every request it finished, including aborted ones, in the "
+            "next EngineCoreOutputs of the request's client, and emits an ABORT output for each "
+            "that got no output of its own in that step (its 'synthetic-abort policy'), so the "
+            "orchestrator sees every stage request end; upstream emits nothing for a request the "
+            "client aborted."
+        ),
+        documented_at=(
+            f"{SCHED}/omni_scheduler_mixin.py:OmniSchedulerMixin._attach_finished_request_sets "
+            "(docstring: AR's synthetic-abort policy)",
+            f"{SCHED}/omni_ar_scheduler.py:OmniARScheduler.update_from_output "
+            "(synthesize_abort_outputs=True)",
+            f"{SCHED}/omni_scheduler_mixin.py:OmniSchedulerMixin._log_failed_chunk_sends "
+            "(docstring: an abort synthesized by finish_requests)",
+            f"{SCHED}/omni_ar_scheduler.py:OmniARScheduler._emit_streaming_context_overflow_outputs"
+            " (docstring: the synthesized FinishReason.ABORT output) [from 0.30]",
+        ),
+        tests=(VO_TEST,),
+        clauses=("C-02",),
+    ),
+)
+
+
+# ---- the subject ------------------------------------------------------------------------------
+
+
+def omni_model_config(model_config: Any) -> Any:
+    """The harness's ``ModelConfig`` as the ``OmniModelConfig`` of a plain AR text stage."""
+    from vllm_omni.config import OmniModelConfig
+
+    known = getattr(OmniModelConfig, "__dataclass_fields__", {})
+    stage = {k: v for k, v in TEXT_STAGE.items() if k in known}
+    return OmniModelConfig.from_vllm_model_config(model_config, **stage)
+
+
+class VllmOmniSubject(BaseSubject):
+    """vllm-omni's ``OmniARScheduler`` / ``OmniARAsyncScheduler`` on a plain AR text stage."""
+
+    name = "vllm-omni"
+    sync_scheduler = f"{SCHEDULER_MODULE}.OmniARScheduler"
+    async_scheduler = f"{SCHEDULER_MODULE}.OmniARAsyncScheduler"
+
+    def __init__(self, omni_version: str) -> None:
+        self.omni_version = omni_version
+
+    def build_scheduler(self, cfg: HarnessConfig) -> Any:
+        from vllm.v1.structured_output import StructuredOutputManager
+
+        vllm_config = build_vllm_config(cfg)
+        vllm_config.model_config = omni_model_config(vllm_config.model_config)
+        return self.scheduler_class(cfg)(
+            vllm_config=vllm_config,
+            kv_cache_config=build_kv_cache_config(cfg),
+            structured_output_manager=StructuredOutputManager(vllm_config),
+            block_size=cfg.block_size,
+            log_stats=False,
+        )
+
+    def make_request(
+        self, op: AddRequest, prompt: list[int], cfg: HarnessConfig, scheduler: Any, arrival: float
+    ) -> Any:
+        from vllm_omni.request import OmniRequest
+
+        return OmniRequest(
+            request_id=op.request_id,
+            external_req_id=op.request_id,
+            prompt_token_ids=prompt,
+            sampling_params=make_sampling_params(op, cfg),
+            pooling_params=None,
+            arrival_time=arrival,
+            block_hasher=block_hasher(cfg.block_size),
+        )
+
+    def differences(self) -> Sequence[DifferenceEntry]:
+        return DIFFERENCES
+
+    def scheduler_facts(self, scheduler: Any) -> dict[str, dict[str, Any]]:
+        # VLLM-OMNI-ABORT-001's condition: ids finished but not yet reported to their client.
+        pending = getattr(scheduler, "finished_req_ids_dict", None) or {}
+        return {rid: {AWAITING_FINISH_REPORT: True} for ids in pending.values() for rid in ids}
+
+    def __repr__(self) -> str:
+        return f"<subject {self.name} (vllm-omni {self.omni_version})>"
+
+
+def vllm_omni_subject() -> VllmOmniSubject:
+    """The subject, after checking the environment; imports vllm-omni's scheduler module (and
+    with it ``vllm_omni.patch``) so that the loader's pristine guard sees what that changes."""
+    omni_version = check_environment()
+    importlib.import_module(SCHEDULER_MODULE)
+    return VllmOmniSubject(omni_version)
+
+
+vllm_omni_subject.environment_requirements = environment_requirements  # type: ignore[attr-defined]

@@ -1,0 +1,492 @@
+"""The ``vllm-omni`` subject (``conformance.adapters.vllm_omni``).
+
+The fast tests run without vllm-omni installed: registration, which vllm-omni release a vLLM
+release needs, the one-line refusals, and the differences registry. The tests marked
+``vllm_omni`` (opt in: ``pytest -m vllm_omni``) run in environments that hold vLLM, vllm-omni and
+this harness: every folder named by ``OMNI_CONFORMANCE_VLLM_OMNI_ENVS`` (``os.pathsep``-separated;
+an environment, or a folder of environments) and every environment under the matrix's
+environment folder (``OMNI_CONFORMANCE_ENVS``) that has vllm-omni installed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conformance.adapters import vllm_omni as adapter
+from conformance.differences import validate_entries
+from conformance.subjects import SubjectUnsupported
+
+PUBLISHED = [f"0.{m}.0" for m in range(14, 31, 2)]
+ENVS_VAR = "OMNI_CONFORMANCE_VLLM_OMNI_ENVS"
+
+# ---- registration and the release mapping -----------------------------------------------------
+
+
+def test_subjects_lists_vllm_omni(capsys):
+    from conformance import cli
+
+    assert cli.main(["subjects"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("vllm-omni"))
+    assert "conformance.adapters.vllm_omni:vllm_omni_subject" in line
+
+
+def test_adapter_module_imports_neither_vllm_nor_vllm_omni():
+    code = (
+        "import sys, conformance.adapters.vllm_omni as m;"
+        "assert callable(m.vllm_omni_subject.environment_requirements);"
+        "print(sorted(n for n in sys.modules if n.split('.')[0] in ('vllm', 'vllm_omni')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("vllm", [*PUBLISHED, "0.30.1", "0.28.0+cpu", "0.22.3rc1"])
+def test_environment_requirements_name_the_release_of_the_same_minor(vllm):
+    minor = ".".join(vllm.split(".")[:2])
+    assert adapter.vllm_omni_subject.environment_requirements(vllm) == [f"vllm-omni=={minor}.0"]
+
+
+@pytest.mark.parametrize("vllm", ["0.29.0", "0.31.0", "0.33.0", "0.12.0", "0.32.1", "1.30.0"])
+def test_environment_requirements_refuse_minors_without_a_release(vllm):
+    with pytest.raises(SubjectUnsupported) as info:
+        adapter.vllm_omni_subject.environment_requirements(vllm)
+    message = str(info.value)
+    minor = ".".join(vllm.split(".")[:2])
+    assert message.startswith(f"vllm-omni publishes no release for vLLM {minor} ")
+    assert "\n" not in message
+
+
+def test_matrix_plans_vllm_omni_cells_from_the_hook():
+    from conformance.matrix import plan_cells
+
+    cells = {c.vllm: c for c in plan_cells(["vllm-omni"], ["0.28.0", "0.29.0", "0.30.0"], {})}
+    assert cells["0.28.0"].extras == ("vllm-omni==0.28.0",)
+    assert cells["0.30.0"].extras == ("vllm-omni==0.30.0",)
+    assert cells["0.28.0"].unsupported is None
+    assert str(cells["0.29.0"].unsupported).startswith("vllm-omni publishes no release for vLLM")
+
+
+# ---- the factory's refusals (no vllm-omni needed) ---------------------------------------------
+
+
+def _fake_installed(monkeypatch, vllm: str | None, omni: str | None, importable: bool) -> None:
+    versions = {"vllm": vllm, "vllm-omni": omni}
+    monkeypatch.setattr(adapter, "_installed", versions.get)
+    monkeypatch.setattr(adapter, "_importable", lambda package: importable)
+
+
+def test_factory_without_vllm_omni_says_what_to_install(monkeypatch):
+    _fake_installed(monkeypatch, "0.30.0", None, False)
+    with pytest.raises(SubjectUnsupported) as info:
+        adapter.vllm_omni_subject()
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("vllm-omni is not installed: pip install 'vllm-omni==0.30.0'")
+
+
+def test_factory_refuses_a_release_for_another_vllm_minor(monkeypatch):
+    _fake_installed(monkeypatch, "0.30.0", "0.28.0", True)
+    with pytest.raises(SubjectUnsupported) as info:
+        adapter.vllm_omni_subject()
+    message = str(info.value)
+    assert "\n" not in message
+    assert "vllm-omni 0.28.0 targets vLLM 0.28" in message
+    assert "vLLM 0.30.0 is installed" in message and "vllm-omni==0.30.0" in message
+
+
+def test_factory_refuses_a_vllm_minor_without_a_release(monkeypatch):
+    _fake_installed(monkeypatch, "0.29.0", "0.28.0", True)
+    with pytest.raises(SubjectUnsupported, match=r"^vllm-omni publishes no release for vLLM 0\.29"):
+        adapter.vllm_omni_subject()
+
+
+@pytest.mark.skipif(
+    adapter._importable("vllm_omni"), reason="vllm-omni is installed in this environment"
+)
+def test_check_is_unsupported_in_one_line_without_vllm_omni(tmp_path):
+    # A subprocess, as a user runs it: stderr is file descriptor 2, all of it.
+    code = (
+        "import sys; from conformance import cli; "
+        f"sys.exit(cli.main(['check', '--subject', 'vllm-omni', '--report-dir', {str(tmp_path)!r}]))"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    err = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert proc.returncode == 4, proc.stderr[-2000:]
+    assert len(err) == 1, err
+    assert err[0].startswith("omni-conformance: unsupported: subject 'vllm-omni' ")
+    assert "vllm-omni" in err[0].partition("does not support this environment: ")[2]
+
+
+# ---- the differences registry -----------------------------------------------------------------
+
+THIS_FILE = Path(__file__).read_text()
+
+
+def test_registry_entries_are_complete():
+    assert validate_entries(adapter.DIFFERENCES) == []
+    assert adapter.VllmOmniSubject("0.30.0").differences() == adapter.DIFFERENCES
+
+
+@pytest.mark.parametrize("entry", adapter.DIFFERENCES, ids=lambda e: e.id)
+def test_registry_entries_say_why_and_where_vllm_omni_documents_it(entry):
+    assert len(entry.rationale.split()) >= 20
+    assert entry.documented_at
+    for ref in entry.documented_at:
+        path, _, rest = ref.partition(" ")[0].partition(":")
+        assert path.startswith("vllm_omni/") and path.endswith(".py"), ref
+        assert rest or "(" in ref, f"{ref}: names no symbol and says nothing of where"
+        assert "[" not in ref or re.search(r" \[from \d+\.\d+\]$", ref), ref
+    # At least one place holds for every release the entry applies to.
+    assert any("[from " not in ref for ref in entry.documented_at)
+    for test in entry.tests:
+        file, _, name = test.partition("::")
+        assert file == "tests/test_vllm_omni_subject.py"
+        assert f"def {name}(" in THIS_FILE, test
+
+
+def _ctx(path: str, upstream, subject, rid: str = "r1", facts: dict | None = None) -> dict:
+    return {
+        "path": path,
+        "upstream": upstream,
+        "subject": subject,
+        "request_id": rid,
+        "subject_state": {rid: facts} if facts is not None else {},
+    }
+
+
+def test_output_envelope_entry_tolerates_only_the_subclass_and_its_count():
+    ok = adapter._omni_output_envelope
+    assert ok(_ctx("outputs.r1.__type__", None, "OmniEngineCoreOutput"))
+    assert ok(_ctx("outputs.r1#2.__type__", None, "OmniEngineCoreOutput"))
+    assert ok(_ctx("outputs.r1.num_generation_tokens", None, 3))
+    assert not ok(_ctx("outputs.r1.__type__", None, "SomethingElse"))
+    assert not ok(_ctx("outputs.r1.__type__", "OtherOutput", "OmniEngineCoreOutput"))
+    assert not ok(_ctx("outputs.r1.num_generation_tokens", None, -1))
+    assert not ok(_ctx("outputs.r1.num_generation_tokens", None, True))
+    assert not ok(_ctx("outputs.r1.new_token_ids", None, (5,)))
+    assert not ok(_ctx("outputs.r1.finish_reason", None, "abort"))
+
+
+def test_abort_entry_tolerates_only_the_synthesized_output_of_an_unreported_finish():
+    ok = adapter._synthesized_abort
+    fact = {adapter.AWAITING_FINISH_REPORT: True}
+    output = {
+        "new_token_ids": (),
+        "finish_reason": "abort",
+        "stop_reason": None,
+        "prefill_stats": None,
+        "__type__": "OmniEngineCoreOutput",
+    }
+    assert ok(_ctx("outputs.r1", None, output, facts=fact))
+    assert not ok(_ctx("outputs.r1", None, output))  # never finished outside a step
+    assert not ok(_ctx("outputs.r1", None, {**output, "new_token_ids": (7,)}, facts=fact))
+    assert not ok(_ctx("outputs.r1", None, {**output, "finish_reason": "stop"}, facts=fact))
+    assert not ok(_ctx("outputs.r1", {"finish_reason": None}, output, facts=fact))
+    assert not ok(_ctx("outputs.r1.finish_reason", "length", "abort", facts=fact))
+
+
+def test_subject_provides_no_capability_beyond_lockstep_parity():
+    subject = adapter.VllmOmniSubject("0.30.0")
+    assert subject.name == "vllm-omni"
+    assert not subject.has_worker()
+    for hook in (
+        "declared_attributes",
+        "chunk_delivery",
+        "source_layout",
+        "input_adapter",
+        "runner_probes",
+        "model_reference",
+    ):
+        assert getattr(subject, hook)() is None, hook
+
+
+# ---- in environments with vllm-omni (opt in: -m vllm_omni) ------------------------------------
+
+
+def _has_vllm_omni(env: Path) -> bool:
+    return (env / "bin" / "python").exists() and any(
+        env.glob("lib/python*/site-packages/vllm_omni")
+    )
+
+
+def vllm_omni_envs() -> list[Path]:
+    from conformance.envs import default_envs_dir
+
+    roots = [Path(p) for p in os.environ.get(ENVS_VAR, "").split(os.pathsep) if p]
+    roots.append(default_envs_dir())
+    found: list[Path] = []
+    for root in roots:
+        for env in (root, *(sorted(root.iterdir()) if root.is_dir() else ())):
+            if env.is_dir() and _has_vllm_omni(env) and env not in found:
+                found.append(env)
+    return found
+
+
+def _env_or_skip() -> list[Path]:
+    envs = vllm_omni_envs()
+    if not envs:
+        pytest.skip(
+            f"no environment with vLLM + vllm-omni + this harness: name one (or a folder of "
+            f"them) in {ENVS_VAR}"
+        )
+    return envs
+
+
+def _run(env: Path, args: list[str], timeout: float) -> subprocess.CompletedProcess[str]:
+    environ = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONHASHSEED": "0",
+        "VLLM_USE_V2_MODEL_RUNNER": "0",
+        "VIRTUAL_ENV": str(env),
+    }
+    return subprocess.run(
+        [str(env / "bin" / "python"), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=environ,
+        cwd=str(env),
+    )
+
+
+def _omni_version(env: Path) -> tuple[int, int]:
+    out = _run(
+        env, ["-c", "from importlib.metadata import version; print(version('vllm-omni'))"], 60
+    )
+    major, minor = re.match(r"(\d+)\.(\d+)", out.stdout.strip()).groups()  # type: ignore[union-attr]
+    return int(major), int(minor)
+
+
+@pytest.mark.vllm_omni
+def test_gate_on_vllm_omni(tmp_path):
+    """The gate's verdict in each environment. vllm-omni up to 0.30 patches vLLM when its
+    scheduler module is imported, so the gate must refuse it with the pristine guard's line."""
+    for env in _env_or_skip():
+        report = tmp_path / env.name
+        proc = _run(
+            env,
+            [
+                "-m",
+                "conformance.cli",
+                "check",
+                "--subject",
+                "vllm-omni",
+                "--report-dir",
+                str(report),
+            ],
+            3600,
+        )
+        last = proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else ""
+        if _omni_version(env) <= (0, 30):
+            assert proc.returncode == 2, (env, proc.returncode, last)
+            assert last.startswith(
+                "omni-conformance: error: subject 'vllm-omni' patched vLLM when loaded: "
+                "RequestStatus.WAITING_FOR_CHUNK added"
+            ), last
+            assert not (report / "compat-report.json").exists()
+        else:  # a release that leaves vLLM alone is checked for real
+            assert proc.returncode in (0, 1), (env, proc.returncode, last)
+            assert (report / "compat-report.json").exists()
+
+
+# Runs one side (argv[1]: "upstream" or "vllm-omni") without the gate: a and b are prefilled,
+# b is aborted, two steps follow; prints each output's class and fields as JSON. For vllm-omni
+# it also checks that every place the registry cites exists in the installed package.
+SIDE = textwrap.dedent(
+    r"""
+    import json, sys
+    from pathlib import Path
+    import vllm.v1.engine as engine
+    from vllm.v1.request import RequestStatus
+    original = engine.EngineCoreOutput  # before vllm_omni rebinds the name
+    from conformance.config import HarnessConfig
+    from conformance.driver import make_driver
+    from conformance.tokens import DeterministicTokenSource
+    from conformance.workload import AddRequest
+    missing = []
+    if sys.argv[1] == "vllm-omni":
+        from conformance.adapters import vllm_omni as adapter
+        subject = adapter.vllm_omni_subject()
+        import vllm_omni
+        import re
+        from importlib.metadata import version
+        root = Path(vllm_omni.__file__).parent.parent
+        installed = tuple(int(x) for x in version("vllm-omni").split(".")[:2])
+        for entry in adapter.DIFFERENCES:
+            for ref in entry.documented_at:
+                since = re.search(r"\[from (\d+)\.(\d+)\]$", ref)
+                if since and installed < (int(since[1]), int(since[2])):
+                    continue
+                path, _, symbol = ref.partition(" ")[0].partition(":")
+                source = root / path
+                text = source.read_text() if source.exists() else ""
+                names = [n for n in symbol.split(".") if n]
+                if not text or not all(
+                    f"class {n}" in text or f"def {n}(" in text for n in names
+                ):
+                    missing.append(ref)
+    else:
+        from conformance.subjects import UpstreamSubject
+        subject = UpstreamSubject()
+    cfg = HarnessConfig(async_scheduling=sys.argv[2] == "async")
+    sched = subject.build_scheduler(cfg)
+    driver = make_driver(sched, DeterministicTokenSource(vocab=512))
+    for rid in ("a", "b"):
+        op = AddRequest(rid, tuple(range(1, 21)), max_tokens=4)
+        sched.add_request(subject.make_request(op, list(op.prompt), cfg, sched, 0.0))
+    steps = []
+    def step():
+        obs = driver.step()
+        outs = []
+        for client in sorted(obs.outputs or {}):
+            for out in obs.outputs[client].outputs:
+                outs.append({
+                    "id": out.request_id,
+                    "upstream_class": type(out) is original,
+                    "class": type(out).__name__,
+                    "tokens": list(out.new_token_ids),
+                    "finish": None if out.finish_reason is None else str(out.finish_reason),
+                    "num_generation_tokens": getattr(out, "num_generation_tokens", None),
+                })
+        steps.append(outs)
+    step(); step()
+    sched.finish_requests(["b"], RequestStatus.FINISHED_ABORTED)
+    step(); step(); step()
+    from vllm.v1.engine import EngineCoreOutput as current  # vllm-omni's class once patched
+    count_field = "num_generation_tokens" in current.__struct_fields__
+    print(json.dumps({"steps": steps, "missing": missing, "count_field": count_field}))
+    """
+)
+
+
+def _side(env: Path, side: str, mode: str) -> dict:
+    proc = _run(env, ["-c", SIDE, side, mode], 1800)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.vllm_omni
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_documented_differences_happen(mode):
+    """Each registry entry describes something vllm-omni really does that upstream does not."""
+    for env in _env_or_skip():
+        up, vo = _side(env, "upstream", mode), _side(env, "vllm-omni", mode)
+        assert vo["missing"] == [], f"registry cites places {env.name} does not have"
+        up_outs = [o for s in up["steps"] for o in s]
+        vo_outs = [o for s in vo["steps"] for o in s]
+        # VLLM-OMNI-OUT-001: every vllm-omni output is the subclass and carries its count.
+        assert up_outs and all(o["upstream_class"] for o in up_outs)
+        assert vo_outs and all(o["class"] == "OmniEngineCoreOutput" for o in vo_outs)
+        counted: dict[str, int] = {}
+        for o in vo_outs:  # the count field exists from vllm-omni 0.30 on
+            counted[o["id"]] = counted.get(o["id"], 0) + len(o["tokens"])
+            if vo["count_field"] and o["finish"] != "abort":
+                assert o["num_generation_tokens"] == counted[o["id"]], o
+            elif not vo["count_field"]:
+                assert o["num_generation_tokens"] is None, o
+        # VLLM-OMNI-ABORT-001: the aborted b gets one ABORT output after the abort, upstream none.
+        aborted = [o for s in vo["steps"][2:] for o in s if o["id"] == "b"]
+        assert [(o["tokens"], o["finish"]) for o in aborted] == [([], "abort")]
+        assert not [o for s in up["steps"][2:] for o in s if o["id"] == "b"]
+
+
+# Records one side (argv[1]) of a saved trace (argv[2]) into a pickle (argv[3]): the snapshot
+# and the subject's facts after every operation. vllm-omni is recorded in its own process (its
+# import rebinds vLLM's output class, so the output observations are taken against the class
+# captured before), upstream in a clean one: together a lock-step against a pristine oracle.
+RECORD = textwrap.dedent(
+    """
+    import pickle, sys
+    import vllm.v1.engine as engine
+    original = engine.EngineCoreOutput
+    side, trace_path, out = sys.argv[1:4]
+    if side == "vllm-omni":
+        from conformance.adapters.vllm_omni import vllm_omni_subject
+        subject = vllm_omni_subject()
+        import conformance.vllm_compat as vc
+        import conformance.vllm_compat.state as state
+        def output_type_name(output):
+            return None if type(output) is original else type(output).__name__
+        state.output_type_name = vc.output_type_name = output_type_name
+        state._BASE_OUTPUT_FIELDS = frozenset(original.__struct_fields__)
+    else:
+        from conformance.subjects import UpstreamSubject
+        subject = UpstreamSubject()
+    from conformance.lockstep import Lockstep
+    from conformance.replay import load_trace
+    trace = load_trace(trace_path)
+    session = Lockstep(trace.config, subject, prefixes=trace.prefixes, oracle=subject)
+    snaps = []
+    apply_side = session._apply
+    def recording(side_, op, arrival):
+        snap = apply_side(side_, op, arrival)
+        if side_ is session.sub:
+            snaps.append(snap)
+        return snap
+    session._apply = recording
+    records = []
+    for op in trace.ops:
+        session.apply(op)
+        facts = pickle.loads(pickle.dumps(session.facts))
+        records.append({"snap": snaps[-1], "facts": facts, "op": op.describe()})
+    with open(out, "wb") as f:
+        pickle.dump({"config": trace.config.to_dict(), "mode": session.mode, "records": records}, f)
+    """
+)
+
+# Compares the two recordings (argv[1] upstream, argv[2] vllm-omni) with the registry; prints
+# the first untolerated difference as JSON (null when there is none).
+COMPARE = textwrap.dedent(
+    """
+    import json, pickle, sys
+    from conformance.adapters.vllm_omni import DIFFERENCES
+    from conformance.compare import compare
+    from conformance.differences import Registry
+    up, vo = (pickle.load(open(p, "rb")) for p in sys.argv[1:3])
+    registry = Registry(DIFFERENCES)
+    found = None
+    for i, (u, v) in enumerate(zip(up["records"], vo["records"])):
+        ctx = {"config": up["config"], "subject_state": v["facts"], "step": i, "op": u["op"],
+               "mode": up["mode"]}
+        result = compare(u["snap"], v["snap"], registry, ctx)
+        if result.failure is not None:
+            found = result.failure.to_dict()
+            break
+    print(json.dumps(found))
+    """
+)
+TRACES = sorted((Path(__file__).parent / "data" / "vllm_omni").glob("*.json"))
+
+
+@pytest.mark.vllm_omni
+@pytest.mark.parametrize("trace", TRACES, ids=lambda p: p.stem)
+def test_saved_traces_reproduce_against_a_pristine_oracle(trace, tmp_path):
+    """Each saved divergence: clean on upstream through the gate's replay (exit 3), and the
+    recorded first difference when vllm-omni and a pristine upstream are recorded apart."""
+    recorded = json.loads(trace.read_text())["meta"]["first_difference"]
+    for env in _env_or_skip():
+        replay = _run(
+            env, ["-m", "conformance.cli", "replay", str(trace), "--subject", "upstream"], 1800
+        )
+        assert replay.returncode == 3, replay.stdout[-2000:] + replay.stderr[-2000:]
+        pickles = []
+        for side in ("upstream", "vllm-omni"):
+            out = tmp_path / f"{env.name}-{side}.pkl"
+            proc = _run(env, ["-c", RECORD, side, str(trace), str(out)], 1800)
+            assert proc.returncode == 0, proc.stderr[-2000:]
+            pickles.append(str(out))
+        proc = _run(env, ["-c", COMPARE, *pickles], 600)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        found = json.loads(proc.stdout.strip().splitlines()[-1])
+        assert found is not None, f"{trace.name} no longer diverges on {env.name}"
+        keys = ("step", "path", "upstream", "subject")
+        assert {k: found[k] for k in keys} == {k: recorded[k] for k in keys}, env.name
