@@ -125,8 +125,13 @@ class ByRelease(Generic[T]):
         return value
 
     def value(self) -> T:
-        """The value for the installed vLLM (an untested newer release takes the newest)."""
-        return self.at(installed_release())
+        """The value for the installed vLLM (an untested newer release takes the newest).
+
+        Read on every observed step, so it is resolved once per process (the installed
+        release cannot change under a running harness)."""
+        if not hasattr(self, "_installed"):
+            self._installed = self.at(installed_release())
+        return self._installed
 
     def describe(self) -> list[str]:
         return [f"{self.name}: {c.since}: {c.what}" for c in self.changes]
