@@ -4,7 +4,8 @@
 Modules, one concept each: ``config`` (harness configuration, scheduler construction),
 ``subjects`` (the ``Subject`` protocol and registry), ``capabilities`` (what a subject declares
 beyond parity: attributes, chunk delivery, source layout, input adapter, runner probes, model
-reference), ``pristine`` (refusing subjects that patch vLLM), ``workload`` (operations and traces),
+reference), ``pristine`` (noticing subjects that patch vLLM), ``oracle_process`` (upstream in
+its own process for them), ``workload`` (operations and traces),
 ``tokens`` / ``token_worker`` (deterministic token source and engine worker), ``driver`` (sync and
 batch-queue drivers), ``observe`` (snapshots), ``vllm_compat`` (every read of vLLM internals),
 ``compare`` / ``differences`` (first difference, registry tolerance), ``lockstep`` (sessions,

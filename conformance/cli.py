@@ -1,7 +1,7 @@
 """``omni-conformance``: the CI gate and its tools.
 
-``check``     loads the subject (refusing one that patches vLLM when loaded, see
-              ``conformance.pristine``), then runs ``pytest -m invariants`` on the installed
+``check``     loads the subject (one that patches vLLM when loaded gets an oracle in its own
+              process, see ``conformance.pristine``), then runs ``pytest -m invariants`` on the installed
               ``invariants`` suite with the plugin, against the installed vLLM and that subject;
               shows pytest's progress, prints a summary (tests ran, passed, failed, not
               applicable; a table per invariant; the first difference of each violation), writes
@@ -117,22 +117,19 @@ def _held_stderr() -> Iterator[bytearray]:
 
 
 def _load_subject(spec: str) -> tuple[Any, str | None]:
-    """(subject, None), or (None, a one-line problem) when it cannot be loaded or patches vLLM.
+    """(subject, None), or (None, a one-line problem) when it cannot be loaded.
 
     Import-time library warnings are passed on when the subject loads, and dropped when it does
-    not: the problem is then the one line an environment error promises.
+    not: the problem is then the one line an environment error promises. A subject that patches
+    vLLM loads; the oracle then runs in its own process (``conformance.pristine``).
     """
-    from conformance.pristine import VllmPatched, guard_load
     from conformance.subjects import SubjectUnsupported, load_subject
 
     subject: Any = None
     problem: str | None = None
     with _held_stderr() as held:
         try:
-            with guard_load(spec):
-                subject = load_subject(spec)
-        except VllmPatched as exc:
-            problem = str(exc)
+            subject = load_subject(spec)
         except SubjectUnsupported as exc:
             problem = Unsupported(f"subject {spec!r} does not support this environment: {exc}")
         except (LookupError, ImportError, AttributeError, TypeError, SyntaxError) as exc:
@@ -142,6 +139,20 @@ def _load_subject(spec: str) -> tuple[Any, str | None]:
         sys.stderr.flush()
         os.write(2, bytes(held))
     return subject, problem
+
+
+ORACLE_CHOICES = ("auto", "process")
+
+
+def _place_oracle(choice: str) -> None:
+    """Apply ``--oracle`` and say, in one line, when upstream runs in its own process."""
+    from conformance.pristine import isolate_oracle, oracle_placement
+
+    if choice == "process":
+        isolate_oracle("requested by --oracle process")
+    placement = oracle_placement()
+    if placement.isolated:
+        print(f"oracle: upstream vLLM runs {placement.describe()}", flush=True)
 
 
 def _plugin_installed() -> bool:
@@ -164,6 +175,7 @@ def pytest_command(args: argparse.Namespace) -> list[str]:
     cmd += ["--conformance-subject", args.subject, "--conformance-profile", args.profile]
     cmd += ["--conformance-report-dir", str(args.report_dir)]
     cmd += ["--conformance-failures-dir", str(args.failures_dir)]
+    cmd += ["--conformance-oracle", args.oracle]
     cmd += ["-o", "addopts=", "-rfE", "-v" if not args.quiet else "-q"]
     if args.workers and args.workers > 1 and _has_xdist():
         cmd += ["-n", str(args.workers)]
@@ -181,6 +193,7 @@ def _summary(report: dict[str, Any]) -> str:
         f"vLLM {report['environment'].get('vllm')}  torch {report['environment'].get('torch')}  "
         f"Python {report['environment'].get('python')}"
         + ("  (untested vLLM)" if report["environment"].get("vllm_support") == "untested" else ""),
+        f"oracle: {report['environment'].get('oracle', 'in-process')}",
         counts_line(report["summary"]),
         f"{'invariant':<12} {'status':<14} {'examples':>9} {'steps':>9}  tolerated differences",
     ]
@@ -222,6 +235,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     _, problem = _load_subject(args.subject)  # here, so a broken subject is one line, not a run
     if problem:
         return _fail_env(problem)
+    _place_oracle(args.oracle)
     report_dir = Path(args.report_dir)
     report_json = report_dir / "compat-report.json"
     if report_json.exists():
@@ -280,6 +294,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     subject, problem = _load_subject(spec)
     if problem:
         return _fail_env(problem)
+    _place_oracle(args.oracle)
     if trace.meta.get("kind") == "audit":
         return _replay_audit(trace, subject, spec)
     outcome = replay_trace(trace, subject, spec)
@@ -396,6 +411,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="run on a vLLM release outside the supported range; the report says 'untested vLLM'",
     )
+    c.add_argument(
+        "--oracle",
+        choices=ORACLE_CHOICES,
+        default="auto",
+        help="where upstream vLLM runs: auto (in this process, or in its own process when "
+        "loading the subject patched vLLM), or process (always its own process)",
+    )
     c.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers (2 cores)")
     c.add_argument("-q", "--quiet", action="store_true", help="pytest's quiet progress")
     c.add_argument(
@@ -410,6 +432,12 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("replay", help="re-run a saved failure trace")
     r.add_argument("trace")
     r.add_argument("--subject", default=None, help="override the subject recorded in the trace")
+    r.add_argument(
+        "--oracle",
+        choices=ORACLE_CHOICES,
+        default="auto",
+        help="where upstream vLLM runs (as for check)",
+    )
     r.set_defaults(func=cmd_replay)
 
     rp = sub.add_parser("report", help="re-render Markdown and JUnit from a report's JSON")

@@ -20,14 +20,16 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conformance import vllm_compat as vc
+from conformance.capabilities import NotApplicable
 from conformance.compare import Comparison, FieldDifference, compare
 from conformance.config import HarnessConfig
 from conformance.differences import Registry
 from conformance.driver import AsyncDriver, Executor, SyncDriver, WorkerExecutor, make_driver
 from conformance.observe import observe_outputs, observe_state
+from conformance.pristine import oracle_placement
 from conformance.subjects import Subject, UpstreamSubject
 from conformance.tokens import DeterministicTokenSource
 from conformance.workload import (
@@ -40,6 +42,9 @@ from conformance.workload import (
     Trace,
 )
 
+if TYPE_CHECKING:
+    from conformance.oracle_process import ProcessSide
+
 
 class SubjectBroken(AssertionError):
     """Raised by ``Lockstep.check`` for the first untolerated difference."""
@@ -51,14 +56,97 @@ class SubjectBroken(AssertionError):
 
 @dataclass
 class Side:
+    """One side of a session in this process: a subject's scheduler, driver and executor.
+
+    ``apply`` runs one operation and returns the snapshot; the remaining methods answer what the
+    session asks of a side between operations. ``conformance.oracle_process.ProcessSide`` answers
+    the same questions for an oracle that runs in another process.
+    """
+
     subject: Subject
     scheduler: Any
     driver: SyncDriver | AsyncDriver
     executor: Executor
     chunks: list[Any] = field(default_factory=list)
+    # The state each id of the last ``Abort`` was in just before it applied (``abort_state``).
+    last_abort_states: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def mode(self) -> str:
+        return self.driver.mode
+
+    def apply(self, op: Op, prompt: list[int] | None, cfg: HarnessConfig, arrival: float) -> dict:
+        sched = self.scheduler
+        extra: dict[str, Any] = {}
+        if isinstance(op, Abort):
+            self.last_abort_states = {rid: self.abort_state(rid) for rid in op.request_ids}
+        try:
+            if isinstance(op, Step):
+                obs = self.driver.step()
+                extra["sched_out"] = obs.scheduled
+                extra["outputs"] = observe_outputs(obs.outputs)
+                extra["updated"] = obs.updated
+            elif isinstance(op, AddRequest):
+                assert prompt is not None
+                request = self.subject.make_request(op, prompt, cfg, sched, arrival)
+                sched.add_request(request)
+            elif isinstance(op, Abort):
+                from vllm.v1.request import RequestStatus
+
+                sched.finish_requests(list(op.request_ids), RequestStatus.FINISHED_ABORTED)
+            elif isinstance(op, ResetPrefixCache):
+                extra["result"] = sched.reset_prefix_cache(
+                    op.reset_running_requests, op.reset_connector
+                )
+            elif isinstance(op, DeliverChunks):
+                self.chunks.extend(self.subject.drain_chunks(sched))
+            else:  # pragma: no cover - the Op union is closed
+                raise TypeError(f"unknown op {op!r}")
+        except Exception as exc:  # a crash is an observable difference, not a harness error
+            extra["exception"] = f"{type(exc).__name__}: {exc}"[:300]
+        snap = observe_state(sched, self.subject)
+        snap.update(extra)
+        return snap
+
+    def abort_state(self, rid: str) -> str:
+        """Which state an abort of ``rid`` meets: waiting, running, in flight (async, a step
+        of it queued), preempted, finished but unreported, or unknown."""
+        sched = self.scheduler
+        req = sched.requests.get(rid)
+        if req is None:
+            return "finished_unreported" if rid in vc.finished_unreported(sched) else "unknown"
+        if vc.is_finished(req):
+            return "finished_unreported"
+        status = vc.status_name(req)
+        if status == "PREEMPTED":
+            return "preempted"
+        if status == "RUNNING":
+            queued = isinstance(self.driver, AsyncDriver) and any(
+                rid in so.num_scheduled_tokens for so, _ in self.driver.queue
+            )
+            return "in_flight" if queued else "running"
+        return "waiting"
+
+    def live_ids(self) -> list[str]:
+        return list(self.scheduler.requests)
+
+    def busy(self) -> bool:
+        """Requests held or a step in flight: the session's drain keeps stepping."""
+        return bool(self.scheduler.has_requests() or self.driver.in_flight())
+
+    def free_blocks(self) -> int:
+        return vc.num_free_blocks(vc.block_pool(self.scheduler))
+
+    def omni_ids(self) -> set[str]:
+        return set(self.subject.live_omni_ids(self.scheduler))
+
+    def close(self) -> None:
+        """Nothing to release in this process."""
 
 
-def _make_side(subject: Subject, cfg: HarnessConfig, worker: Subject | None) -> Side:
+def make_side(subject: Subject, cfg: HarnessConfig, worker: Subject | None) -> Side:
+    """A side for ``subject``: its scheduler, and ``worker``'s real worker when given, else the
+    harness's deterministic token source."""
     scheduler = subject.build_scheduler(cfg)
     executor: Executor
     if worker is not None:
@@ -85,11 +173,11 @@ class Lockstep:
         self.config = config
         self.subject = subject
         worker_src = subject if use_worker else None
-        self.up = _make_side(oracle or UpstreamSubject(), config, worker_src)
-        self.sub = _make_side(subject, config, worker_src)
+        self.up: Side | ProcessSide = self._make_oracle(oracle, config, worker_src)
+        self.sub = make_side(subject, config, worker_src)
         self.registry = registry if registry is not None else Registry(subject.differences())
         self.trace = Trace(config=config, prefixes=dict(prefixes or {}))
-        self.mode = self.up.driver.mode
+        self.mode = self.up.mode
         self.facts: dict[str, dict[str, Any]] = {}
         self.stats: Counter[str] = Counter()
         self.tolerated: Counter[str] = Counter()
@@ -98,7 +186,26 @@ class Lockstep:
         self._cfg_dict = config.to_dict()
         self._arrivals = 0
         self._last_up: dict[str, Any] | None = None
-        self.initial_free = vc.num_free_blocks(vc.block_pool(self.up.scheduler))
+        self.initial_free = self.up.free_blocks()
+
+    @staticmethod
+    def _make_oracle(
+        oracle: Subject | None, config: HarnessConfig, worker: Subject | None
+    ) -> Side | ProcessSide:
+        """Upstream in this process while this process's vLLM is pristine, else in its own."""
+        placement = oracle_placement()
+        if not placement.isolated:
+            return make_side(oracle or UpstreamSubject(), config, worker)
+        if oracle is not None and not isinstance(oracle, UpstreamSubject):
+            raise ValueError(f"an oracle other than upstream cannot run {placement.describe()}")
+        if worker is not None:
+            raise NotApplicable(
+                "the real-worker mode runs the subject's worker on both sides, which needs the "
+                f"oracle in this process; here it runs {placement.describe()}"
+            )
+        from conformance.oracle_process import ProcessSide
+
+        return ProcessSide(config)
 
     # ---- operations ------------------------------------------------------------------------
 
@@ -107,13 +214,15 @@ class Lockstep:
             raise RuntimeError("lock-step already failed; start a new session")
         index = len(self.trace.ops)
         self.trace.ops.append(op)
-        if isinstance(op, Abort):
-            self._classify_abort(op)
         arrival = float(self._arrivals)
+        prompt = None
         if isinstance(op, AddRequest):
             self._arrivals += 1
-        up = self._apply(self.up, op, arrival)
-        sub = self._apply(self.sub, op, arrival)
+            prompt = self.trace.prompt_of(op)
+        up = self.up.apply(op, prompt, self.config, arrival)
+        sub = self.sub.apply(op, prompt, self.config, arrival)
+        if isinstance(op, Abort):
+            self.stats.update(f"abort_{state}" for state in self.up.last_abort_states.values())
         if isinstance(op, AddRequest):
             req = self.sub.scheduler.requests.get(op.request_id)
             if req is not None:
@@ -144,59 +253,7 @@ class Lockstep:
             raise SubjectBroken(result.failure)
         return result
 
-    def _apply(self, side: Side, op: Op, arrival: float) -> dict[str, Any]:
-        sched = side.scheduler
-        extra: dict[str, Any] = {}
-        try:
-            if isinstance(op, Step):
-                obs = side.driver.step()
-                extra["sched_out"] = obs.scheduled
-                extra["outputs"] = observe_outputs(obs.outputs)
-                extra["updated"] = obs.updated
-            elif isinstance(op, AddRequest):
-                prompt = self.trace.prompt_of(op)
-                request = side.subject.make_request(op, prompt, self.config, sched, arrival)
-                sched.add_request(request)
-            elif isinstance(op, Abort):
-                from vllm.v1.request import RequestStatus
-
-                sched.finish_requests(list(op.request_ids), RequestStatus.FINISHED_ABORTED)
-            elif isinstance(op, ResetPrefixCache):
-                extra["result"] = sched.reset_prefix_cache(
-                    op.reset_running_requests, op.reset_connector
-                )
-            elif isinstance(op, DeliverChunks):
-                chunks = side.subject.drain_chunks(sched)
-                side.chunks.extend(chunks)
-            else:  # pragma: no cover - the Op union is closed
-                raise TypeError(f"unknown op {op!r}")
-        except Exception as exc:  # a crash is an observable difference, not a harness error
-            extra["exception"] = f"{type(exc).__name__}: {exc}"[:300]
-        snap = observe_state(sched, side.subject)
-        snap.update(extra)
-        return snap
-
     # ---- what the workload exercised ------------------------------------------------------
-
-    def _classify_abort(self, op: Abort) -> None:
-        sched = self.up.scheduler
-        in_queue = set()
-        if isinstance(self.up.driver, AsyncDriver):
-            for so, _ in self.up.driver.queue:
-                in_queue.update(so.num_scheduled_tokens)
-        for rid in op.request_ids:
-            req = sched.requests.get(rid)
-            if req is None:
-                state = "finished_unreported" if rid in vc.finished_unreported(sched) else "unknown"
-            elif vc.is_finished(req):
-                state = "finished_unreported"
-            elif vc.status_name(req) == "PREEMPTED":
-                state = "preempted"
-            elif vc.status_name(req) == "RUNNING":
-                state = "in_flight" if rid in in_queue else "running"
-            else:
-                state = "waiting"
-            self.stats[f"abort_{state}"] += 1
 
     def _count(self, op: Op, up: dict[str, Any]) -> None:
         if isinstance(op, ResetPrefixCache):
@@ -223,22 +280,17 @@ class Lockstep:
                 ] += 1
             elif reason == "length":
                 self.stats["max_tokens"] += 1
-        if isinstance(self.up.driver, AsyncDriver) and up.get("requests"):
+        if self.mode == "async" and up.get("requests"):
             if any(f["num_stale_output_tokens"] for f in up["requests"].values()):
                 self.stats["stale_in_flight"] += 1
 
     # ---- conveniences ---------------------------------------------------------------------
 
     def live_ids(self) -> list[str]:
-        return list(self.up.scheduler.requests)
+        return self.up.live_ids()
 
     def has_work(self) -> bool:
-        return bool(
-            self.up.scheduler.has_requests()
-            or self.sub.scheduler.has_requests()
-            or self.up.driver.in_flight()
-            or self.sub.driver.in_flight()
-        )
+        return self.up.busy() or self.sub.busy()
 
     def drain(self, max_steps: int = 500) -> None:
         """Step until neither side has work; then deliver chunks (C-06 needs transfers acked)."""
@@ -252,14 +304,17 @@ class Lockstep:
     def conservation_problems(self) -> list[str]:
         """C-06 on both sides, once everything has finished or been aborted."""
         problems = []
-        for label, side in (("upstream", self.up), ("subject", self.sub)):
-            sched = side.scheduler
-            free = vc.num_free_blocks(vc.block_pool(sched))
+        sides: tuple[tuple[str, Side | ProcessSide], ...] = (
+            ("upstream", self.up),
+            ("subject", self.sub),
+        )
+        for label, side in sides:
+            free = side.free_blocks()
             if free != self.initial_free:
                 problems.append(f"{label}: {free} free blocks, expected {self.initial_free}")
-            if sched.requests:
-                problems.append(f"{label}: still holds requests {sorted(sched.requests)}")
-            leaked = side.subject.live_omni_ids(sched)
+            if held := side.live_ids():
+                problems.append(f"{label}: still holds requests {sorted(held)}")
+            leaked = side.omni_ids()
             if leaked:
                 problems.append(f"{label}: omni state survives for {sorted(leaked)}")
         return problems

@@ -22,7 +22,8 @@ travel from xdist workers to the controller in ``user_properties``; only the con
 the report. A skipped test is recorded as *not applicable* with pytest's skip reason; a failure's
 message leads with its cause, recognised by type where the harness raised it (a subject that
 cannot be loaded, a lock-step difference), else the exception's type and message. Loading a
-subject that patches vLLM (``conformance.pristine``) ends the session with exit code 2.
+subject that patches vLLM (``conformance.pristine``) moves the oracle into its own process
+(``conformance.oracle_process``); each test records where it ran, and so does the report.
 """
 
 from __future__ import annotations
@@ -103,6 +104,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         metavar="DIR",
         help="folder for shrunk failure traces that omni-conformance replay re-runs "
         f"(default: {failures}; from ${FAILURES_ENV}, else ./{DEFAULT_FAILURES_DIR})",
+    )
+    group.addoption(
+        "--conformance-oracle",
+        default="auto",
+        choices=("auto", "process"),
+        help="where upstream vLLM runs: auto (in this process, or in its own process when "
+        "loading the subject patched vLLM) or process (always its own process) (default: auto)",
     )
     profile = os.environ.get(PROFILE_ENV) or DEFAULT_PROFILE
     group.addoption(
@@ -241,8 +249,11 @@ class ConformanceRecorder:
             self.fail(session, name)
 
     def properties(self) -> dict[str, Any]:
+        from conformance.pristine import oracle_placement
+
         self._fold()
         return {
+            "oracle": oracle_placement().report_value(),
             "examples": self.examples,
             "steps_compared": self.steps_compared,
             "tolerated": dict(self.tolerated),
@@ -269,17 +280,16 @@ def conformance_subject_spec(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
-def conformance_subject(conformance_subject_spec: str) -> Any:
-    """The subject, loaded under the pristine oracle: one that patches vLLM ends the run (2);
-    one that cannot be loaded raises ``SubjectLoadError``."""
-    from conformance.pristine import VllmPatched, guard_load
+def conformance_subject(request: pytest.FixtureRequest, conformance_subject_spec: str) -> Any:
+    """The subject, loaded under the pristine guard (one that patches vLLM loads, and the oracle
+    then runs in its own process); one that cannot be loaded raises ``SubjectLoadError``."""
+    from conformance.pristine import isolate_oracle
     from conformance.subjects import load_subject
 
+    if request.config.getoption("conformance_oracle") == "process":
+        isolate_oracle("requested by --conformance-oracle process")
     try:
-        with guard_load(conformance_subject_spec):
-            return load_subject(conformance_subject_spec)
-    except VllmPatched as exc:
-        pytest.exit(str(exc), returncode=2)
+        return load_subject(conformance_subject_spec)
     except (LookupError, ImportError, AttributeError, TypeError, SyntaxError) as exc:
         raise SubjectLoadError(conformance_subject_spec, exc) from exc
 
@@ -533,11 +543,16 @@ class ConformanceSession:
         seed = config.getoption("hypothesis_seed", None)
         if seed is None:
             seed = 0 if settings.get_profile(profile).derandomize else "random"
+        environment = environment_versions()
+        # Where each worker ran upstream (its recorder says): separate once any did.
+        placements = sorted({str(t["oracle"]) for t in self.tests.values() if t.get("oracle")})
+        isolated = [p for p in placements if p != "in-process"]
+        environment["oracle"] = (isolated or placements or ["in-process"])[0]
         builder = ReportBuilder(
             subject=str(config.getoption("conformance_subject")),
             profile=profile,
             seed=seed,
-            environment=environment_versions(),
+            environment=environment,
         )
         for nodeid, data in self.tests.items():
             builder.add(TestRecord.from_dict({"nodeid": nodeid, **data}))

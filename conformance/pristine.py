@@ -1,6 +1,7 @@
-"""The pristine oracle: proof that loading a subject left upstream vLLM untouched.
+"""The pristine oracle: whether loading a subject left upstream vLLM untouched, and where the
+oracle runs when it did not.
 
-The harness compares a subject with upstream vLLM *in the same process*. A subject that
+The harness compares a subject with upstream vLLM in the same process when it can. A subject that
 monkeypatches vLLM when it is imported or built — ``Scheduler.schedule = mine``, or rebinding
 ``vllm.v1.core.sched.scheduler.KVCacheManager`` — changes the oracle too, and the lock-step
 comparison then agrees with a broken runtime. This module owns the check that rules that out:
@@ -12,7 +13,13 @@ comparison then agrees with a broken runtime. This module owns the check that ru
   class or a function points to (so rebinding a name the scheduler module imported is caught as
   well as replacing a method), and which module object ``sys.modules`` holds;
 * ``guard_load(label)`` imports those modules, fingerprints on enter and compares on exit,
-  raising ``VllmPatched`` — one line naming the subject and what changed — when anything did.
+  recording what changed for the process and, unless told otherwise, raising ``VllmPatched`` —
+  one line naming the subject and what changed;
+* ``oracle_placement()`` says where lock-step sessions run upstream: in this process while
+  nothing patched vLLM here, else in a child process that never loaded the subject
+  (``conformance.oracle_process``). ``conformance.subjects.load_subject`` records without
+  refusing, so a published runtime that patches vLLM (vllm-omni does) is still checked against
+  unpatched vLLM.
 
 Subjects subclass vLLM's classes; subclassing never changes a base class's ``__dict__``, so a
 conforming subject never trips the guard. Mutating an object in place (a class-level cache, an
@@ -155,13 +162,87 @@ def changes_since(before: Fingerprint) -> list[str]:
 
 
 @contextmanager
-def guard_load(label: str) -> Iterator[Fingerprint]:
-    """Fingerprint vLLM around the body; raise ``VllmPatched`` if the body changed it.
+def guard_load(label: str, *, refuse: bool = True) -> Iterator[Fingerprint]:
+    """Fingerprint vLLM around the body and record what the body changed.
 
-    An exception from the body propagates unchanged (it says more than a fingerprint would).
+    With ``refuse`` (the default) a change raises ``VllmPatched``. Without it the change is
+    recorded for the process (``note_patched``), so every lock-step session from then on runs
+    its oracle in a separate process (``oracle_placement``). An exception from the body
+    propagates unchanged (it says more than a fingerprint would).
     """
     before = fingerprint()
     yield before
     changed = changes_since(before)
     if changed:
-        raise VllmPatched(label, changed)
+        note_patched(label, changed)
+        if refuse:
+            raise VllmPatched(label, changed)
+
+
+# ---- where the oracle runs -------------------------------------------------------------------
+#
+# Whether vLLM in *this process* is still upstream is a fact about the process, not about one
+# pytest session or one command: once a subject has patched it, no in-process oracle is
+# trustworthy again, whoever asks. So it is kept here, once per process.
+
+_PATCHED: dict[str, list[str]] = {}
+_ISOLATION_REQUESTED: list[str] = []
+
+
+def note_patched(label: str, changes: Sequence[str]) -> None:
+    """Record that loading ``label`` changed vLLM in this process (``changes`` as phrases)."""
+    _PATCHED.setdefault(label, []).extend(changes)
+
+
+def reset_placement() -> None:
+    """Forget recorded patches and requests: only for a caller that has itself put vLLM back
+    exactly as it was (the guard's own tests do, and check ``changes_since`` first)."""
+    _PATCHED.clear()
+    _ISOLATION_REQUESTED.clear()
+
+
+def isolate_oracle(reason: str) -> None:
+    """Run every later oracle in its own process, although vLLM here is pristine (a user's
+    choice, ``--oracle process``; the harness's tests use it to check both placements agree)."""
+    if reason not in _ISOLATION_REQUESTED:
+        _ISOLATION_REQUESTED.append(reason)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where lock-step sessions run upstream vLLM, and why."""
+
+    isolated: bool
+    reason: str
+
+    def describe(self) -> str:
+        if not self.isolated:
+            return "in process"
+        return f"in a separate process ({self.reason})"
+
+    def report_value(self) -> str:
+        return "in-process" if not self.isolated else f"separate process: {self.reason}"
+
+
+def oracle_placement() -> Placement:
+    """In process while vLLM here is pristine; in a separate process once a subject patched it
+    (or isolation was asked for)."""
+    if _PATCHED:
+        label, changes = next(iter(_PATCHED.items()))
+        shown = ", ".join(changes[:3]) + (f", +{len(changes) - 3} more" if len(changes) > 3 else "")
+        return Placement(True, f"loading subject {label!r} patched vLLM here: {shown}")
+    if _ISOLATION_REQUESTED:
+        return Placement(True, _ISOLATION_REQUESTED[0])
+    return Placement(False, "vLLM in this process is unpatched")
+
+
+def require_oracle_in_process(what: str) -> None:
+    """Raise ``NotApplicable`` when ``what`` needs upstream's live objects in this process (it
+    hands both sides the same executor, say) and the oracle runs in its own process."""
+    placement = oracle_placement()
+    if placement.isolated:
+        from conformance.capabilities import NotApplicable
+
+        raise NotApplicable(
+            f"{what} needs the oracle in this process; it runs {placement.describe()}"
+        )

@@ -294,6 +294,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
             else ""
         ),
         "",
+        f"Oracle (upstream vLLM): {env.get('oracle', 'in-process')}",
+        "",
         f"{counts_line(s)} · {s['examples']} examples · {s['steps_compared']} steps compared · "
         f"tolerated: {_tol(s['tolerated'])}",
         "",

@@ -17,8 +17,9 @@ Subjects are found, in this order, by:
 * the entry-point group ``omni_conformance.subjects`` (same three shapes; this repository's own
   runtime registers ``omni`` and ``omni-scheduler`` there, like any other runtime);
 * the built-in ``upstream`` (vLLM itself, the oracle).
-Loading a subject must not change vLLM: ``conformance.pristine`` refuses one whose import
-patches vLLM's scheduler, request, KV-cache or output classes. The harness imports no runtime.
+Loading a subject may change vLLM (some published runtimes patch vLLM's classes when imported):
+``conformance.pristine`` notices, and the oracle then runs in a process the subject never
+entered (``conformance.oracle_process``). The harness imports no runtime.
 """
 
 from __future__ import annotations
@@ -277,13 +278,14 @@ def available_subjects() -> dict[str, str]:
 
 
 def load_subject(spec: str | Subject) -> Subject:
-    """The subject ``spec`` names; raises ``conformance.pristine.VllmPatched`` when loading it
-    changed vLLM's own classes (the oracle would no longer be upstream)."""
+    """The subject ``spec`` names, loaded under the pristine guard: when loading it changed
+    vLLM's own classes, the change is recorded for this process, and every lock-step session
+    from then on runs upstream vLLM in a separate process (``conformance.pristine``)."""
     if not isinstance(spec, str):
         return spec
     from conformance.pristine import guard_load
 
-    with guard_load(spec):
+    with guard_load(spec, refuse=False):
         return _load(spec)
 
 

@@ -32,7 +32,7 @@ from hypothesis.stateful import invariant, run_state_machine_as_test
 
 from conformance.capabilities import OFF, Feature
 from conformance.config import HarnessConfig
-from conformance.lockstep import Lockstep, Shrinker, SubjectBroken
+from conformance.lockstep import Lockstep, Shrinker, Side, SubjectBroken
 from conformance.machine import PREFIXES, TIGHT, LockstepMachine
 from conformance.replay import failures_dir
 from conformance.vllm_compat import environment_versions
@@ -72,13 +72,16 @@ class AuditedLockstep(Lockstep):
         super().__init__(config, subject, use_worker=feature.use_worker, **kw)
         self.feature = feature
         self.audits = audits
-        self.declared = subject.declared_attributes()
+        # The declared-attribute audits compare the two sides' live request objects, so they
+        # run only with the oracle in this process (``clauses`` then credits them).
+        local = isinstance(self.up, Side)
+        self.declared = subject.declared_attributes() if local else None
         self.delivery = subject.chunk_delivery()
         probes = subject.runner_probes() if feature.use_worker else None
         self.ledger: dict[str, RequestLedger] = {}
         self.problems: list[str] = []
         self.checkers: list[CheckingExecutor] = []
-        for side in (self.up, self.sub):
+        for side in self.local_sides():
             checker = CheckingExecutor(side.executor, probes.payloads if probes else None)
             side.executor = checker
             side.driver.executor = checker
@@ -166,8 +169,12 @@ class AuditedLockstep(Lockstep):
             problems += hf_problems(self, ref)
         return problems
 
+    def local_sides(self) -> list[Side]:
+        """The sides in this process (the oracle's is elsewhere when it runs isolated)."""
+        return [side for side in (self.up, self.sub) if isinstance(side, Side)]
+
     def shutdown(self) -> None:
-        for side in (self.up, self.sub):
+        for side in self.local_sides():
             inner = getattr(side.executor, "inner", side.executor)
             worker = getattr(inner, "worker", inner)
             shutdown = getattr(worker, "shutdown", None)

@@ -41,6 +41,7 @@ import torch
 from hypothesis.stateful import initialize
 
 from conformance.capabilities import ChunkDelivery, NotApplicable, require
+from conformance.pristine import require_oracle_in_process
 from invariants.machines import (
     InvariantMachine,
     MachineRun,
@@ -152,6 +153,8 @@ def processor_problems(
 def chunk_run(recorder: Any, subject: Any, mode: str) -> MachineRun:
     """The property's run for ``subject`` (``run_machine(run, settings, ChunkMachine)``)."""
     delivery: ChunkDelivery = require(subject, "chunk_delivery", "chunk delivery")
+    # Both sides step through one generated payload source, handed to each side's executor.
+    require_oracle_in_process("the chunk machine's payload-carrying steps")
     feature = delivery.processor_feature
     if feature is None:
         raise NotApplicable(f"subject {subject.name!r} provides no processor feature")

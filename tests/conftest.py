@@ -8,11 +8,13 @@ cores, more than one torch thread each oversubscribes the machine and makes tiny
 slower. Child processes inherit ``OMP_NUM_THREADS`` from this environment.
 """
 
+import importlib
 import json
 import os
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+from conformance import pristine  # noqa: E402
 from omni_runtime.platform import install_for_process  # noqa: E402
 
 install_for_process()
@@ -137,3 +140,38 @@ def run_check() -> Callable[..., CheckRun]:
     """``run_check(tmp_path, subject, *, workers=1, profile="ci", tests=(), pytest_args=(),
     extra_env=None, quiet=False) -> CheckRun`` (see ``run_gate_check``)."""
     return run_gate_check
+
+
+@pytest.fixture
+def planted(tmp_path, monkeypatch):
+    """``plant(source) -> "module:subject"``: a subject module in tmp_path, importable; vLLM's
+    classes and module bindings are put back afterwards whatever the module changed."""
+    before = pristine.fingerprint()
+    names: list[str] = []
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    def plant(source: str) -> str:
+        name = f"planted_{uuid.uuid4().hex[:8]}"
+        (tmp_path / f"{name}.py").write_text(source)
+        importlib.invalidate_caches()
+        names.append(name)
+        return f"{name}:subject"
+
+    try:
+        yield plant
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
+        for cls, _bases, members in before.classes.values():
+            for key in [k for k in vars(cls) if k not in members]:
+                delattr(cls, key)
+            for key, value in members.items():
+                if vars(cls).get(key) is not value:
+                    setattr(cls, key, value)
+        for mod_name, mod in before.modules.items():
+            for key, value in before.bindings[mod_name].items():
+                if vars(mod).get(key) is not value:
+                    setattr(mod, key, value)
+        assert pristine.changes_since(before) == []
+        # vLLM is exactly as before, so what loading the plant recorded no longer holds.
+        pristine.reset_placement()

@@ -1,22 +1,21 @@
-"""The oracle stays upstream: a subject that patches vLLM when it loads is refused.
+"""The oracle stays upstream: loading a subject that patches vLLM is noticed.
 
-The harness runs upstream vLLM and the subject in one process. A subject module that replaces
-``Scheduler.schedule`` (or rebinds a name vLLM's scheduler module imported) changes the oracle
-too, and every comparison would then agree with the broken runtime. ``conformance.pristine``
-fingerprints vLLM's scheduler, request, KV-cache and output classes around loading a subject;
-these tests plant such a subject in a temporary folder (restoring vLLM afterwards, so the rest of
-the run stays pristine) and check it is refused — by ``guard_load``, through
-``omni-conformance check`` (exit 2, one line, no traceback) and through the pytest plugin — while
-upstream and this project's runtime, which only subclass, load cleanly.
+The harness runs upstream vLLM and the subject in one process when it can. A subject module that
+replaces ``Scheduler.schedule`` (or rebinds a name vLLM's scheduler module imported) changes the
+in-process oracle too, and every comparison would then agree with the broken runtime.
+``conformance.pristine`` fingerprints vLLM's scheduler, request, KV-cache and output classes
+around loading a subject; these tests plant such a subject in a temporary folder (restoring vLLM
+afterwards, so the rest of the run stays pristine) and check the change is named precisely
+(``guard_load`` refuses with one line when asked to) and that the pytest plugin then places the
+oracle in its own process — while upstream and this project's runtime, which only subclass, load
+cleanly. ``tests/test_oracle_process.py`` checks the isolated oracle itself.
 """
 
 from __future__ import annotations
 
-import importlib
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import pytest
@@ -59,39 +58,6 @@ class QuietManager(KVCacheManager):
 sched_module.KVCacheManager = QuietManager
 subject = UpstreamSubject()
 """
-
-
-@pytest.fixture
-def planted(tmp_path, monkeypatch):
-    """``plant(source) -> "module:subject"``: a subject module in tmp_path, importable; vLLM's
-    classes and module bindings are put back afterwards whatever the module changed."""
-    before = pristine.fingerprint()
-    names: list[str] = []
-    monkeypatch.syspath_prepend(str(tmp_path))
-
-    def plant(source: str) -> str:
-        name = f"planted_{uuid.uuid4().hex[:8]}"
-        (tmp_path / f"{name}.py").write_text(source)
-        importlib.invalidate_caches()
-        names.append(name)
-        return f"{name}:subject"
-
-    try:
-        yield plant
-    finally:
-        for name in names:
-            sys.modules.pop(name, None)
-        for cls, _bases, members in before.classes.values():
-            for key in [k for k in vars(cls) if k not in members]:
-                delattr(cls, key)
-            for key, value in members.items():
-                if vars(cls).get(key) is not value:
-                    setattr(cls, key, value)
-        for mod_name, mod in before.modules.items():
-            for key, value in before.bindings[mod_name].items():
-                if vars(mod).get(key) is not value:
-                    setattr(mod, key, value)
-        assert pristine.changes_since(before) == []
 
 
 def _refused(spec: str) -> VllmPatched:
@@ -169,22 +135,14 @@ def _env(tmp_path: Path) -> dict[str, str]:
     }
 
 
-def test_check_refuses_a_patching_subject_in_one_line(planted, tmp_path, run_check):
-    spec = planted(PATCHING_SCHEDULE)
-    run = run_check(tmp_path, spec, workers=2)
-    err = run.stderr.strip()
-    assert run.returncode == 2, (run.stdout[-2000:], err[-3000:])
-    assert len(err.splitlines()) == 1, err[-3000:]
-    assert "Traceback" not in err
-    assert err.startswith("omni-conformance: error: ") and "Scheduler.schedule replaced" in err
-    assert spec in err
-    assert run.report is None  # no suite ran
-
-
-def test_the_plugin_ends_the_session_when_the_subject_patches_vllm(planted, tmp_path):
+def test_the_plugin_loads_a_patching_subject_and_isolates_the_oracle(planted, tmp_path):
     spec = planted(PATCHING_SCHEDULE)
     (tmp_path / "test_uses_subject.py").write_text(
-        "def test_uses_subject(conformance_subject):\n    assert conformance_subject\n"
+        "from conformance.pristine import oracle_placement\n\n\n"
+        "def test_uses_subject(conformance_subject):\n"
+        "    placement = oracle_placement()\n"
+        "    assert placement.isolated, placement\n"
+        "    assert 'Scheduler.schedule replaced' in placement.reason, placement\n"
     )
     proc = subprocess.run(
         [
@@ -207,5 +165,5 @@ def test_the_plugin_ends_the_session_when_the_subject_patches_vllm(planted, tmp_
         timeout=600,
     )
     out = proc.stdout + proc.stderr
-    assert proc.returncode == 2, out[-3000:]
-    assert "Scheduler.schedule replaced" in out
+    assert proc.returncode == 0, out[-3000:]
+    assert "1 passed" in out

@@ -26,6 +26,7 @@ from conformance.vllm_compat.state import (
     free_block_order,
     is_finished,
     live_request_ids,
+    none_hash,
     num_cached_hashes,
     num_free_blocks,
     output_extra_fields,
@@ -35,6 +36,7 @@ from conformance.vllm_compat.state import (
     request_block_ids,
     request_fields,
     scheduler_queues,
+    set_none_hash,
     status_name,
 )
 from conformance.vllm_compat.versions import (
@@ -75,6 +77,7 @@ __all__ = [
     "is_finished",
     "is_untested",
     "live_request_ids",
+    "none_hash",
     "num_cached_hashes",
     "num_free_blocks",
     "output_extra_fields",
@@ -85,6 +88,7 @@ __all__ = [
     "request_block_ids",
     "request_fields",
     "scheduler_queues",
+    "set_none_hash",
     "status_name",
     "vllm_version",
 ]

@@ -125,15 +125,25 @@ def is_finished(request: Any) -> bool:
 
 # ---- outputs ------------------------------------------------------------------------------
 
+def upstream_output_class() -> Any:
+    """vLLM's own ``EngineCoreOutput``, even where a subject rebound the name to a subclass
+    (vllm-omni does, in every loaded ``vllm`` module): the class of that name that
+    ``vllm.v1.engine`` defines, found on the bound class's MRO."""
+    from vllm.v1.engine import EngineCoreOutput
+
+    for cls in EngineCoreOutput.__mro__:
+        if cls.__module__ == "vllm.v1.engine" and cls.__name__ == "EngineCoreOutput":
+            return cls
+    return EngineCoreOutput
+
+
 _BASE_OUTPUT_FIELDS: frozenset[str] | None = None
 
 
 def base_output_fields() -> frozenset[str]:
     global _BASE_OUTPUT_FIELDS
     if _BASE_OUTPUT_FIELDS is None:
-        from vllm.v1.engine import EngineCoreOutput
-
-        _BASE_OUTPUT_FIELDS = frozenset(EngineCoreOutput.__struct_fields__)
+        _BASE_OUTPUT_FIELDS = frozenset(upstream_output_class().__struct_fields__)
     return _BASE_OUTPUT_FIELDS
 
 
@@ -163,10 +173,8 @@ def output_extra_fields(out: Any) -> dict[str, Any]:
 
 def output_type_name(out: Any) -> str | None:
     """None for upstream's own ``EngineCoreOutput``; the subclass name otherwise."""
-    from vllm.v1.engine import EngineCoreOutput
-
     cls = type(out)
-    return None if cls is EngineCoreOutput else cls.__name__
+    return None if cls is upstream_output_class() else cls.__name__
 
 
 def prefill_stats_fields(stats: Any) -> dict[str, int] | None:
@@ -181,3 +189,19 @@ def prefill_stats_fields(stats: Any) -> dict[str, int] | None:
 
 def finish_reason_name(reason: Any) -> str | None:
     return None if reason is None else str(reason)
+
+
+def none_hash() -> Any:
+    """The seed every request's block-hash chain starts from (``kv_cache_utils.NONE_HASH``,
+    set once per process by ``init_none_hash``)."""
+    from vllm.v1.core import kv_cache_utils
+
+    return kv_cache_utils.NONE_HASH
+
+
+def set_none_hash(value: Any) -> None:
+    """Adopt another process's ``NONE_HASH``, so both processes' block hashes are comparable
+    (``hash_block_tokens`` reads the module global at every call)."""
+    from vllm.v1.core import kv_cache_utils
+
+    kv_cache_utils.NONE_HASH = value

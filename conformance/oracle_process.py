@@ -1,0 +1,246 @@
+"""The upstream oracle in its own process, for subjects that patch vLLM when they load.
+
+Lock-step compares a subject with upstream vLLM after every operation. When loading the subject
+changed vLLM's classes in this process (``conformance.pristine``), an oracle built here would be
+vLLM *as the subject patched it*, and agreeing with it proves nothing. The oracle then runs in a
+child process that never imports the subject: a fresh interpreter, started once per process and
+reused by every session (importing vLLM costs seconds; building a scheduler costs milliseconds).
+
+* ``OracleProcess`` starts ``python -m conformance.oracle_process`` with two pipes (requests in,
+  replies out; vLLM's logging keeps stdout and stderr, which go to a log file whose tail is
+  quoted if the child dies) and exchanges pickled messages with it.
+* ``ProcessSide`` is the session's oracle side: it answers the questions ``Lockstep`` asks of a
+  side (``conformance.lockstep.Side``) from the child's reply to the last operation.
+* ``serve`` is the child: sessions keyed by id, each an ordinary in-process ``Side`` for vLLM's
+  own schedulers fed by the harness's deterministic token source.
+
+Snapshots are plain values (``conformance.observe``), so both sides are compared exactly as in
+process. Block hashes chain from vLLM's per-process ``NONE_HASH``; the child adopts the parent's
+value, so prefix-cache hashes are comparable whatever ``PYTHONHASHSEED`` is.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import os
+import subprocess
+import sys
+import tempfile
+import weakref
+from multiprocessing.connection import Connection
+from typing import Any
+
+from conformance.config import HarnessConfig
+from conformance.workload import Op
+
+# How much of the child's log an error quotes.
+LOG_TAIL_CHARS = 2000
+
+
+class OracleProcessError(RuntimeError):
+    """The oracle process died or failed: a harness error, never a difference of the subject."""
+
+
+class OracleProcess:
+    """A child interpreter serving upstream sides (see the module docstring)."""
+
+    def __init__(self) -> None:
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        self._log = tempfile.TemporaryFile(prefix="omni-conformance-oracle-")
+        try:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "conformance.oracle_process",
+                    str(to_child_r),
+                    str(from_child_w),
+                ],
+                pass_fds=(to_child_r, from_child_w),
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=self._log,
+            )
+        finally:
+            os.close(to_child_r)
+            os.close(from_child_w)
+        self._out = Connection(to_child_w, readable=False)
+        self._in = Connection(from_child_r, writable=False)
+        self._ids = itertools.count(1)
+        self.call("hello", _none_hash())
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and not self._out.closed
+
+    def new_id(self) -> int:
+        return next(self._ids)
+
+    def call(self, *message: Any) -> Any:
+        try:
+            self._out.send(message)
+            status, value = self._in.recv()
+        except (EOFError, OSError) as exc:
+            raise OracleProcessError(
+                f"the oracle process ended (exit {self.proc.poll()}): {self.log_tail()}"
+            ) from exc
+        if status != "ok":
+            raise OracleProcessError(f"the oracle process failed on {message[0]!r}: {value}")
+        return value
+
+    def notify(self, *message: Any) -> None:
+        """Send without waiting for a reply (closing a session); quiet if the child is gone."""
+        try:
+            self._out.send(message)
+        except (OSError, ValueError):
+            pass
+
+    def log_tail(self) -> str:
+        self._log.flush()
+        self._log.seek(0)
+        text = self._log.read().decode("utf-8", "replace")
+        return " ".join(text[-LOG_TAIL_CHARS:].split()) or "no output"
+
+    def close(self) -> None:
+        for conn in (self._out, self._in):
+            if not conn.closed:
+                conn.close()
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout=10)  # the child exits on end of input
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self._log.close()
+
+
+_SHARED: list[OracleProcess] = []
+
+
+def shared_oracle() -> OracleProcess:
+    """This process's oracle process, started on first use (and again if it died)."""
+    if _SHARED and _SHARED[0].alive():
+        return _SHARED[0]
+    if _SHARED:
+        _SHARED.pop().close()
+    _SHARED.append(OracleProcess())
+    return _SHARED[0]
+
+
+@atexit.register
+def _close_shared() -> None:
+    while _SHARED:
+        _SHARED.pop().close()
+
+
+def _none_hash() -> Any:
+    from conformance import vllm_compat as vc
+    from conformance.config import block_hasher
+
+    block_hasher(16)  # initialises this process's NONE_HASH if nothing has yet
+    return vc.none_hash()
+
+
+class ProcessSide:
+    """The oracle side of one session, served by the shared ``OracleProcess``."""
+
+    def __init__(self, config: HarnessConfig) -> None:
+        self._proc = shared_oracle()
+        self._id = self._proc.new_id()
+        self._status: dict[str, Any] = self._proc.call("open", self._id, config)
+        self.last_abort_states: dict[str, str] = {}
+        self._closer = weakref.finalize(self, self._proc.notify, "close", self._id)
+
+    @property
+    def mode(self) -> str:
+        return str(self._status["mode"])
+
+    def apply(self, op: Op, prompt: list[int] | None, cfg: HarnessConfig, arrival: float) -> dict:
+        snap, self._status, self.last_abort_states = self._proc.call(
+            "apply", self._id, op, prompt, arrival
+        )
+        return snap
+
+    def live_ids(self) -> list[str]:
+        return list(self._status["live_ids"])
+
+    def busy(self) -> bool:
+        return bool(self._status["busy"])
+
+    def free_blocks(self) -> int:
+        return int(self._status["free_blocks"])
+
+    def omni_ids(self) -> set[str]:
+        return set(self._status["omni_ids"])
+
+    def close(self) -> None:
+        self._closer()
+
+
+# ---- the child ---------------------------------------------------------------------------
+
+
+def _status(side: Any) -> dict[str, Any]:
+    return {
+        "mode": side.mode,
+        "live_ids": side.live_ids(),
+        "busy": side.busy(),
+        "free_blocks": side.free_blocks(),
+        "omni_ids": sorted(side.omni_ids()),
+    }
+
+
+def serve(inbox: Connection, outbox: Connection) -> int:
+    """Answer the parent's messages until it closes the pipe."""
+    from conformance import vllm_compat as vc
+    from conformance.config import block_hasher
+    from conformance.lockstep import make_side
+    from conformance.subjects import UpstreamSubject
+
+    sides: dict[int, Any] = {}
+    configs: dict[int, HarnessConfig] = {}
+    while True:
+        try:
+            message = inbox.recv()
+        except EOFError:
+            return 0
+        kind = message[0]
+        if kind == "close":
+            sides.pop(message[1], None)
+            configs.pop(message[1], None)
+            continue
+        try:
+            if kind == "hello":
+                block_hasher(16)
+                vc.set_none_hash(message[1])
+                reply: Any = os.getpid()
+            elif kind == "open":
+                _, sid, config = message
+                sides[sid] = make_side(UpstreamSubject(), config, None)
+                configs[sid] = config
+                reply = _status(sides[sid])
+            elif kind == "apply":
+                _, sid, op, prompt, arrival = message
+                side = sides[sid]
+                side.last_abort_states = {}
+                snap = side.apply(op, prompt, configs[sid], arrival)
+                reply = (snap, _status(side), side.last_abort_states)
+            else:
+                raise ValueError(f"unknown message {kind!r}")
+        except Exception as exc:  # reported to the parent, which raises OracleProcessError
+            import traceback
+
+            outbox.send(("error", "".join(traceback.format_exception_only(exc)).strip()))
+            continue
+        outbox.send(("ok", reply))
+
+
+def main(argv: list[str]) -> int:
+    inbox = Connection(int(argv[0]), writable=False)
+    outbox = Connection(int(argv[1]), readable=False)
+    return serve(inbox, outbox)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,187 @@
+"""The oracle in its own process: same observations as in process, and it stays upstream.
+
+When loading a subject patched vLLM in this process, lock-step runs upstream in a child process
+that never imported the subject (``conformance.oracle_process``). What could break:
+
+* the isolated oracle observes something else than the in-process one would (a lost field, a
+  different block hash chain, a differently ordered queue): the snapshots of a random workload
+  with preemption, prefix hits and aborts must be equal, operation by operation, in sync and
+  async scheduling;
+* the isolation does not actually isolate: the positive control is ``BREAKS_VLLM_ABORTS``, a
+  subject module that makes vLLM's own ``Scheduler`` ignore aborts. In process, the oracle
+  carries the same bug and the comparison agrees; isolated, the first abort is a difference;
+* a dead child process is reported as a subject difference, or leaves the process without an
+  oracle: it must be a harness error naming the child's exit, and the next session restarts it;
+* ``omni-conformance check`` and ``replay`` do not use it: the gate run on the planted subject
+  fails with the abort difference, its report says where the oracle ran, and the saved trace
+  reproduces on replay and is clean against upstream.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+
+import pytest
+
+from conformance import pristine
+from conformance.lockstep import Lockstep, Side
+from conformance.machine import PREFIXES, TIGHT
+from conformance.oracle_process import OracleProcessError, ProcessSide, shared_oracle
+from conformance.subjects import load_subject
+from conformance.workload import Abort, AddRequest, Step
+
+pytestmark = pytest.mark.clauses("C-01")
+
+# The positive control: vLLM's own scheduler (the oracle's class, in this process) drops aborts.
+BREAKS_VLLM_ABORTS = """
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import RequestStatus
+
+from conformance.subjects import UpstreamSubject
+
+_original = Scheduler.finish_requests
+
+
+def finish_requests(self, request_ids, finished_status):
+    if finished_status == RequestStatus.FINISHED_ABORTED:
+        return []  # the mutant: every abort is ignored
+    return _original(self, request_ids, finished_status)
+
+
+Scheduler.finish_requests = finish_requests
+subject = UpstreamSubject()
+"""
+
+
+@pytest.fixture
+def isolated():
+    pristine.isolate_oracle("requested by the test")
+    try:
+        yield
+    finally:
+        pristine.reset_placement()
+
+
+def _workload(session: Lockstep, seed: int = 1) -> list[dict]:
+    """Twelve requests over the shared prefixes, two aborted mid-run, stepped to the end;
+    the oracle's snapshot after every operation."""
+    rng = random.Random(seed)
+    seen = []
+
+    def apply(op):
+        session.apply(op)
+        seen.append(session._last_up)
+
+    for i in range(12):
+        prompt = tuple(rng.randint(10, 400) for _ in range(rng.randint(1, 20)))
+        apply(AddRequest(f"r{i}", prompt, prefix=rng.choice(sorted(PREFIXES)), max_tokens=20))
+    for k in range(120):
+        if k == 7:
+            apply(Abort(("r3", "r4")))
+        if session.failure is None:
+            apply(Step())
+        if session.failure is not None or not session.has_work():
+            break
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_isolated_oracle_observes_what_the_in_process_one_does(mode):
+    subject = load_subject("omni")
+    cfg = TIGHT.with_(async_scheduling=mode == "async", enable_prefix_caching=True)
+    local = Lockstep(cfg, subject, prefixes=PREFIXES)
+    assert isinstance(local.up, Side)
+    expected = _workload(local)
+    pristine.isolate_oracle("requested by the test")
+    try:
+        remote = Lockstep(cfg, subject, prefixes=PREFIXES)
+        assert isinstance(remote.up, ProcessSide)
+        got = _workload(remote)
+    finally:
+        pristine.reset_placement()
+    assert local.failure is None and remote.failure is None
+    # The workload really exercised what could be observed differently.
+    assert local.stats["preemptions"] > 0 and local.stats["prefix_hits"] > 0
+    assert remote.stats == local.stats
+    assert len(got) == len(expected)
+    for index, (a, b) in enumerate(zip(expected, got, strict=True)):
+        assert a == b, f"operation {index}: snapshots differ"
+    assert remote.conservation_problems() == []
+
+
+def test_an_isolated_oracle_catches_a_subject_that_breaks_vllm_itself(planted):
+    spec = planted(BREAKS_VLLM_ABORTS)
+    subject = load_subject(spec)
+    placement = pristine.oracle_placement()
+    assert placement.isolated
+    assert spec in placement.reason and "Scheduler.finish_requests replaced" in placement.reason
+    cfg = TIGHT.with_(enable_prefix_caching=True)
+
+    session = Lockstep(cfg, subject, prefixes=PREFIXES)
+    _workload(session)
+    failure = session.failure
+    assert failure is not None
+    assert failure.op.startswith("abort"), failure.headline()
+
+    # Why isolation is needed: with the oracle in this process it carries the same bug, and
+    # the comparison agrees with the broken subject.
+    pristine.reset_placement()
+    blind = Lockstep(cfg, subject, prefixes=PREFIXES)
+    _workload(blind)
+    assert blind.failure is None
+
+
+def test_a_dead_oracle_process_is_a_harness_error_and_the_next_session_restarts_it(isolated):
+    cfg = TIGHT.with_(enable_prefix_caching=True)
+    session = Lockstep(cfg, load_subject("omni"), prefixes=PREFIXES)
+    child = shared_oracle().proc
+    child.kill()
+    child.wait()
+    with pytest.raises(OracleProcessError, match="the oracle process ended"):
+        session.apply(AddRequest("r0", (11, 12, 13), max_tokens=2))
+    again = Lockstep(cfg, load_subject("omni"), prefixes=PREFIXES)
+    assert shared_oracle().proc.pid != child.pid
+    again.apply(AddRequest("r0", (11, 12, 13), max_tokens=2))
+    again.drain()
+    assert again.failure is None and again.conservation_problems() == []
+
+
+@pytest.mark.slow
+def test_check_and_replay_run_the_oracle_isolated_for_a_patching_subject(
+    planted, tmp_path, run_check
+):
+    from tests.conftest import ROOT, check_env, gate_command
+
+    spec = planted(BREAKS_VLLM_ABORTS)
+    run = run_check(
+        tmp_path,
+        spec,
+        tests=(str(ROOT / "invariants" / "test_ar_inv_001_parity.py"),),
+        pytest_args=("-k", "test_lockstep_parity and off and not async and noprefix"),
+    )
+    assert run.returncode == 1, run.tail()
+    assert "oracle: upstream vLLM runs in a separate process" in run.stdout, run.tail()
+    report = run.report
+    assert report is not None and report["status"] == "fail", run.tail()
+    assert report["environment"]["oracle"].startswith("separate process: loading subject")
+    failed = [r for r in run.records() if r["outcome"] == "failed"]
+    assert len(failed) == 1 and failed[0]["trace"], run.tail()
+    assert failed[0]["first_difference"]["op"].startswith("abort")
+    trace = failed[0]["trace"]
+
+    def replay(*extra: str) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [*gate_command(), "replay", trace, *extra],
+            cwd=tmp_path,
+            env=check_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+
+    again = replay()
+    assert again.returncode == 1, again.stdout + again.stderr
+    assert "separate process" in again.stdout
+    clean = replay("--subject", "upstream")
+    assert clean.returncode == 3, clean.stdout + clean.stderr
