@@ -125,6 +125,7 @@ def is_finished(request: Any) -> bool:
 
 # ---- outputs ------------------------------------------------------------------------------
 
+
 def upstream_output_class() -> Any:
     """vLLM's own ``EngineCoreOutput``, even where a subject rebound the name to a subclass
     (vllm-omni does, in every loaded ``vllm`` module): the class of that name that
