@@ -48,7 +48,7 @@ EXIT_ENV = 2
 EXIT_REPRODUCED = 1
 EXIT_NOT_REPRODUCED = 3
 EXIT_UNSUPPORTED = 4
-PROFILES = ("ci", "dev", "thorough")
+PROFILES = ("ci", "dev", "thorough", "smoke")
 
 
 class Unsupported(str):
@@ -392,8 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile",
         choices=PROFILES,
         default=os.environ.get("OMNI_CONFORMANCE_PROFILE", "ci"),
-        help="hypothesis profile: ci (derandomized, bounded), dev, or thorough (10x ci "
-        "examples); $OMNI_CONFORMANCE_PROFILE sets the default",
+        help="hypothesis profile: ci (derandomized, bounded), dev, thorough (10x ci "
+        "examples) or smoke (a fifth of ci's, for the gate's plumbing); "
+        "$OMNI_CONFORMANCE_PROFILE sets the default",
     )
     c.add_argument(
         "--report-dir",

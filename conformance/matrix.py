@@ -545,7 +545,12 @@ def add_parser(sub: Any) -> None:
         "--installer", choices=("auto", "uv", "pip"), default="auto", help="uv when available"
     )
     m.add_argument("--python", default=None, help="base interpreter (default: this one)")
-    m.add_argument("--profile", choices=("ci", "dev", "thorough"), default="ci", help="profile")
+    m.add_argument(
+        "--profile",
+        choices=("ci", "dev", "thorough", "smoke"),
+        default="ci",
+        help="hypothesis profile of every cell's check",
+    )
     m.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers per cell")
     m.add_argument(
         "--allow-untested-vllm",

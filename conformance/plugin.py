@@ -47,7 +47,7 @@ FAILURES_ENV = "OMNI_CONFORMANCE_FAILURES"
 DEFAULT_SUBJECT = "omni"
 DEFAULT_PROFILE = "ci"
 DEFAULT_FAILURES_DIR = "conformance-failures"
-PROFILES = ("ci", "dev", "thorough")
+PROFILES = ("ci", "dev", "thorough", "smoke")
 SESSION_PLUGIN = "omni_conformance_session"
 _PROP = "omni_conformance"
 _CLAUSES_PROP = "omni_conformance_clauses"
@@ -75,6 +75,17 @@ settings.register_profile(
     **_COMMON,
 )
 settings.register_profile("dev", max_examples=CI_EXAMPLES, stateful_step_count=50, **_COMMON)
+# smoke: ci with a fifth of its examples, for checking the gate's own plumbing (a subject loads,
+# the report says what ran) where the depth of the search is not the point.
+settings.register_profile(
+    "smoke",
+    max_examples=CI_EXAMPLES // 5,
+    derandomize=True,
+    database=None,
+    stateful_step_count=50,
+    phases=(Phase.explicit, Phase.generate),
+    **_COMMON,
+)
 settings.register_profile(
     "thorough", max_examples=CI_EXAMPLES * 10, stateful_step_count=100, **_COMMON
 )
@@ -117,8 +128,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "--conformance-profile",
         default=profile,
         choices=PROFILES,
-        help="hypothesis profile: ci (derandomized, bounded), dev, or thorough (10x ci "
-        f"examples); --hypothesis-profile wins when given (default: {profile}; from "
+        help="hypothesis profile: ci (derandomized, bounded), dev, thorough (10x ci "
+        "examples) or smoke (a fifth of ci's, for the gate's plumbing); --hypothesis-profile wins when given (default: {profile}; from "
         f"${PROFILE_ENV}, else {DEFAULT_PROFILE})",
     )
 

@@ -158,7 +158,9 @@ def test_check_and_replay_run_the_oracle_isolated_for_a_patching_subject(
         tmp_path,
         spec,
         tests=(str(ROOT / "invariants" / "test_ar_inv_001_parity.py"),),
+        profile="smoke",
         pytest_args=("-k", "test_lockstep_parity and off and not async and noprefix"),
+        extra_env={"OMNI_CONFORMANCE_SHRINK_SECONDS": "5"},
     )
     assert run.returncode == 1, run.tail()
     assert "oracle: upstream vLLM runs in a separate process" in run.stdout, run.tail()

@@ -1,7 +1,8 @@
 """The gate tells the truth about subjects it does not know, end to end through the CLI.
 
 Each test runs ``omni-conformance check`` in a subprocess (its own report and failures folders
-under ``tmp_path``, profile ``ci``) and reads the JSON report:
+under ``tmp_path``; profile ``smoke``, since the plumbing is the point here, not the depth of the
+search) and reads the JSON report:
 
 * ``upstream`` passes; every test needing a capability upstream does not declare is reported
   not applicable, with a reason naming that capability; every test it can run passes.
@@ -327,7 +328,7 @@ def write_module(tmp_path: Path, name: str, *parts: str) -> None:
 
 @pytest.mark.slow
 def test_upstream_passes_and_reports_what_it_cannot_be_checked_for(tmp_path, run_check):
-    run = run_check(tmp_path, "upstream", workers=2)
+    run = run_check(tmp_path, "upstream", workers=2, profile="smoke")
     assert run.returncode == 0, run.tail()
     assert run.report is not None and run.report["status"] == "pass", run.tail()
     assert run.report["subject"] == "upstream"
@@ -351,6 +352,7 @@ def test_third_party_subject_passes_without_loading_the_runtime(tmp_path, run_ch
         tmp_path,
         "mymod:MySubject",
         workers=2,
+        profile="smoke",
         extra_env={"SUBJECT_TRUTH_RECORD": str(record)},
         pytest_args=("-p", "mymod"),
     )
@@ -377,7 +379,13 @@ def test_third_party_subject_passes_without_loading_the_runtime(tmp_path, run_ch
 @pytest.mark.slow
 def test_planted_queue_bug_fails_only_lockstep_tests(tmp_path, run_check):
     write_module(tmp_path, "brokenmod", BROKEN)
-    run = run_check(tmp_path, "brokenmod:BrokenSubject", workers=2)
+    run = run_check(
+        tmp_path,
+        "brokenmod:BrokenSubject",
+        workers=2,
+        profile="smoke",
+        extra_env={"OMNI_CONFORMANCE_SHRINK_SECONDS": "10"},
+    )
     assert run.returncode not in (0, 2), f"exit {run.returncode}\n{run.tail()}"
     assert run.report is not None and run.report["status"] == "fail", run.tail()
     records = run.records()

@@ -30,8 +30,10 @@ imports ``vllm_omni.patch``: it adds ``WAITING_FOR_CHUNK`` and ``WAITING_FOR_INP
 The AR scheduler depends on both (it uses the added statuses, and builds its outputs with the
 rebound ``EngineCoreOutput``), and vllm-omni runs it nowhere without them. The factory therefore
 imports the scheduler module itself, as vLLM does when it resolves a stage's ``scheduler_cls``,
-inside the harness's pristine guard, which sees those changes and refuses the subject
-(``conformance.pristine``): the oracle would otherwise be vLLM as vllm-omni patched it. Nothing
+inside the harness's pristine guard, which sees those changes (``conformance.pristine``): the
+gate then runs upstream vLLM in a process vllm-omni never entered
+(``conformance.oracle_process``), since an oracle in this process would be vLLM as vllm-omni
+patched it. Nothing
 in this module imports ``vllm_omni`` when the module itself is imported, so the matrix can ask
 ``vllm_omni_subject.environment_requirements`` where vllm-omni is not installed.
 """
