@@ -32,6 +32,7 @@ from conformance.compare import FieldDifference
 from conformance.differences import Registry
 from conformance.driver import WorkerExecutor
 from conformance.lockstep import Lockstep, Shrinker, run_trace, same_failure
+from conformance.pristine import oracle_placement
 from conformance.subjects import Subject, load_subject
 from conformance.workload import Trace
 
@@ -106,6 +107,7 @@ def record_failure(
         "mode": session.mode,
         "use_worker": use_worker,
         **_versions(),
+        "oracle": oracle_placement().report_value(),
         "disabled_entries": sorted(registry.disabled) if registry is not None else [],
         "first_difference": failure.to_dict(),
         "found": {"ops": len(found.ops), "first_difference": found_failure.to_dict()},
