@@ -40,7 +40,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from conformance.vllm_compat.versions import ALLOW_UNTESTED_ENV
 
@@ -141,6 +141,19 @@ def _load_subject(spec: str) -> tuple[Any, str | None]:
     return subject, problem
 
 
+def folder_problem(folder: str | Path) -> str | None:
+    """Why nothing can be written in ``folder`` (created if missing), or None: asked before a
+    run, so an unwritable report folder costs one line instead of the run."""
+    path = Path(folder)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        return f"cannot write there ({exc.strerror or type(exc).__name__})"
+    return None
+
+
 ORACLE_CHOICES = ("auto", "process")
 
 
@@ -236,6 +249,13 @@ def cmd_check(args: argparse.Namespace) -> int:
     if problem:
         return _fail_env(problem)
     _place_oracle(args.oracle)
+    for option, folder in (
+        ("--report-dir", args.report_dir),
+        ("--failures-dir", args.failures_dir),
+    ):
+        problem = folder_problem(folder)
+        if problem:
+            return _fail_env(f"{option} {folder}: {problem}")
     report_dir = Path(args.report_dir)
     report_json = report_dir / "compat-report.json"
     if report_json.exists():
@@ -373,8 +393,15 @@ def cmd_subjects(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line (and exit 2), like every other bad input to the gate."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="omni-conformance", description=__doc__.splitlines()[0])
+    p = _Parser(prog="omni-conformance", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser(

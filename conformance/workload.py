@@ -134,8 +134,16 @@ class Trace:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Trace:
-        if data.get("format") != FORMAT:
-            raise ValueError(f"trace: expected format {FORMAT!r}, got {data.get('format')!r}")
+        found = data.get("format")
+        if found != FORMAT:
+            prefix, _, number = str(found).rpartition("/")
+            mine = int(FORMAT.rpartition("/")[2])
+            if prefix == FORMAT.rpartition("/")[0] and number.isdigit() and int(number) > mine:
+                raise ValueError(
+                    f"trace: format {found!r} was written by a newer omni-conformance; this one "
+                    f"reads {FORMAT!r} (upgrade omni-conformance to replay it)"
+                )
+            raise ValueError(f"trace: expected format {FORMAT!r}, got {found!r}")
         return cls(
             config=HarnessConfig.from_dict(data["config"]),
             ops=[op_from_dict(o) for o in data["ops"]],

@@ -15,11 +15,18 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
+
+
+class _Parser(argparse.ArgumentParser):
+    """A usage error is one line and exit 2, as for every other bad input."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="omni-runtime", description="Omni-modality AR runtime on vLLM's EngineCore (CPU)."
     )
     sub = parser.add_subparsers(dest="command", required=True)
@@ -106,11 +113,31 @@ def _ms(x: float | None) -> str:
     return "n/a" if x is None else f"{x * 1000:.1f} ms"
 
 
+def out_problem(out: str, n: int) -> str | None:
+    """Why the WAV files for ``n`` prompts cannot be written at ``out`` (checked before any
+    stage runs, so a bad path costs nothing), or None."""
+    for path in wav_paths(out, n):
+        if path.is_dir():
+            return f"--out {out}: {path} is a folder"
+        folder = path.parent
+        while not folder.exists():  # the first existing ancestor decides whether mkdir can work
+            folder = folder.parent
+        if not folder.is_dir():
+            return f"--out {out}: {folder} is a file, not a folder"
+        if not os.access(folder, os.W_OK | os.X_OK):
+            return f"--out {out}: folder {folder} is not writable"
+    return None
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from omni_runtime.audio import write_wav
     from omni_runtime.engine.graph import PipelineConfigError
     from omni_runtime.engine.pipeline import OmniPipeline
 
+    problem = None if args.text_only else out_problem(args.out, len(args.prompt))
+    if problem:
+        print(f"omni-runtime: error: {problem}", file=sys.stderr)
+        return 2
     try:
         pipeline = OmniPipeline(
             args.pipeline_config,
@@ -120,7 +147,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             connector=args.connector,
         )
     except PipelineConfigError as exc:
-        print(f"omni-runtime: {exc}", file=sys.stderr)
+        print(f"omni-runtime: error: {exc}", file=sys.stderr)
         return 2
     try:
         progress = Progress(sys.stderr, len(args.prompt), not args.no_progress)

@@ -25,7 +25,7 @@ from vllm.config import (
 )
 
 from omni_runtime.config import Materialization, OmniStageConfig, stage_additional_config
-from omni_runtime.engine.graph import ARStageSpec
+from omni_runtime.engine.graph import BUILTIN_MODELS, ARStageSpec
 from omni_runtime.models import model_dir
 from omni_runtime.sched import OmniARAsyncScheduler, OmniARScheduler
 
@@ -43,7 +43,6 @@ __all__ = [
 WORKER_CLS = "omni_runtime.worker.OmniARWorker"
 SYNC_SCHEDULER = f"{OmniARScheduler.__module__}.{OmniARScheduler.__qualname__}"
 ASYNC_SCHEDULER = f"{OmniARAsyncScheduler.__module__}.{OmniARAsyncScheduler.__qualname__}"
-BUILTIN_MODELS = ("thinker", "talker", "code2wav")
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,59 @@ _AR_KEYS = {
 }
 _C2W_KEYS = {"id", "kind", "model"}
 
+# The JSON type of every stage field, checked before a spec is built, so a wrong type is one
+# line naming the field rather than an error from deep inside vLLM's config validation.
+# ("int" excludes booleans; "int?" and "str?" also accept null; "pos" is an int above zero.)
+_FIELD_TYPES: dict[str, str] = {
+    "id": "str",
+    "kind": "str",
+    "model": "str",
+    "downstream": "list[str]",
+    "chunk_processor": "str?",
+    "include_hidden": "bool",
+    "downstream_needs_full_prefix": "bool",
+    "prompt_embeds_dim": "pos?",
+    "start_token_ids": "list[int]",
+    "stop_token_ids": "list[int]",
+    "max_model_len": "pos",
+    "max_num_seqs": "pos",
+    "max_num_batched_tokens": "pos",
+    "block_size": "pos",
+    "num_blocks": "pos?",
+}
+# Model names the runtime builds itself (``omni_runtime.models.model_dir``); any other value of
+# a stage's ``model`` must be a model folder.
+BUILTIN_MODELS = ("thinker", "talker", "code2wav")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _type_problem(value: Any, expected: str) -> str | None:
+    """Why ``value`` is not of the JSON type ``expected`` (``_FIELD_TYPES``), or None."""
+    if expected.endswith("?"):
+        if value is None:
+            return None
+        expected = expected[:-1]
+    ok = {
+        "str": lambda v: isinstance(v, str) and bool(v),
+        "bool": lambda v: isinstance(v, bool),
+        "pos": lambda v: _is_int(v) and v > 0,
+        "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+        "list[int]": lambda v: isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v),
+    }[expected](value)
+    if ok:
+        return None
+    wanted = {
+        "str": "a non-empty string",
+        "bool": "true or false",
+        "pos": "an integer above 0",
+        "list[str]": "a list of strings",
+        "list[int]": "a list of token ids (integers >= 0)",
+    }[expected]
+    return f"expected {wanted}, got {json.dumps(value, default=repr)[:60]}"
+
 
 class PipelineConfigError(ValueError):
     """A pipeline file that cannot describe a runnable graph; the message names the field."""
@@ -145,6 +198,16 @@ class PipelineConfig:
             unknown = set(raw) - keys
             if unknown:
                 raise fail(where, f"unknown keys {sorted(unknown)}")
+            for key, value in raw.items():
+                problem = _type_problem(value, _FIELD_TYPES[key])
+                if problem:
+                    raise fail(f"{where}.{key}", problem)
+            model = raw["model"]
+            if model not in BUILTIN_MODELS and not Path(model).is_dir():
+                raise fail(
+                    f"{where}.model",
+                    f"no model folder {model!r} (a folder, or one of {list(BUILTIN_MODELS)})",
+                )
             kw = dict(raw)
             for key in ("downstream", "start_token_ids", "stop_token_ids"):
                 if key in kw:
