@@ -37,7 +37,11 @@ pytestmark = pytest.mark.clauses("C-21")
 def test_every_check_runs_with_an_empty_path(tmp_path, run_check):
     """The whole gate on the project's own runtime with ``PATH`` empty: every test of the suite
     runs (none skipped, none not run) and passes, the static checks included."""
-    run = run_check(tmp_path, "omni", workers=2, quiet=True, extra_env={"PATH": ""})
+    # smoke: the default test command runs the suite itself at the ci profile; here the point
+    # is that every test runs from an empty PATH, not the depth of each search.
+    run = run_check(
+        tmp_path, "omni", workers=2, quiet=True, profile="smoke", extra_env={"PATH": ""}
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.report is not None, run.tail()
     report = run.report
@@ -70,6 +74,7 @@ def test_a_promised_check_that_cannot_run_fails_the_gate(tmp_path, run_check):
         tmp_path,
         "missing_contracts:MissingContracts",
         quiet=True,
+        profile="smoke",
         tests=(
             f"{WORKERS}::test_import_contracts_hold",
             f"{ADAPTERS}::test_malformed_inputs_rejected_at_adapter",
