@@ -1,4 +1,12 @@
-"""Opt-in lanes: tests that need environments beyond the installed vLLM.
+"""Opt-in lanes, and one fixed string hash for every test process.
+
+String hashing: vLLM frees the blocks of a multi-id abort in ``set`` order, so lock-step step
+counts depend on ``PYTHONHASHSEED``, and an oracle in its own process must hash as the tests do.
+The seed is fixed here, before pytest-xdist starts its workers (which inherit it), so the README's
+``pytest -n 2`` runs the examples ``omni-conformance check`` runs; without ``-n`` set
+``PYTHONHASHSEED=0`` yourself (``.ci/run`` does).
+
+Opt-in lanes: tests that need environments beyond the installed vLLM.
 
 ``vllm_matrix`` tests build an environment for another vLLM release (gigabytes, minutes) and
 ``vllm_omni`` tests need a vLLM + vllm-omni environment. They are deselected (reported as such
@@ -8,7 +16,11 @@ by pytest, never silently skipped) unless the ``-m`` expression names their mark
 
 from __future__ import annotations
 
+import os
+
 import pytest
+
+os.environ.setdefault("PYTHONHASHSEED", "0")
 
 OPT_IN = ("vllm_matrix", "vllm_omni")
 

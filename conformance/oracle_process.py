@@ -42,10 +42,29 @@ class OracleProcessError(RuntimeError):
     """The oracle process died or failed: a harness error, never a difference of the subject."""
 
 
+def hash_seed_problem() -> str | None:
+    """Why a child interpreter cannot reproduce this one's string hashing, or None.
+
+    vLLM's ``finish_requests`` iterates a ``set`` of request ids, so a multi-id abort frees
+    blocks in an order that depends on ``PYTHONHASHSEED``: oracle and subject must hash alike,
+    and a child inherits the seed only when it is fixed.
+    """
+    seed = os.environ.get("PYTHONHASHSEED", "random")
+    if sys.flags.hash_randomization and seed in ("", "random"):
+        return (
+            "an oracle in its own process needs a fixed PYTHONHASHSEED (vLLM frees the blocks of "
+            "a multi-id abort in set order); run with PYTHONHASHSEED=0, as omni-conformance does"
+        )
+    return None
+
+
 class OracleProcess:
     """A child interpreter serving upstream sides (see the module docstring)."""
 
     def __init__(self) -> None:
+        problem = hash_seed_problem()
+        if problem:
+            raise OracleProcessError(problem)
         to_child_r, to_child_w = os.pipe()
         from_child_r, from_child_w = os.pipe()
         self._log = tempfile.TemporaryFile(prefix="omni-conformance-oracle-")

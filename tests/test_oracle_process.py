@@ -19,8 +19,10 @@ that never imported the subject (``conformance.oracle_process``). What could bre
 
 from __future__ import annotations
 
+import os
 import random
 import subprocess
+import sys
 
 import pytest
 
@@ -187,3 +189,20 @@ def test_check_and_replay_run_the_oracle_isolated_for_a_patching_subject(
     assert "separate process" in again.stdout
     clean = replay("--subject", "upstream")
     assert clean.returncode == 3, clean.stdout + clean.stderr
+
+
+def test_an_oracle_process_needs_a_fixed_hash_seed():
+    probe = "from conformance.oracle_process import hash_seed_problem as p; print(p())"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    random_seed = subprocess.run(
+        [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert "needs a fixed PYTHONHASHSEED" in random_seed.stdout, random_seed.stderr[-2000:]
+    fixed = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**env, "PYTHONHASHSEED": "0"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert fixed.stdout.strip() == "None", fixed.stderr[-2000:]
