@@ -52,6 +52,13 @@ class _Script:
             self.s.apply(op)
 
     def up(self) -> Any:
+        """The oracle's live scheduler: the script decides its next operation from it, so it
+        needs the oracle in this process."""
+        from conformance.lockstep import Side
+        from conformance.pristine import require_oracle_in_process
+
+        if not isinstance(self.s.up, Side):
+            require_oracle_in_process("a scripted scenario")
         return self.s.up.scheduler
 
     def ids_with(self, status: str) -> list[str]:
