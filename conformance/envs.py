@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from importlib.metadata import Distribution, PackageNotFoundError, distribution, distributions
 from pathlib import Path
 
+from conformance.vllm_compat.versions import ByRelease, Change
+
 DISTRIBUTION = "omni-conformance"
 MARKER = ".omni-conformance-env.json"
 ENVS_ENV = "OMNI_CONFORMANCE_ENVS"
@@ -94,6 +96,18 @@ def harness_requirements() -> list[str]:
     return out
 
 
+# What an environment adds to a vLLM release's own requirements, by release: upper bounds a
+# release did not declare, whose absence lets a newer dependency break it.
+RELEASE_CONSTRAINTS: ByRelease[tuple[str, ...]] = ByRelease(
+    "environment constraints",
+    # 0.28-0.30 require transformers>=5.x with no upper bound; 5.17 removed
+    # PixtralRotaryEmbedding, which their Pixtral code imports, so vLLM's own multimodal
+    # scheduler tests fail to build a model config (36 of 320 on 0.28) with the newest release.
+    ("transformers<5.17",),
+    [Change("0.31.0", (), "vLLM declares transformers<5.18 itself and no longer imports it")],
+)
+
+
 @dataclass(frozen=True)
 class EnvSpec:
     """What one environment holds: a vLLM release and extra requirements."""
@@ -109,7 +123,7 @@ class EnvSpec:
         return f"vllm-{self.vllm}+{digest}"
 
     def requirements(self) -> list[str]:
-        return [f"vllm=={self.vllm}", *sorted(self.extras)]
+        return [f"vllm=={self.vllm}", *RELEASE_CONSTRAINTS.at(self.vllm), *sorted(self.extras)]
 
 
 @dataclass

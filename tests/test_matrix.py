@@ -24,7 +24,14 @@ def test_env_names_follow_contents():
     a = EnvSpec("0.30.0", ("vllm-omni==0.30.0",))
     b = EnvSpec("0.30.0", ("vllm-omni==0.30.0",))
     assert a.name == b.name and a.name.startswith("vllm-0.30.0+")
-    assert a.requirements() == ["vllm==0.30.0", "vllm-omni==0.30.0"]
+    assert a.requirements() == ["vllm==0.30.0", "transformers<5.17", "vllm-omni==0.30.0"]
+
+
+def test_release_constraints_are_keyed_by_release():
+    # 0.28-0.30 float transformers past a release that breaks them; 0.31+ bound it themselves.
+    assert EnvSpec("0.28.0").requirements() == ["vllm==0.28.0", "transformers<5.17"]
+    assert EnvSpec("0.31.0").requirements() == ["vllm==0.31.0"]
+    assert EnvSpec("0.33.0", ("x==1",)).requirements() == ["vllm==0.33.0", "x==1"]
 
 
 def test_harness_installs_without_touching_vllm():
