@@ -950,6 +950,9 @@ def _md_failure(e: Mapping[str, Any]) -> list[str]:
         )
     for other in e["failures"][1:]:
         lines.append(f"- also `{_md(other['test'])}`: {_md(_short(other['message'], 160))}")
+    oracle = str((e["environment"] or {}).get("oracle") or "in-process")
+    if oracle != "in-process":
+        lines.append(f"- oracle: {_md(_short(oracle, 200))}")
     if e["report"]:
         lines.append(f"- cell report: {_md_code(e['report'])}")
     lines.append("")
