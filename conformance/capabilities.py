@@ -21,6 +21,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
+# The capability hooks of ``conformance.subjects.BaseSubject``: each returns None when the subject
+# does not provide that capability.
+CAPABILITY_HOOKS: tuple[str, ...] = (
+    "declared_attributes",
+    "chunk_delivery",
+    "source_layout",
+    "input_adapter",
+    "runner_probes",
+    "model_reference",
+)
+
 
 class NotApplicable(Exception):
     """The subject does not provide what a check needs; the plugin reports it as skipped."""

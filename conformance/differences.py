@@ -22,10 +22,28 @@ The context handed to ``applies`` (documented for registry authors):
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
 from typing import Any
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One documented difference of a subject from upstream (``conformance.subjects``'s
+    ``DifferenceEntry``): the field patterns it tolerates, the condition as a predicate on the
+    context above and in words, why, the tests that make it happen and the clauses it touches.
+    ``documented_at`` names where a third-party runtime documents it, for adapters of runtimes
+    this project did not write."""
+
+    id: str
+    fields: tuple[str, ...]
+    condition: str
+    applies: Callable[[Mapping[str, Any]], bool]
+    rationale: str
+    tests: tuple[str, ...]
+    clauses: tuple[str, ...]
+    documented_at: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -140,9 +140,6 @@ class Side:
     def omni_ids(self) -> set[str]:
         return set(self.subject.live_omni_ids(self.scheduler))
 
-    def close(self) -> None:
-        """Nothing to release in this process."""
-
 
 def make_side(subject: Subject, cfg: HarnessConfig, worker: Subject | None) -> Side:
     """A side for ``subject``: its scheduler, and ``worker``'s real worker when given, else the

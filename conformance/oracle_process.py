@@ -169,7 +169,8 @@ class ProcessSide:
         self._id = self._proc.new_id()
         self._status: dict[str, Any] = self._proc.call("open", self._id, config)
         self.last_abort_states: dict[str, str] = {}
-        self._closer = weakref.finalize(self, self._proc.notify, "close", self._id)
+        # Tell the child to drop this session once the session is garbage.
+        weakref.finalize(self, self._proc.notify, "close", self._id)
 
     @property
     def mode(self) -> str:
@@ -192,9 +193,6 @@ class ProcessSide:
 
     def omni_ids(self) -> set[str]:
         return set(self._status["omni_ids"])
-
-    def close(self) -> None:
-        self._closer()
 
 
 # ---- the child ---------------------------------------------------------------------------

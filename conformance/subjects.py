@@ -56,7 +56,7 @@ class SubjectUnsupported(Exception):
 
 @runtime_checkable
 class DifferenceEntry(Protocol):
-    """What the harness needs from one registry entry (``omni_runtime.differences.Difference``)."""
+    """What the harness needs from one registry entry (``conformance.differences.Difference``)."""
 
     @property
     def id(self) -> str: ...

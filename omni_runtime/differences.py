@@ -3,7 +3,8 @@
 This is the runtime's side of AR-INV-001: a difference observed by the conformance harness is
 tolerated only when an entry below names the field, its ``applies`` condition holds for the
 observed difference, and a named test makes the difference happen. Anything else is a failure.
-The harness reads ``DIFFERENCES``; nothing here imports the harness.
+The harness reads ``DIFFERENCES``; the entry type is the harness's own
+``conformance.differences.Difference``, as for any subject.
 
 ``fields`` are ``fnmatch`` patterns over the harness's field paths (``outputs.<req>.omni_eof``);
 ``applies(ctx)`` receives the harness's difference context, a mapping with at least ``path``,
@@ -14,20 +15,10 @@ whether a request has a downstream consumer).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Any
 
-
-@dataclass(frozen=True)
-class Difference:
-    id: str
-    fields: tuple[str, ...]
-    condition: str
-    applies: Callable[[Mapping[str, Any]], bool]
-    rationale: str
-    tests: tuple[str, ...]
-    clauses: tuple[str, ...]
+from conformance.differences import Difference
 
 
 def _stage(ctx: Mapping[str, Any]) -> Mapping[str, Any]:

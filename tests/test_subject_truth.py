@@ -30,19 +30,13 @@ from typing import Any
 
 import pytest
 
+from conformance.capabilities import CAPABILITY_HOOKS
+
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / "invariants"
 WORKER = "worker"  # the pseudo-capability ``require_worker`` checks (``has_worker()``)
 # The capability hooks a subject may leave at None (``conformance.capabilities``).
-HOOKS = (
-    WORKER,
-    "declared_attributes",
-    "chunk_delivery",
-    "source_layout",
-    "input_adapter",
-    "runner_probes",
-    "model_reference",
-)
+HOOKS = (WORKER, *CAPABILITY_HOOKS)
 LOCKSTEP_TESTS = {"test_lockstep_parity", "test_runtime_audit"}
 FIELD_PREFIXES = ("queues.", "sched_out.", "requests.")
 NOT_APPLICABLE = ("not_applicable", "skipped")

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from conformance.adapters import vllm_omni as adapter
+from conformance.capabilities import CAPABILITY_HOOKS
 from conformance.differences import validate_entries
 from conformance.subjects import SubjectUnsupported
 
@@ -197,14 +198,7 @@ def test_subject_provides_no_capability_beyond_lockstep_parity():
     subject = adapter.VllmOmniSubject("0.30.0")
     assert subject.name == "vllm-omni"
     assert not subject.has_worker()
-    for hook in (
-        "declared_attributes",
-        "chunk_delivery",
-        "source_layout",
-        "input_adapter",
-        "runner_probes",
-        "model_reference",
-    ):
+    for hook in CAPABILITY_HOOKS:
         assert getattr(subject, hook)() is None, hook
 
 

@@ -41,8 +41,7 @@ in this module imports ``vllm_omni`` when the module itself is imported, so the 
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
@@ -52,6 +51,7 @@ from conformance.config import (
     build_kv_cache_config,
     build_vllm_config,
 )
+from conformance.differences import Difference
 from conformance.subjects import (
     BaseSubject,
     DifferenceEntry,
@@ -141,22 +141,6 @@ def check_environment() -> str:
 
 
 # ---- the differences vllm-omni documents -----------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Difference:
-    """One behaviour vllm-omni documents as intended, and where it documents it."""
-
-    id: str
-    fields: tuple[str, ...]
-    condition: str
-    applies: Callable[[Mapping[str, Any]], bool]
-    rationale: str
-    # "vllm_omni/path.py:Symbol (what it says)" in the installed vllm-omni; a reference that
-    # ends "[from 0.Y]" holds from vllm-omni 0.Y on.
-    documented_at: tuple[str, ...]
-    tests: tuple[str, ...]
-    clauses: tuple[str, ...]
 
 
 def _absent_upstream(ctx: Mapping[str, Any]) -> bool:
