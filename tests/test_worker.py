@@ -454,3 +454,12 @@ def test_worker_imports_no_engine_or_routing_code() -> None:
                 names = [node.module]
             offenders += [(path.name, n) for n in names if n.startswith(FORBIDDEN_PREFIXES)]
     assert offenders == []
+
+
+def test_a_lora_request_is_refused_naming_it():
+    from types import SimpleNamespace
+
+    from omni_runtime.worker import OmniARWorker
+
+    with pytest.raises(ValueError, match="lora_request 'speaker-a': OmniARWorker serves no LoRA"):
+        OmniARWorker.add_lora(object(), SimpleNamespace(lora_name="speaker-a"))

@@ -152,7 +152,9 @@ class OmniARWorker(WorkerBase):
         return None
 
     def add_lora(self, lora_request: Any) -> bool:
-        raise NotImplementedError("OmniARWorker does not support LoRA")
+        # A refusal, not a gap: the stage models have no adapters to apply one to.
+        name = getattr(lora_request, "lora_name", lora_request)
+        raise ValueError(f"lora_request {name!r}: OmniARWorker serves no LoRA adapters")
 
     def remove_lora(self, lora_id: int) -> bool:
         return False
