@@ -37,6 +37,9 @@ class OmniStageConfig:
     # Extra model outputs (beyond hidden rows) the downstream consumes, by name.
     multimodal_outputs: tuple[str, ...] = ()
     prompt_embeds_dim: int | None = None
+    # How many times the worker re-runs a step that raised before it pins the fault on single
+    # requests by splitting the batch (``omni_runtime.worker.recovery``); 0 splits at once.
+    step_retries: int = 2
     extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -47,6 +50,12 @@ class OmniStageConfig:
         for d in self.downstream:
             if d not in self.stages:
                 raise ValueError(f"omni_stage.downstream: unknown stage {d!r}")
+        if isinstance(self.step_retries, bool) or not isinstance(self.step_retries, int):
+            raise ValueError(
+                f"omni_stage.step_retries: expected an integer, got {self.step_retries!r}"
+            )
+        if self.step_retries < 0:
+            raise ValueError(f"omni_stage.step_retries: must be >= 0, got {self.step_retries}")
         if self.materialization not in ("inline", "background"):
             raise ValueError(
                 "omni_stage.materialization: expected 'inline' or 'background', "

@@ -105,6 +105,9 @@ class OmniModelRunnerOutput(ModelRunnerOutput):
     """
 
     omni_payloads: list[StagePayload | None] | None = None
+    # Requests a step fault was pinned on by the worker's isolation (``worker.recovery``), with
+    # the cause naming the stage; they carry no tokens and no payload. None: nobody failed.
+    omni_failed: dict[str, str] | None = None
 
 
 class OmniEngineCoreOutput(
@@ -121,6 +124,8 @@ class OmniEngineCoreOutput(
 
     omni_chunk_refs: list[str] | None = None
     omni_eof: bool = False
+    # Why a request finished with an error, naming the stage (set with an error finish reason).
+    omni_error: str | None = None
 
 
 class OmniEngineCoreOutputs(

@@ -443,9 +443,12 @@ def test_connector_collected_on_engine_thread_once_per_step(thinker_dir) -> None
     assert builder_threads and main not in builder_threads
 
 
-@pytest.mark.parametrize("mode,async_", [("background", True), ("inline", False)])
-def test_builder_error_reaches_engine_caller(thinker_dir, mode, async_) -> None:
-    ec = make_engine(thinker_dir, async_=async_, budget=32, stage=_stage(materialization=mode))
+def test_background_builder_error_reaches_engine_caller(thinker_dir) -> None:
+    """A background build runs after the step returned: its error is re-raised on the
+    caller's thread when the engine collects the step (C-54), never lost."""
+    ec = make_engine(
+        thinker_dir, async_=True, budget=32, stage=_stage(materialization="background")
+    )
     builder = runner_of(ec).builder
     original = builder.build
     count = 0
@@ -463,6 +466,34 @@ def test_builder_error_reaches_engine_caller(thinker_dir, mode, async_) -> None:
             Run(ec).run(_omni_waves(ec, _stage(), PROMPTS[:4]))
     finally:
         ec.shutdown()
+
+
+def test_inline_builder_fault_is_retried_away(thinker_dir) -> None:
+    """An inline build is part of the step: a one-off fault in it is undone and the step run
+    again (``worker.recovery``), so nobody fails and the tokens equal an undisturbed run."""
+    clean_ec = make_engine(thinker_dir, async_=False, budget=32, stage=_stage())
+    try:
+        clean = Run(clean_ec).run(_omni_waves(clean_ec, _stage(), PROMPTS[:4])).tokens
+    finally:
+        clean_ec.shutdown()
+    ec = make_engine(thinker_dir, async_=False, budget=32, stage=_stage())
+    builder = runner_of(ec).builder
+    original = builder.build
+    count = 0
+
+    def failing_build(plan, inputs):
+        nonlocal count
+        count += 1
+        if count == 3:
+            raise RuntimeError("builder exploded")
+        return original(plan, inputs)
+
+    builder.build = failing_build  # type: ignore[method-assign]
+    try:
+        tokens = Run(ec).run(_omni_waves(ec, _stage(), PROMPTS[:4])).tokens
+    finally:
+        ec.shutdown()
+    assert count > 3 and tokens == clean
 
 
 # ---- sampling and prompt embeds ---------------------------------------------------------------

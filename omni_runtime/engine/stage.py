@@ -144,7 +144,7 @@ class StageEngine:
                     out.request_id,
                     list(out.new_token_ids),
                     reason,
-                    None,
+                    getattr(out, "omni_error", None),
                     list(refs),
                     compat.cached_prompt_tokens(out),
                 )

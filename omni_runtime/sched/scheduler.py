@@ -10,7 +10,8 @@ preemption, stop handling, async placeholders) is upstream's own code: these cla
 * omni output fields on ``EngineCoreOutput`` for requests whose step sent a chunk, through the
   trailing-field subclasses in ``omni_runtime.payload``;
 * failing, with an error finish reason, only the requests whose chunk processor or connector
-  raised (C-61).
+  raised, and those the worker pinned a step fault on (``OmniModelRunnerOutput.omni_failed``,
+  see ``omni_runtime.worker.recovery``) (C-61).
 
 With no ``omni_stage`` in the config, or a stage with no downstream, there is nothing to decide
 and ``update_from_output`` is upstream's call alone.
@@ -33,7 +34,12 @@ from vllm.v1.request import Request, RequestStatus
 from omni_runtime.adapters.input import OmniRequestState, omni_state_of
 from omni_runtime.adapters.output import payloads_by_request
 from omni_runtime.config import OmniStageConfig
-from omni_runtime.payload import OmniEngineCoreOutputs, StageChunk, omni_output_from
+from omni_runtime.payload import (
+    OmniEngineCoreOutput,
+    OmniEngineCoreOutputs,
+    StageChunk,
+    omni_output_from,
+)
 from omni_runtime.sched.transfer import ChunkTransferAdapter, load_processor
 
 
@@ -92,6 +98,14 @@ class OmniARScheduler(Scheduler):
     def update_from_output(
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
+        pinned = getattr(model_runner_output, "omni_failed", None)
+        errored = self._fail_pinned(pinned) if pinned else []
+        outputs = self._update_with_transfer(scheduler_output, model_runner_output)
+        return self._report_errors(outputs, errored) if errored else outputs
+
+    def _update_with_transfer(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> dict[int, EngineCoreOutputs]:
         transfer = self.transfer
         if transfer is None:
             return super().update_from_output(scheduler_output, model_runner_output)
@@ -136,7 +150,9 @@ class OmniARScheduler(Scheduler):
             # Upstream's own list; the adapter copies before anything can keep it (C-44).
             new_ids = out.new_token_ids if out is not None else []
             reason = (
-                str(out.finish_reason) if out is not None and out.finish_reason is not None else None
+                str(out.finish_reason)
+                if out is not None and out.finish_reason is not None
+                else None
             )
             if reason is None and req_id in freed:
                 reason = freed[req_id][1]
@@ -156,6 +172,51 @@ class OmniARScheduler(Scheduler):
             outputs = self._attach_chunk_refs(outputs, by_id, sent)
         if failures:
             self._fail_requests_of(failures, outputs)
+        return outputs
+
+    def _fail_pinned(self, pinned: dict[str, str]) -> list[tuple[Request, str]]:
+        """Finish, with an error reason, the live requests the worker pinned a fault on.
+
+        Done before upstream's pass over the step, which skips finished requests, as it does
+        for a request aborted while its step was executing. Their blocks leave the prefix
+        cache: vLLM hashed them when it scheduled the step, but their KV was never written
+        (C-61: no hit on KV that does not exist). Blocks other requests share stay allocated.
+        """
+        live = [rid for rid in pinned if rid in self.requests]
+        if not live:
+            return []
+        kv = self.kv_cache_manager
+        suspect: set[int] = set()
+        for rid in live:
+            for group in kv.get_block_ids(rid):
+                suspect.update(group)
+        finished = self.finish_requests(live, RequestStatus.FINISHED_ERROR)
+        if suspect:
+            kv.evict_blocks(suspect)
+        return [(request, pinned[request.request_id]) for request in finished]
+
+    @staticmethod
+    def _report_errors(
+        outputs: dict[int, EngineCoreOutputs], errored: list[tuple[Request, str]]
+    ) -> dict[int, EngineCoreOutputs]:
+        """Give each request failed outside upstream's pass its one terminal output (C-62),
+        with the cause on ``omni_error``."""
+        for request, cause in errored:
+            client = request.client_index
+            eco = outputs.get(client)
+            if not isinstance(eco, OmniEngineCoreOutputs):
+                fields = {} if eco is None else {n: getattr(eco, n) for n in eco.__struct_fields__}
+                fields["outputs"] = list(fields.get("outputs", ()))
+                eco = outputs[client] = OmniEngineCoreOutputs(**fields)
+            eco.outputs.append(
+                OmniEngineCoreOutput(
+                    request_id=request.request_id,
+                    new_token_ids=[],
+                    finish_reason=request.get_finished_reason(),
+                    trace_headers=request.trace_headers,
+                    omni_error=cause,
+                )
+            )
         return outputs
 
     def _attach_chunk_refs(

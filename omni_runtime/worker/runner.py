@@ -34,6 +34,7 @@ empty step); ``sample_tokens`` samples, collects connector output on the calling
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -54,7 +55,7 @@ from omni_runtime.adapters.output import (
 )
 from omni_runtime.config import OmniStageConfig
 from omni_runtime.models import LlamaLM
-from omni_runtime.payload import OmniModelRunnerOutput
+from omni_runtime.payload import OmniModelRunnerOutput, StagePayload
 from omni_runtime.worker import vllm_compat as compat
 from omni_runtime.worker.attention import (
     DecodeGroup,
@@ -63,8 +64,16 @@ from omni_runtime.worker.attention import (
     StepAttention,
     slots_for,
 )
-from omni_runtime.worker.materialize import BackgroundOutput, Materializer, make_materializer
+from omni_runtime.worker.materialize import (
+    BackgroundMaterializer,
+    BackgroundOutput,
+    Materializer,
+    make_materializer,
+)
+from omni_runtime.worker.recovery import PoisonedBlocks, StepJournal, bisect, describe, log_isolated
 from omni_runtime.worker.sampler import Sampler, SamplingState, request_seed
+
+logger = logging.getLogger(__name__)
 
 
 def layer_name(i: int) -> str:
@@ -167,6 +176,7 @@ class ExecutedStep:
     sample_index: list[int]  # request indices that sample this step
     conditioning_rows: list[int]  # hidden-buffer rows; -1 where none
     prefix_rows: dict[int, torch.Tensor]
+    sampled: bool = False  # sampling is done: a later fault is the payload hand-off's
 
 
 class OmniARModelRunner:
@@ -212,6 +222,17 @@ class OmniARModelRunner:
         self.requests: dict[str, RequestState] = {}
         self.kv: PagedKVCache | None = None
         self._pending: ExecutedStep | None = None
+        # Step-fault recovery (``worker.recovery``): the running step's undo journal and
+        # SchedulerOutput, a step already completed by isolation, the requests a fault was
+        # pinned on (until the scheduler finishes them) and the blocks they left unwritten.
+        # Pinned faults are reported on ``OmniModelRunnerOutput.omni_failed``, so only an omni
+        # stage can isolate; without one a fault that retries do not clear propagates.
+        self.step_retries = stage.step_retries if stage is not None else 2
+        self._journal: StepJournal | None = None
+        self._step_so: SchedulerOutput | None = None
+        self._isolated: OmniModelRunnerOutput | None = None
+        self.quarantined: dict[str, str] = {}
+        self.poisoned = PoisonedBlocks(self.block_size)
         self.main_thread_id = threading.get_ident()
         self._alloc_buffers(self.max_num_reqs, self.max_num_tokens)
 
@@ -291,9 +312,12 @@ class OmniARModelRunner:
 
     # ---- request states -------------------------------------------------------------------
 
-    def _update_states(self, so: SchedulerOutput) -> None:
+    def _update_states(self, so: SchedulerOutput, journal: StepJournal) -> None:
         for req_id in so.finished_req_ids:
-            self.requests.pop(req_id, None)
+            if req_id in self.requests:
+                journal.save_slot(req_id)
+                del self.requests[req_id]
+            self.quarantined.pop(req_id, None)
         assert self.kv is not None, "initialize_kv_cache must run before execute_model"
         self.kv.zero_blocks(compat.blocks_to_zero(so))
         self.kv.copy_blocks(compat.block_copies(so))
@@ -338,16 +362,19 @@ class OmniARModelRunner:
                 merge_pending=self.full_prefix and new.num_computed_tokens > 0,
             )
             self._recheck_conditioning(st)
+            journal.save_slot(new.req_id)
             self.requests[new.req_id] = st
 
         for upd in compat.cached_request_updates(so):
             st = self.requests[upd.req_id]
+            journal.save(st)
             st.num_computed_tokens = upd.num_computed_tokens
             if upd.all_token_ids is not None:
                 st.token_ids = list(upd.all_token_ids)
             elif 0 <= upd.num_output_tokens < len(st.token_ids) - st.prompt_len:
-                # The scheduler dropped tokens this runner sampled (stale async output).
-                del st.token_ids[st.prompt_len + upd.num_output_tokens :]
+                # The scheduler dropped tokens this runner sampled (stale async output). A new
+                # list, not an in-place cut: the journal's undo relies on it (``recovery``).
+                st.token_ids = st.token_ids[: st.prompt_len + upd.num_output_tokens]
             self._recheck_conditioning(st)
             if upd.resumed:
                 st.replace_blocks(upd.new_block_ids[0] if upd.new_block_ids else [])
@@ -369,13 +396,35 @@ class OmniARModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput | None:
-        """Apply the step's request updates, prepare its inputs and run the forward."""
-        if self._pending is not None:
+        """Apply the step's request updates, prepare its inputs and run the forward.
+
+        A fault undoes the step and runs it again, up to ``step_retries`` times; then the step
+        is completed by isolation and its output waits for ``sample_tokens``.
+        """
+        if self._pending is not None or self._isolated is not None:
             raise RuntimeError("execute_model called twice without sample_tokens in between")
-        self._update_states(so)
-        if so.total_num_scheduled_tokens == 0:
-            return self._empty_output()
-        self._pending = self._forward(self._prepare_inputs(so))
+        self._step_so = so
+        self.poisoned.next_step()
+        if self._must_isolate(so):
+            self._isolated = self._execute_isolated(so)
+            return None
+        fault: Exception | None = None
+        for _ in range(1 + self.step_retries):
+            journal = StepJournal(self.requests)
+            try:
+                self._update_states(so, journal)
+                if so.total_num_scheduled_tokens == 0:
+                    return self._empty_output()
+                self._pending = self._forward(self._prepare_inputs(so))
+            except Exception as exc:
+                journal.rollback()
+                fault = exc
+                self._log_retry(exc)
+                continue
+            self._journal = journal
+            return None
+        assert fault is not None
+        self._isolated = self._execute_isolated(so, fault)
         return None
 
     @torch.inference_mode()
@@ -383,11 +432,43 @@ class OmniARModelRunner:
         self, grammar_output: GrammarOutput | None = None
     ) -> ModelRunnerOutput | BackgroundOutput:
         """Sample, collect connector output (C-54), then finish payloads inline or in the
-        background (C-50..C-53)."""
+        background (C-50..C-53). A fault here undoes the whole step and re-runs it."""
+        if self._isolated is not None:
+            done, self._isolated = self._isolated, None
+            return done
         step, self._pending = self._pending, None
+        journal, self._journal = self._journal, None
         if step is None:
             return self._empty_output()
+        assert journal is not None and self._step_so is not None
+        background = isinstance(self.materializer, BackgroundMaterializer)
+        try:
+            # Inline payload builds are part of the step: their faults are retried too.
+            return self._finish(self._sample_output(step), step)
+        except Exception as exc:
+            if background and step.sampled:
+                # The background hand-off itself raised (an earlier, uncollected build's error,
+                # C-54): that fault is not this step's and must reach the caller as it is.
+                raise
+            journal.rollback()
+            fault: Exception = exc
+            self._log_retry(exc)
+        so = self._step_so
+        for _ in range(self.step_retries):
+            journal = StepJournal(self.requests)
+            try:
+                self._update_states(so, journal)
+                step = self._forward(self._prepare_inputs(so))
+                return self._finish(self._sample_output(step), step)
+            except Exception as exc:
+                journal.rollback()
+                fault = exc
+                self._log_retry(exc)
+        return self._execute_isolated(so, fault)
+
+    def _sample_output(self, step: ExecutedStep) -> ModelRunnerOutput:
         sampled = self._sample(step)
+        step.sampled = True
         connector = self.collect_connector_output()
         kwargs: dict[str, Any] = dict(
             req_ids=step.req_ids,
@@ -397,14 +478,129 @@ class OmniARModelRunner:
         )
         if self.stage is None:
             return ModelRunnerOutput(**kwargs)
-        output = OmniModelRunnerOutput(**kwargs)
-        if not self.payloads_enabled:
+        return OmniModelRunnerOutput(**kwargs)
+
+    def _finish(
+        self, output: ModelRunnerOutput, step: ExecutedStep, *, inline: bool = False
+    ) -> ModelRunnerOutput | BackgroundOutput:
+        if not isinstance(output, OmniModelRunnerOutput) or not self.payloads_enabled:
             return output
-        return self._finish_payloads(output, step)
+        return self._finish_payloads(output, step, inline=inline)
+
+    # ---- step-fault recovery (``worker.recovery``) -----------------------------------------
+
+    def _log_retry(self, exc: BaseException) -> None:
+        logger.warning(
+            "stage %s: step fault %s; undoing and retrying the step",
+            self._stage_name,
+            describe(exc),
+        )
+
+    @property
+    def _stage_name(self) -> str:
+        return self.stage.stage_id if self.stage is not None else "?"
+
+    def _must_isolate(self, so: SchedulerOutput) -> bool:
+        """A step that schedules a request a fault was pinned on, or that runs while blocks a
+        failed request never wrote may still be read, goes straight to isolation."""
+        if self.poisoned:
+            return True
+        quarantined = self.quarantined
+        return bool(quarantined) and any(rid in quarantined for rid in so.num_scheduled_tokens)
+
+    def _execute_isolated(
+        self, so: SchedulerOutput, fault: Exception | None = None
+    ) -> OmniModelRunnerOutput:
+        """Complete the step by running its requests in halves (``recovery.bisect``), failing
+        only the requests whose faults persist and those that read KV they left unwritten.
+
+        Without an omni stage there is no field to report a pinned fault on, so the fault
+        propagates: the engine then fails every request of the step.
+        """
+        if self.stage is None:
+            assert fault is not None
+            raise fault
+        journal = StepJournal(self.requests)
+        try:
+            self._update_states(so, journal)
+        except Exception:
+            # Nothing can be pinned on a request if the step's bookkeeping itself fails.
+            journal.rollback()
+            raise
+        stage = self._stage_name
+        ids = list(so.num_scheduled_tokens)
+        failed: dict[str, str] = {}
+        for rid in ids:
+            if rid in self.quarantined:
+                failed[rid] = self.quarantined[rid]
+            else:
+                st = self.requests[rid]
+                owner = self.poisoned.read_by(st.block_ids, st.num_computed_tokens)
+                if owner is not None:
+                    failed[rid] = self._reader_error(owner)
+        tokens: dict[str, list[int]] = {}
+        payloads: dict[str, StagePayload | None] = {}
+        built = False
+
+        def run(part: list[str]) -> None:
+            nonlocal built
+            mark = journal.mark()
+            for rid in part:
+                journal.save(self.requests[rid])
+            try:
+                step = self._forward(self._prepare_inputs(so, part))
+                out = self._finish(self._sample_output(step), step, inline=True)
+            except Exception:
+                journal.rollback(mark)
+                raise
+            assert isinstance(out, OmniModelRunnerOutput)
+            for rid, toks in zip(part, out.sampled_token_ids, strict=True):
+                tokens[rid] = list(toks)
+            if out.omni_payloads is not None:
+                built = True
+                payloads.update(zip(part, out.omni_payloads, strict=True))
+
+        healthy = [rid for rid in ids if rid not in failed]
+        pinned = bisect(healthy, run, self.step_retries)
+        for rid, exc in pinned.items():
+            failed[rid] = f"{stage}: {describe(exc)}"
+        # In scheduler order, so a reader of a reader is found too: every failed request's
+        # step positions hold no valid KV, and whoever attends to them fails with it.
+        for rid in ids:
+            st = self.requests[rid]
+            if rid not in failed:
+                owner = self.poisoned.read_by(st.block_ids, st.num_computed_tokens)
+                if owner is None:
+                    continue
+                failed[rid] = self._reader_error(owner)
+            c = st.num_computed_tokens
+            self.poisoned.add_written(rid, st.block_ids, c, c + so.num_scheduled_tokens[rid])
+        for rid, cause in failed.items():
+            self.quarantined[rid] = cause
+            tokens[rid] = []
+            payloads[rid] = None
+        if pinned or fault is not None:
+            log_isolated(stage, failed, len(ids) - len(failed))
+        output = OmniModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={rid: i for i, rid in enumerate(ids)},
+            sampled_token_ids=[tokens[rid] for rid in ids],
+            kv_connector_output=self.collect_connector_output(),
+        )
+        if built:
+            output.omni_payloads = [payloads.get(rid) for rid in ids]
+        output.omni_failed = {rid: failed[rid] for rid in ids if rid in failed} or None
+        return output
+
+    def _reader_error(self, owner: str) -> str:
+        return (
+            f"{self._stage_name}: attends to KV blocks that failed request {owner!r} never "
+            "wrote (a prefix-cache hit scheduled before its failure was known)"
+        )
 
     # ---- phase 1: prepare inputs ------------------------------------------------------------
 
-    def _prepare_inputs(self, so: SchedulerOutput) -> StepInputs:
+    def _prepare_inputs(self, so: SchedulerOutput, part: list[str] | None = None) -> StepInputs:
         """Fill the persistent buffers for the step and say how each request is attended.
 
         Also records, on the request states, that the prefill conditioning is being sent and
@@ -412,9 +608,14 @@ class OmniARModelRunner:
         """
         # This list is "the request ids upstream bookkeeping copied": ModelRunnerOutput.req_ids
         # and every payload build reuse it (C-53). Order = scheduler order (C-20).
-        req_ids = list(so.num_scheduled_tokens)
+        # ``part``: the subset of the step that an isolating re-run executes, in scheduler order.
+        req_ids = list(so.num_scheduled_tokens) if part is None else part
         num_reqs = len(req_ids)
-        total = so.total_num_scheduled_tokens
+        total = (
+            so.total_num_scheduled_tokens
+            if part is None
+            else sum(so.num_scheduled_tokens[rid] for rid in part)
+        )
         if num_reqs > self.max_num_reqs or total > self.max_num_tokens:
             self._alloc_buffers(max(num_reqs, self.max_num_reqs), max(total, self.max_num_tokens))
         bs = self.block_size
@@ -564,7 +765,7 @@ class OmniARModelRunner:
     # ---- phase 4: payloads -------------------------------------------------------------------
 
     def _finish_payloads(
-        self, output: OmniModelRunnerOutput, step: ExecutedStep
+        self, output: OmniModelRunnerOutput, step: ExecutedStep, *, inline: bool = False
     ) -> OmniModelRunnerOutput | BackgroundOutput:
         """Hand the step's rows to the payload builder through the materializer (C-50..C-53)."""
         has_cond = any(r >= 0 for r in step.conditioning_rows)
@@ -607,6 +808,10 @@ class OmniARModelRunner:
             num_computed=self.num_computed[:num_reqs],
             conditioning_index=cond_index[:num_reqs],
         )
+        if inline:
+            # An isolating re-run builds each part at once: its rows live only until the next.
+            output.omni_payloads = self.builder.build(plan, inputs)
+            return output
         return self.materializer.finish(output, plan, inputs)
 
     # ---- hooks ----------------------------------------------------------------------------
