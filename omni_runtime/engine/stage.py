@@ -8,7 +8,10 @@ as ready ``Request`` objects built with the engine's own block hasher. Aborts go
 ``EngineCore.abort_requests``; steps to the engine's own step function. Every read of a vLLM
 internal goes through ``omni_runtime.engine.vllm_compat``.
 
-A fault raised out of a step (worker, background builder) fails only the requests of the steps
+A fault inside the model runner's step is first undone and retried, then pinned on the requests
+it concerns by splitting the batch (``omni_runtime.worker.recovery``); the scheduler fails just
+those, and this engine reads their cause from ``omni_error``. What still raises out of a step
+(a background builder's error, a fault outside the runner) fails only the requests of the steps
 that were in flight and not yet applied: they are finished with ``FINISHED_ERROR`` through the
 scheduler, which frees their blocks and gives each one downstream EOF (C-61); the engine keeps
 serving everyone else.
