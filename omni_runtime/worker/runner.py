@@ -74,6 +74,8 @@ from omni_runtime.worker.recovery import PoisonedBlocks, StepJournal, bisect, de
 from omni_runtime.worker.sampler import Sampler, SamplingState, request_seed
 
 logger = logging.getLogger(__name__)
+# A step whose connector output has not been collected yet (None is a collected "nothing").
+_UNCOLLECTED: Any = object()
 
 
 def layer_name(i: int) -> str:
@@ -442,9 +444,11 @@ class OmniARModelRunner:
             return self._empty_output()
         assert journal is not None and self._step_so is not None
         background = isinstance(self.materializer, BackgroundMaterializer)
+        # Once per step (C-54), whatever the retries below do.
+        connector = self.collect_connector_output()
         try:
             # Inline payload builds are part of the step: their faults are retried too.
-            return self._finish(self._sample_output(step), step)
+            return self._finish(self._sample_output(step, connector), step)
         except Exception as exc:
             if background and step.sampled:
                 # The background hand-off itself raised (an earlier, uncollected build's error,
@@ -459,17 +463,18 @@ class OmniARModelRunner:
             try:
                 self._update_states(so, journal)
                 step = self._forward(self._prepare_inputs(so))
-                return self._finish(self._sample_output(step), step)
+                return self._finish(self._sample_output(step, connector), step)
             except Exception as exc:
                 journal.rollback()
                 fault = exc
                 self._log_retry(exc)
-        return self._execute_isolated(so, fault)
+        return self._execute_isolated(so, fault, connector)
 
-    def _sample_output(self, step: ExecutedStep) -> ModelRunnerOutput:
+    def _sample_output(
+        self, step: ExecutedStep, connector: compat.KVConnectorOutput | None
+    ) -> ModelRunnerOutput:
         sampled = self._sample(step)
         step.sampled = True
-        connector = self.collect_connector_output()
         kwargs: dict[str, Any] = dict(
             req_ids=step.req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(step.req_ids)},
@@ -509,7 +514,10 @@ class OmniARModelRunner:
         return bool(quarantined) and any(rid in quarantined for rid in so.num_scheduled_tokens)
 
     def _execute_isolated(
-        self, so: SchedulerOutput, fault: Exception | None = None
+        self,
+        so: SchedulerOutput,
+        fault: Exception | None = None,
+        connector: Any = _UNCOLLECTED,
     ) -> OmniModelRunnerOutput:
         """Complete the step by running its requests in halves (``recovery.bisect``), failing
         only the requests whose faults persist and those that read KV they left unwritten.
@@ -549,7 +557,7 @@ class OmniARModelRunner:
                 journal.save(self.requests[rid])
             try:
                 step = self._forward(self._prepare_inputs(so, part))
-                out = self._finish(self._sample_output(step), step, inline=True)
+                out = self._finish(self._sample_output(step, None), step, inline=True)
             except Exception:
                 journal.rollback(mark)
                 raise
@@ -585,7 +593,9 @@ class OmniARModelRunner:
             req_ids=ids,
             req_id_to_index={rid: i for i, rid in enumerate(ids)},
             sampled_token_ids=[tokens[rid] for rid in ids],
-            kv_connector_output=self.collect_connector_output(),
+            kv_connector_output=(
+                self.collect_connector_output() if connector is _UNCOLLECTED else connector
+            ),
         )
         if built:
             output.omni_payloads = [payloads.get(rid) for rid in ids]
