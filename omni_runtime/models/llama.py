@@ -225,6 +225,10 @@ class LlamaLM(nn.Module):
         return self.config.vocab_size
 
     # ---- paged-attention-friendly decomposition -----------------------------------------
+    def get_input_embeddings(self) -> nn.Module:
+        """The token embedding module (vLLM's model interface name for it)."""
+        return self.model.embed_tokens
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Token embeddings: ``[T] -> [T, H]`` (any leading shape works)."""
         return self.model.embed_tokens(input_ids)

@@ -203,6 +203,17 @@ class PoisonedBlocks:
                     return owner
         return None
 
+    def rewritten(self, block_ids: Sequence[int], start: int, end: int) -> None:
+        """A healthy request wrote positions ``[start, end)``: the blocks holding them are its
+        own fresh allocations (a prefix hit is never written), so they hold valid KV again."""
+        if not self._by_step or end <= start:
+            return
+        bs = self.block_size
+        written = block_ids[start // bs : (end - 1) // bs + 1]
+        for blocks in self._by_step:
+            for block in written:
+                blocks.pop(block, None)
+
 
 def log_isolated(stage: str, failed: Iterable[str], kept: int) -> None:
     logger.warning(

@@ -541,11 +541,6 @@ class OmniARModelRunner:
         for rid in ids:
             if rid in self.quarantined:
                 failed[rid] = self.quarantined[rid]
-            else:
-                st = self.requests[rid]
-                owner = self.poisoned.read_by(st.block_ids, st.num_computed_tokens)
-                if owner is not None:
-                    failed[rid] = self._reader_error(owner)
         tokens: dict[str, list[int]] = {}
         payloads: dict[str, StagePayload | None] = {}
         built = False
@@ -572,17 +567,20 @@ class OmniARModelRunner:
         pinned = bisect(healthy, run, self.step_retries)
         for rid, exc in pinned.items():
             failed[rid] = f"{stage}: {describe(exc)}"
-        # In scheduler order, so a reader of a reader is found too: every failed request's
-        # step positions hold no valid KV, and whoever attends to them fails with it.
+        # In scheduler order, the order the step's writes and reads happened in: a failed
+        # request's step positions hold no valid KV, and whoever attends to them fails with it
+        # (a reader of a reader too); a healthy writer makes its fresh blocks valid again.
         for rid in ids:
             st = self.requests[rid]
+            c = st.num_computed_tokens
+            end = c + so.num_scheduled_tokens[rid]
             if rid not in failed:
-                owner = self.poisoned.read_by(st.block_ids, st.num_computed_tokens)
+                owner = self.poisoned.read_by(st.block_ids, c)
                 if owner is None:
+                    self.poisoned.rewritten(st.block_ids, c, end)
                     continue
                 failed[rid] = self._reader_error(owner)
-            c = st.num_computed_tokens
-            self.poisoned.add_written(rid, st.block_ids, c, c + so.num_scheduled_tokens[rid])
+            self.poisoned.add_written(rid, st.block_ids, c, end)
         for rid, cause in failed.items():
             self.quarantined[rid] = cause
             tokens[rid] = []
