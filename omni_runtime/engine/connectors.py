@@ -12,6 +12,11 @@ thread during ``update_from_output``) and the source the orchestrator drains aft
   all visible right after the step, exactly as with the in-process connector, and results do
   not depend on the connector. The relay child keeps an unbounded queue between its reader and
   writer threads, so ``send`` never blocks on a full pipe while nobody is receiving.
+  When the relay dies, or sends nothing back for ``recv_timeout`` seconds, the chunks still
+  inside it are lost: the connector reaps it and starts a fresh relay, and the next ``recv``
+  raises ``ConnectorLost`` naming the requests whose chunks were lost (and carrying the chunks
+  that did come back), so the orchestrator fails exactly those requests and the edge keeps
+  serving the others (C-61).
 """
 
 from __future__ import annotations
@@ -28,6 +33,20 @@ import torch
 
 from omni_runtime.engine._relay import relay_main
 from omni_runtime.payload import StageChunk, StagePayload
+
+
+class ConnectorLost(Exception):
+    """Chunks sent into a connector will never come out: ``lost`` names their requests (in
+    send order, without repeats), ``delivered`` holds the chunks received before the loss."""
+
+    def __init__(
+        self, name: str, lost: list[str], reason: str, delivered: list[StageChunk]
+    ) -> None:
+        super().__init__(f"connector {name}: chunks of {lost} lost ({reason})")
+        self.name = name
+        self.lost = lost
+        self.reason = reason
+        self.delivered = delivered
 
 
 class Connector(Protocol):
@@ -140,13 +159,26 @@ class PipeConnector:
     ) -> None:
         self.name = name
         self._encode, self._decode = encode, decode
+        # How long ``recv`` waits for a chunk before it declares the relay stuck.
+        self.recv_timeout = 30.0
+        self.bytes_sent = 0
+        self.restarts = 0
+        # Request ids of chunks a retired relay took with it, reported by the next ``recv``.
+        self._lost: list[str] = []
+        self._lost_reasons: list[str] = []
+        self._spawn()
+
+    def _spawn(self) -> None:
         # spawn, not fork: the parent holds vLLM/torch threads that a forked child would inherit
         # in an undefined state.
         ctx = mp.get_context("spawn")
         to_child_r, self._to_child = ctx.Pipe(duplex=False)
         self._from_child, from_child_w = ctx.Pipe(duplex=False)
         self.process = ctx.Process(
-            target=relay_main, args=(to_child_r, from_child_w), name=f"omni-{name}", daemon=True
+            target=relay_main,
+            args=(to_child_r, from_child_w),
+            name=f"omni-{self.name}",
+            daemon=True,
         )
         self.process.start()
         # The child owns these ends now; closing ours lets EOF propagate on shutdown.
@@ -154,28 +186,61 @@ class PipeConnector:
         from_child_w.close()
         self.sent = 0
         self.received = 0
-        self.bytes_sent = 0
+        # Request id of every chunk sent and not yet received, in order: what a lost relay lost.
+        self._in_flight: deque[str] = deque()
 
     def send(self, chunk: StageChunk) -> None:
         blob = self._encode(chunk)
-        self._to_child.send_bytes(blob)
+        if not self.process.is_alive():
+            self._retire(f"relay process {self.process.pid} ended (exit {self.process.exitcode})")
+        try:
+            self._to_child.send_bytes(blob)
+        except OSError as exc:  # it died after the check: the pipe has no reader
+            self._retire(f"relay process {self.process.pid} ended ({exc!r})")
+            self._to_child.send_bytes(blob)
         self.sent += 1
         self.bytes_sent += len(blob)
+        self._in_flight.append(chunk.request_id)
 
     def recv(self) -> list[StageChunk]:
         out: list[StageChunk] = []
         while self.received < self.sent:
-            if not self._from_child.poll(30.0):
-                raise TimeoutError(
-                    f"connector {self.name}: {self.sent - self.received} chunks did not come back "
-                    f"from relay process {self.process.pid} (alive={self.process.is_alive()})"
-                )
-            out.append(self._decode(self._from_child.recv_bytes()))
+            try:
+                if not self._from_child.poll(self.recv_timeout):
+                    self._retire(
+                        f"relay process {self.process.pid} stalled: nothing came back within "
+                        f"{self.recv_timeout:g} s"
+                    )
+                    break
+                blob = self._from_child.recv_bytes()
+            except (EOFError, OSError) as exc:  # the relay died: its end of the pipe closed
+                self._retire(f"relay process {self.process.pid} ended ({exc!r})")
+                break
+            out.append(self._decode(blob))
             self.received += 1
+            self._in_flight.popleft()
+        if self._lost:
+            lost, reason = list(dict.fromkeys(self._lost)), "; ".join(self._lost_reasons)
+            self._lost.clear()
+            self._lost_reasons.clear()
+            raise ConnectorLost(self.name, lost, reason, out)
         return out
 
+    def _retire(self, reason: str) -> None:
+        """The relay is gone or stuck: what it holds is lost. Reap it and start a fresh one;
+        the next ``recv`` reports the loss."""
+        self._lost.extend(self._in_flight)
+        self._lost_reasons.append(reason)
+        for end in (self._to_child, self._from_child):
+            end.close()
+        if self.process.is_alive():
+            self.process.kill()  # also ends a stopped process
+        self.process.join(timeout=10)
+        self.restarts += 1
+        self._spawn()
+
     def pending(self) -> int:
-        return self.sent - self.received
+        return self.sent - self.received + len(self._lost)
 
     @property
     def child_pid(self) -> int | None:

@@ -17,8 +17,9 @@ and tracks every client request from admission to its single terminal outcome (C
     produced while the talker is still generating; the terminal chunk completes the request;
 * abort: the request is aborted in every stage that holds it, its decoder state dropped, and
   its terminal outcome is "abort"; EOF chunks the abort causes are drained and ignored;
-* faults: a step fault, connector fault, processor fault, rejected downstream input or decoder
-  error ends only the requests concerned, with finish reason "error" and a message (C-61).
+* faults: a step fault, connector fault (including chunks a connector lost with its relay
+  process), processor fault, rejected downstream input or decoder error ends only the requests
+  concerned, with finish reason "error" and a message (C-61).
 
 Stages are stepped in graph order once per ``step()``, so the routing order, and therefore
 every output, is the same in sync and async scheduling and with either connector.
@@ -38,7 +39,7 @@ from vllm import SamplingParams
 from omni_runtime.adapters.input import RequestRejected, StageInput
 from omni_runtime.engine.code2wav_stage import AudioChunk, Code2WavStage
 from omni_runtime.engine.config import EngineOptions
-from omni_runtime.engine.connectors import Connector, make_connector
+from omni_runtime.engine.connectors import Connector, ConnectorLost, make_connector
 from omni_runtime.engine.graph import ARStageSpec, PipelineConfig
 from omni_runtime.engine.stage import StageEngine, StageOutput, talker_start_embeddings
 from omni_runtime.payload import StageChunk
@@ -256,10 +257,7 @@ class Orchestrator:
             result = engine.step()
             for out in result.outputs:
                 self._on_output(sid, out)
-            conn = self.connectors.get(sid)
-            if conn is not None:
-                for chunk in conn.recv():
-                    self._on_chunk(sid, chunk)
+            self._receive(sid)
             self._check_eof(sid)
         if self._tracks and not any(e.has_work() for e in self.engines.values()):
             # No stage holds these requests any more and nothing is in flight: without this
@@ -273,9 +271,27 @@ class Orchestrator:
         return events
 
     def _drain_connectors(self) -> None:
-        for sid, conn in self.connectors.items():
-            for chunk in conn.recv():
+        for sid in list(self.connectors):
+            self._receive(sid)
+
+    def _receive(self, sid: str) -> None:
+        """Route what ``sid``'s connector delivered; a connector that lost chunks (its relay
+        died or stalled) fails exactly the requests they belonged to (C-61)."""
+        conn = self.connectors.get(sid)
+        if conn is None:
+            return
+        try:
+            chunks = conn.recv()
+        except ConnectorLost as lost:
+            for chunk in lost.delivered:
                 self._on_chunk(sid, chunk)
+            for rid in lost.lost:
+                track = self._tracks.get(rid)
+                if track is not None and not track.done:
+                    self._finish(track, ERROR, f"{sid}: {lost}")
+            return
+        for chunk in chunks:
+            self._on_chunk(sid, chunk)
 
     # ---- routing ------------------------------------------------------------------------------
 
