@@ -30,6 +30,7 @@ CAPABILITY_HOOKS: tuple[str, ...] = (
     "input_adapter",
     "runner_probes",
     "model_reference",
+    "difference_witnesses",
 )
 
 
@@ -268,6 +269,24 @@ class ModelReference(Protocol):
 
     def hidden_rows(self, model_path: str, tokens: Sequence[int]) -> Any:
         """Final hidden rows of ``tokens`` by full recompute (no paging, no cache)."""
+
+
+@dataclass(frozen=True)
+class DifferenceWitness:
+    """A workload that makes one registry entry's difference happen (C-03).
+
+    ``ops`` (``conformance.workload`` operations) run in one lock-step session under
+    ``feature``'s configuration and ``mode``, then the session drains. With the subject's whole
+    registry the run must pass and ``entry`` must tolerate at least one difference; with the
+    registry minus ``entry`` the same run must fail at a field the entry names. So an entry whose
+    difference no longer happens (stale: it hides nothing and must go) and an entry the workload
+    does not need both fail. It is the gate's runnable form of the entry's ``tests``.
+    """
+
+    entry: str
+    feature: Feature
+    ops: tuple[Any, ...]
+    mode: str = "sync"
 
 
 def require(subject: Any, hook: str, what: str) -> Any:

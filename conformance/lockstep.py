@@ -183,6 +183,8 @@ class Lockstep:
         self._cfg_dict = config.to_dict()
         self._arrivals = 0
         self._last_up: dict[str, Any] | None = None
+        # The subject's snapshot of the last operation: checks of the subject alone read it.
+        self.last_sub: dict[str, Any] | None = None
         self.initial_free = self.up.free_blocks()
 
     @staticmethod
@@ -239,6 +241,7 @@ class Lockstep:
             self.steps_compared += 1
         self._count(op, up)
         self._last_up = up
+        self.last_sub = sub
         if result.failure is not None:
             self.failure = result.failure
         return result

@@ -9,8 +9,9 @@ hook the way upstream vLLM behaves, so a new runtime overrides only what it chan
 
 What a subject can be checked for beyond lock-step parity it declares through the capability
 hooks (``declared_attributes``, ``chunk_delivery``, ``source_layout``, ``input_adapter``,
-``runner_probes``, ``model_reference``; the vocabulary is ``conformance.capabilities``). Each
-returns None in ``BaseSubject``: not provided, so the tests that need it are not applicable.
+``runner_probes``, ``model_reference``, ``difference_witnesses``; the vocabulary is
+``conformance.capabilities``). Each returns None in ``BaseSubject``: not provided, so the tests
+that need it are not applicable.
 
 Subjects are found, in this order, by:
 * a ``module:attr`` spec (the attribute is a ``Subject``, a ``Subject`` class or a factory);
@@ -34,6 +35,7 @@ from typing import Any, Protocol, runtime_checkable
 from conformance.capabilities import (
     ChunkDelivery,
     DeclaredAttributes,
+    DifferenceWitness,
     InputAdapterProbe,
     ModelReference,
     NotApplicable,
@@ -215,6 +217,10 @@ class BaseSubject:
 
     def model_reference(self) -> ModelReference | None:
         """An independent implementation of the worker's model (C-08, hidden-row checks)."""
+        return None
+
+    def difference_witnesses(self) -> Sequence[DifferenceWitness] | None:
+        """For each entry of ``differences()``, a workload that makes it happen (C-03)."""
         return None
 
     def __repr__(self) -> str:

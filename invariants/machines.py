@@ -39,6 +39,7 @@ from conformance.vllm_compat import environment_versions
 from conformance.workload import Abort, AddRequest, Step, Trace
 from invariants.audits import CheckingExecutor, RecordingSink, audit_requests, audit_scheduler
 from invariants.ledger import RequestLedger, hf_problems, ledger_problems
+from invariants.outcomes import TerminalOutcomes
 from invariants.reference import cached
 
 
@@ -79,6 +80,7 @@ class AuditedLockstep(Lockstep):
         self.delivery = subject.chunk_delivery()
         probes = subject.runner_probes() if feature.use_worker else None
         self.ledger: dict[str, RequestLedger] = {}
+        self.terminal = TerminalOutcomes()
         self.problems: list[str] = []
         self.checkers: list[CheckingExecutor] = []
         for side in self.local_sides():
@@ -99,10 +101,19 @@ class AuditedLockstep(Lockstep):
         result = super().apply(op)
         if isinstance(op, AddRequest) and op.request_id in self.sub.scheduler.requests:
             self.ledger[op.request_id] = RequestLedger(self.trace.prompt_of(op))
+            self.terminal.entered(op.request_id)
         elif isinstance(op, Abort):
             for rid in op.request_ids:
                 if rid in live_before and rid in self.ledger:
                     self.ledger[rid].aborted = True
+                self.terminal.aborted(rid, self.sub.last_abort_states.get(rid, "unknown"))
+        if isinstance(op, Step) and self.last_sub is not None:
+            where = f"step {len(self.trace.ops) - 1} ({op.describe()})"
+            self.terminal.emitted(self.last_sub.get("outputs") or {}, where)
+        # C-62 is read from the subject's own outputs, so it is recorded even when this operation
+        # also differs from upstream: a duplicated outcome is then named by its own clause
+        # (``audits_hold`` runs before the difference check).
+        self.problems.extend(self.terminal.take())
         if isinstance(op, Step) and self._last_up is not None:
             for key, out in (self._last_up.get("outputs") or {}).items():
                 entry = self.ledger.get(key.split("#", 1)[0])
@@ -131,7 +142,7 @@ class AuditedLockstep(Lockstep):
     def clauses(self) -> set[str]:
         """The clauses this session checks for its subject and feature (what the subject
         declared decides which audits run, so a report credits only those)."""
-        found = {"C-01", "C-02", "C-04", "C-05", "C-06", "C-07", "C-20"}
+        found = {"C-01", "C-02", "C-04", "C-05", "C-06", "C-07", "C-20", "C-62"}
         if self.declared is not None:
             found |= {"C-10", "C-11", "C-12"}
         if self.sink is not None:
@@ -153,7 +164,8 @@ class AuditedLockstep(Lockstep):
 
     def teardown_problems(self, *, check_reference: bool = False) -> list[str]:
         """After ``drain``: conservation, the ledger, and (optionally) model parity (C-08)."""
-        problems = list(self.problems) + self.conservation_problems()
+        problems = list(self.problems) + self.terminal.drained_problems()
+        problems += self.conservation_problems()
         reference = self.subject.model_reference() if self.feature.use_worker else None
         ref = cached(reference) if reference is not None else None
         if self.delivery is not None and self.feature.additional_config:
@@ -258,6 +270,9 @@ class InvariantMachine(LockstepMachine):
         try:
             if self.session.failure is None and not self.session.problems:
                 self.session.drain()
+                if self.session.problems:  # the drain's own problems (C-62) lead, by clause
+                    self.run.audit_failure = (self.session, list(self.session.problems))
+                    raise AssertionError(describe(self.session, self.session.problems))
                 if self.session.failure is not None:
                     self.recorder.fail(self.session, self.name, do_shrink=False)
                 problems = self.session.teardown_problems(check_reference=self.run.check_reference)
@@ -341,11 +356,14 @@ def audit_problems(
             if session.failure is not None or session.problems:
                 break
             session.apply(op)
-        if session.failure is not None:
-            return [f"first difference: {session.failure.headline()}"]
+        # Problems first: a C-62 problem can come with a difference at the same operation.
         if session.problems:
             return list(session.problems)
+        if session.failure is not None:
+            return [f"first difference: {session.failure.headline()}"]
         session.drain()
+        if session.problems:
+            return list(session.problems)
         if session.failure is not None:
             return [f"first difference: {session.failure.headline()}"]
         return session.teardown_problems(check_reference=check_reference)

@@ -13,9 +13,12 @@ What can fail, and why:
 * after every operation, any field of request state, queues, block pool (free count, eviction
   order, cached hashes), ``SchedulerOutput`` or ``EngineCoreOutputs`` that differs from upstream
   without a registry entry (C-01, C-02, C-05, C-07); a leaked per-request id after an abort (C-04);
+  a request of the subject with a second terminal outcome (two finished outputs, or one after
+  its client abort), read from the subject's own outputs (C-62);
 * the per-operation audits of AR-INV-002/003 the subject declares capabilities for (attributes,
   tensors, C-20, C-21) — they run here too because these are the longest programs;
 * at teardown, after draining: free blocks back to the initial count and no request held (C-06),
+  every request the subject accepted ended with a terminal outcome (C-62),
   and the chunk ledger (C-40..C-45, C-51, C-55) for features with a downstream;
 * ``test_model_parity_with_reference``: greedy tokens of the subject's real worker differ from
   its independent model reference (C-08), under chunked prefill, preemption, prefix caching
@@ -50,7 +53,7 @@ CI_EXAMPLES_WORKER = 12
 
 # The audit clauses (C-10..C-12, C-21, C-30..C-55) are credited only when the subject declared
 # what they need: the run reports the clauses its sessions really checked.
-@pytest.mark.clauses("C-01", "C-02", "C-04", "C-05", "C-06", "C-07", "C-20")
+@pytest.mark.clauses("C-01", "C-02", "C-04", "C-05", "C-06", "C-07", "C-20", "C-62")
 @pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "noprefix"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_lockstep_parity(request, conformance, conformance_subject, feature, mode, prefix):

@@ -7,7 +7,8 @@ through the ``omni_conformance.subjects`` entry point, exactly as it finds any o
   thinker weights, and every capability the suite can check: declared attributes (C-10..C-12),
   chunk delivery and generated processors (C-21, C-40..C-45), the source layout for the static
   audits (C-11, C-21), the input adapter (C-13), the runner's payload and materialization
-  handles (C-22, C-30..C-31, C-50..C-55) and a Hugging Face reference of the model (C-08).
+  handles (C-22, C-30..C-31, C-50..C-55), a Hugging Face reference of the model (C-08) and
+  a witness workload for each entry of its differences registry (C-03).
 * ``omni-scheduler`` (``OmniSchedulerSubject``) — the schedulers alone, with the harness's token
   source; the worker-level properties are not applicable to it.
 
@@ -28,6 +29,7 @@ import torch
 from conformance.capabilities import (
     ChunkView,
     DeclaredAttributes,
+    DifferenceWitness,
     Feature,
     PayloadView,
     SourceLayout,
@@ -36,7 +38,7 @@ from conformance.capabilities import (
 from conformance.config import HarnessConfig, block_hasher, build_kv_cache_config, build_vllm_config
 from conformance.machine import TIGHT
 from conformance.subjects import BaseSubject, DifferenceEntry, make_sampling_params
-from conformance.workload import AddRequest
+from conformance.workload import AddRequest, Step
 
 PACKAGE = Path(__file__).resolve().parent
 STAGES = ("thinker", "talker", "code2wav")
@@ -109,6 +111,49 @@ WORKER_FEATURES = dict(
         ),
     ]
 )
+
+
+class FailMarkedRequests:
+    """A chunk processor whose send path breaks for requests whose id contains ``fail``: the
+    fault that makes OMNI-ERR-001 happen in its witness (C-03), loaded by dotted path from the
+    stage config like any processor, so the unmodified runtime takes its own fault path."""
+
+    requires_token_updates = True
+
+    def __call__(
+        self, request_id: str, payload: Any, is_final: bool, new_token_ids: Any = None
+    ) -> Any:
+        if "fail" in request_id and new_token_ids:
+            raise RuntimeError(f"{request_id}: injected processor fault")
+        return new_token_ids
+
+
+def difference_witnesses() -> tuple[DifferenceWitness, ...]:
+    """One workload per entry of ``omni_runtime.differences`` that makes it happen (C-03)."""
+    token_updates = Feature.from_config(*TOKEN_UPDATES)
+    send_fault = Feature(
+        "send-fault",
+        {"omni_stage": talker_stage(chunk_processor=f"{__name__}.FailMarkedRequests")},
+    )
+    steps = tuple(Step() for _ in range(12))
+    return (
+        # A request with a downstream consumer: its outputs carry chunk references and the EOF.
+        DifferenceWitness(
+            "OMNI-OUT-001",
+            token_updates,
+            (AddRequest("w-out", tuple(range(10, 30)), max_tokens=4), *steps[:6]),
+        ),
+        # The send path raises for one request: it alone is failed, its neighbour completes.
+        DifferenceWitness(
+            "OMNI-ERR-001",
+            send_fault,
+            (
+                AddRequest("ok-1", tuple(range(10, 30)), max_tokens=6),
+                AddRequest("fail-1", tuple(range(40, 60)), max_tokens=6),
+                *steps,
+            ),
+        ),
+    )
 
 
 def stage_of(feature: Feature) -> dict[str, Any]:
@@ -500,6 +545,9 @@ class OmniSchedulerSubject(BaseSubject):
 
     def input_adapter(self) -> OmniInputAdapterProbe:
         return OmniInputAdapterProbe(self)
+
+    def difference_witnesses(self) -> tuple[DifferenceWitness, ...]:
+        return difference_witnesses()
 
 
 class OmniSubject(OmniSchedulerSubject):

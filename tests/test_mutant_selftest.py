@@ -168,6 +168,18 @@ def _builder_errors_probe(subject: Any) -> tuple[BaseException | None, int]:
     )(subject)
 
 
+def _registry_probe(subject: Any) -> tuple[BaseException | None, int]:
+    """What ``invariants/test_registry.py`` checks: completeness, then each entry's witness
+    (the length is the number of registry entries)."""
+    from invariants.registry import registry_problems, witness_problems
+
+    entries = list(subject.differences())
+    problems = registry_problems(entries)
+    if not problems:
+        problems = witness_problems(subject, subject.difference_witnesses())
+    return (AssertionError(problems[0]) if problems else None), len(entries)
+
+
 PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     "lockstep-off": _machine_probe("off"),
     "lockstep-token-updates": _machine_probe("token-updates"),
@@ -182,6 +194,7 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
         "check_inline_equals_background", "invariants.test_materialization"
     ),
     "builder-errors": _builder_errors_probe,
+    "registry": _registry_probe,
 }
 
 

@@ -15,6 +15,7 @@ find what it patches raises ``MutantNotApplicable`` (the self-test reports it as
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -102,6 +103,17 @@ class FinalStageRequestSends:
             forged = dataclasses.replace(state, downstream=("code2wav",))
             transfer.on_terminated(request.request_id, forged, str(request.get_finished_reason()))
         return result
+
+
+class RepeatsFinishedOutput:
+    """C-62: a finished request's output is emitted twice (two terminal outcomes)."""
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        outputs = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+        for engine_outputs in outputs.values():
+            finished = [o for o in engine_outputs.outputs if o.finish_reason is not None]
+            engine_outputs.outputs.extend(copy.copy(o) for o in finished)
+        return outputs
 
 
 _LAST_SCHEDULER: list[Any] = []
@@ -469,6 +481,42 @@ def _builder_error_swallowed():
     return _patch(BackgroundOutput, "get_output", make)
 
 
+def _stale_registry_subject() -> Any:
+    """C-03: the registry keeps an entry (with its witness) for a difference the runtime no
+    longer makes: preempted requests with a downstream consumer once resumed at the back of the
+    waiting queue; the scheduler now requeues them as upstream does, so the entry hides nothing."""
+    from conformance.capabilities import DifferenceWitness, Feature
+    from conformance.differences import Difference
+    from conformance.workload import AddRequest, Step
+    from omni_runtime.conformance_subject import TOKEN_UPDATES, OmniSubject
+
+    stale = Difference(
+        id="OMNI-PRE-001",
+        fields=("queues.waiting",),
+        condition="a preempted request with a downstream consumer is waiting",
+        applies=lambda ctx: ctx.get("upstream") is not None,
+        rationale="an earlier transfer design requeued such requests at the back",
+        tests=("tests/test_omni_scheduler.py::test_preempted_with_downstream_requeued_last",),
+        clauses=("C-01",),
+    )
+    # Enough prompt under the tight budget that requests are preempted and resumed.
+    ops = tuple(
+        AddRequest(f"p{i}", tuple(range(100 + i, 150 + i)), max_tokens=12) for i in range(4)
+    )
+    witness = DifferenceWitness(
+        "OMNI-PRE-001", Feature.from_config(*TOKEN_UPDATES), (*ops, *(Step() for _ in range(20)))
+    )
+
+    class StaleRegistrySubject(OmniSubject):
+        def differences(self) -> Any:
+            return (*super().differences(), stale)
+
+        def difference_witnesses(self) -> Any:
+            return (*super().difference_witnesses(), witness)
+
+    return StaleRegistrySubject()
+
+
 @contextlib.contextmanager
 def _send_from_worker_subject() -> Iterator[Any]:
     yield _subject_with(scheduler_mixin=PublishesTransfer, runner_cls=_send_from_worker())
@@ -490,6 +538,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "lockstep-off",
         "preempted requests re-queued at the back of the waiting queue",
         _sub(scheduler_mixin=RequeuePreemptedAtBack),
+    ),
+    Mutant(
+        "stale_registry_entry",
+        "C-03",
+        "registry",
+        "the registry keeps an entry for a difference the runtime no longer makes",
+        lambda: _subject(_stale_registry_subject()),
+    ),
+    Mutant(
+        "finished_output_twice",
+        "C-62",
+        "lockstep-off",
+        "a finished request's output is emitted twice: two terminal outcomes",
+        _sub(scheduler_mixin=RepeatsFinishedOutput),
     ),
     Mutant(
         "free_blocks_reversed",

@@ -1,0 +1,75 @@
+"""C-62 at one stage: every request that enters it ends with exactly one terminal outcome.
+
+A lock-step session feeds this ledger what the *subject* did (its outputs after each step, the
+state each aborted id was in on the subject's side), so the verdict is about the subject alone and
+does not lean on the comparison with upstream (C-07). A request's terminal outcome is one of:
+
+* a finished output: an ``EngineCoreOutput`` whose ``finish_reason`` is set (``stop``,
+  ``length``, ``error`` when the subject failed it, ...);
+* a client abort of a request the subject still held unfinished (waiting, running, preempted or
+  with a step in flight): the client ended it, so it knows. A single ``abort`` output afterwards
+  acknowledges that abort and is the same outcome, not a second one.
+
+Problems, each starting with ``C-62``: a second terminal outcome for a request (reported at the
+operation that produced it, so the clause, not a downstream difference, names the defect); and,
+once the workload has drained, a request the stage accepted that never got an outcome.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+# Abort states (``conformance.lockstep.Side.abort_state``) in which the abort ends the request;
+# in the others it finished already (its finished output is, or will be, its outcome) or is gone.
+ENDS_REQUEST = frozenset({"waiting", "running", "in_flight", "preempted"})
+CLIENT_ABORT = "client abort"
+
+
+class TerminalOutcomes:
+    """Per request the stage accepted: the terminal outcomes seen so far, in order."""
+
+    def __init__(self) -> None:
+        self.outcomes: dict[str, list[str]] = {}
+        self._acknowledged: set[str] = set()
+        self.problems: list[str] = []
+
+    def entered(self, request_id: str) -> None:
+        self.outcomes.setdefault(request_id, [])
+
+    def aborted(self, request_id: str, state: str) -> None:
+        seen = self.outcomes.get(request_id)
+        if seen is not None and not seen and state in ENDS_REQUEST:
+            seen.append(CLIENT_ABORT)
+
+    def emitted(self, outputs: Mapping[str, Mapping[str, Any]], where: str) -> None:
+        """One step's outputs (``conformance.observe.observe_outputs``: ``<id>`` or ``<id>#n``)."""
+        for key, out in outputs.items():
+            reason = out.get("finish_reason")
+            rid = key.split("#", 1)[0]
+            seen = self.outcomes.get(rid)
+            if reason is None or seen is None:
+                continue
+            if seen == [CLIENT_ABORT] and reason == "abort" and rid not in self._acknowledged:
+                self._acknowledged.add(rid)
+                continue
+            if seen:
+                self.problems.append(
+                    f"C-62: {rid} got a second terminal outcome at {where}: finished "
+                    f"({reason}) after {', '.join(seen)}"
+                )
+            seen.append(f"finished ({reason})")
+
+    def take(self) -> list[str]:
+        """The problems found since the last call."""
+        found, self.problems = self.problems, []
+        return found
+
+    def drained_problems(self) -> list[str]:
+        """After the drain: every accepted request has its outcome."""
+        return [
+            f"C-62: {rid} entered this stage but ended with no terminal outcome (no finished "
+            "output and no abort) once the workload drained"
+            for rid, seen in self.outcomes.items()
+            if not seen
+        ]

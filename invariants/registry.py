@@ -1,0 +1,121 @@
+"""C-03 checks of a subject's differences registry: every entry complete, every entry still needed.
+
+Both read only what the subject declares: its registry (``Subject.differences``, part of the
+protocol) and, for "still needed", its ``DifferenceWitness`` workloads
+(``Subject.difference_witnesses``, a capability; ``conformance.capabilities``).
+
+* ``registry_problems`` — an entry must name the fields it may change (patterns over the
+  harness's snapshot sections, so it can match something), the condition in words and as a
+  predicate, its rationale, the clauses it concerns (ids ``conformance.clauses`` defines) and at
+  least one test that makes it happen (a pytest node id, ``path.py::name``).
+* ``witness_problems`` — each entry has a witness; the witness's workload, run in lock step with
+  the whole registry, passes and is tolerated at least once by that entry (the entry is used);
+  with the registry minus that entry it fails at a field the entry names (the entry is needed).
+  An entry whose difference no longer happens is stale and reported; so is a witness that needs
+  no entry. While the witness runs, every request must end with exactly one terminal outcome
+  (C-62; ``invariants.outcomes``): a witness is usually the one workload in which the subject
+  ends a request by itself (a fault, an error finish).
+
+Each problem is a string that starts with its clause id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from fnmatch import fnmatchcase
+from typing import Any
+
+from conformance.capabilities import DifferenceWitness
+from conformance.clauses import unknown
+from conformance.differences import Registry, validate_entries
+from invariants.machines import AuditedLockstep, harness_config
+
+# The top-level sections of a lock-step snapshot (``conformance.observe``): a field pattern
+# outside them can never match, so the entry would tolerate nothing.
+SNAPSHOT_SECTIONS = ("requests.", "queues.", "block_pool.", "sched_out.", "outputs.", "audit.")
+
+
+def registry_problems(entries: Sequence[Any]) -> list[str]:
+    """Completeness of every entry (empty when the registry is complete)."""
+    problems = [f"C-03: {p}" for p in validate_entries(entries)]
+    for e in entries:
+        label = getattr(e, "id", repr(e))
+        for pattern in getattr(e, "fields", None) or ():
+            if not str(pattern).startswith(SNAPSHOT_SECTIONS):
+                problems.append(
+                    f"C-03: {label}: field pattern {pattern!r} names no snapshot section "
+                    f"({', '.join(s.rstrip('.') for s in SNAPSHOT_SECTIONS)})"
+                )
+        for test in getattr(e, "tests", None) or ():
+            path, sep, name = str(test).partition("::")
+            if not (sep and path.endswith(".py") and name):
+                problems.append(f"C-03: {label}: test {test!r} is not a pytest node id")
+        if bad := unknown(getattr(e, "clauses", None) or ()):
+            problems.append(f"C-03: {label}: cites clauses nobody defines: {', '.join(bad)}")
+    return problems
+
+
+def run_witness(
+    subject: Any, witness: DifferenceWitness, registry: Registry, recorder: Any = None
+) -> AuditedLockstep:
+    """The witness's workload in one session (then drained); counted by ``recorder``."""
+    cfg = harness_config(witness.feature, mode=witness.mode, prefix=True)
+    # audits=False: the per-operation audits belong to the lock-step properties; the terminal
+    # outcome ledger (C-62) runs in every audited session regardless.
+    session = AuditedLockstep(
+        cfg, subject, feature=witness.feature, audits=False, registry=registry
+    )
+    if recorder is not None:
+        recorder.sessions.append(session)
+        recorder.examples += 1
+    for op in witness.ops:
+        session.apply(op)
+        if session.failure is not None:
+            return session
+    session.drain()
+    return session
+
+
+def witness_problems(
+    subject: Any, witnesses: Sequence[DifferenceWitness], recorder: Any = None
+) -> list[str]:
+    """ "Still needed" for every entry (empty when each is used and needed)."""
+    entries = {e.id: e for e in subject.differences()}
+    by_entry: dict[str, list[DifferenceWitness]] = {}
+    for w in witnesses:
+        by_entry.setdefault(w.entry, []).append(w)
+    problems = [
+        f"C-03: a witness names {name}, which is no entry of the registry"
+        for name in sorted(set(by_entry) - set(entries))
+    ]
+    whole = Registry(list(entries.values()))
+    for eid, entry in entries.items():
+        if not by_entry.get(eid):
+            problems.append(
+                f"C-03: {eid} has no witness: no workload the subject declares makes it happen"
+            )
+            continue
+        for w in by_entry[eid]:
+            label = f"{eid} (witness {w.feature.name}, {w.mode})"
+            session = run_witness(subject, w, whole, recorder)
+            if session.failure is not None:
+                problems.append(
+                    f"C-03: {label} fails with the whole registry: {session.failure.headline()}"
+                )
+                continue
+            problems += session.problems + session.terminal.drained_problems()
+            if session.tolerated.get(eid, 0) == 0:
+                problems.append(
+                    f"C-03: {label}: stale entry: its witness ran {session.steps_compared} "
+                    "steps and the entry tolerated no difference (it hides nothing: remove it)"
+                )
+                continue
+            without = run_witness(subject, w, whole.without({eid}), recorder)
+            if without.failure is None:
+                problems.append(f"C-03: {label}: not needed: the witness passes without the entry")
+            elif not any(fnmatchcase(without.failure.path, p) for p in entry.fields):
+                problems.append(
+                    f"C-03: {label}: without the entry the witness fails at "
+                    f"{without.failure.path}, a field the entry does not name"
+                )
+    return problems
