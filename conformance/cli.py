@@ -204,7 +204,8 @@ def _summary(report: dict[str, Any]) -> str:
         f"omni-conformance check: {report['status'].upper()}  subject={report['subject']}  "
         f"profile={report['profile']}  seed={report['seed']}  "
         f"vLLM {report['environment'].get('vllm')}  torch {report['environment'].get('torch')}  "
-        f"Python {report['environment'].get('python')}"
+        f"Python {report['environment'].get('python')}  "
+        f"hypothesis {report['environment'].get('hypothesis', 'unknown')}"
         + ("  (untested vLLM)" if report["environment"].get("vllm_support") == "untested" else ""),
         f"oracle: {report['environment'].get('oracle', 'in-process')}",
         counts_line(report["summary"]),
@@ -372,7 +373,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     path = Path(args.report)
     if not path.exists():
         return _fail_env(f"no such report: {path}")
-    report = json.loads(path.read_text())
+    if not path.is_file():
+        return _fail_env(f"{path} is a folder; give the report's compat-report.json")
+    try:
+        report = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return _fail_env(f"{path} is not a compat report (not readable JSON: {exc})")
     try:
         validate(report)
     except Exception as exc:  # jsonschema.ValidationError; keep the message to one line

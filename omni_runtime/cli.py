@@ -25,6 +25,18 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+
+def _at_least_one(text: str) -> int:
+    """A token limit: an integer of at least 1 (argparse turns the ValueError into one line)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer of at least 1, got {text!r}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="omni-runtime", description="Omni-modality AR runtime on vLLM's EngineCore (CPU)."
@@ -38,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         default="out.wav",
         help="WAV path; with several prompts the i-th (i>0) goes to <stem>-<i><suffix>",
     )
-    run.add_argument("--max-text-tokens", type=int, default=None)
-    run.add_argument("--max-codec-tokens", type=int, default=None)
+    run.add_argument("--max-text-tokens", type=_at_least_one, default=None)
+    run.add_argument("--max-codec-tokens", type=_at_least_one, default=None)
     run.add_argument(
         "--async",
         dest="async_scheduling",

@@ -1,9 +1,9 @@
 """Bad input to either command is one line on stderr and exit code 2, never a traceback.
 
 Each case is a mistake a user makes: a pipeline file with a cycle, an unknown stage, a missing
-model folder or a field of the wrong type; an output path whose folder is a file; a trace that is
-truncated or written by a newer harness; a subject that is not one; an unknown profile; a report
-folder that cannot be written. The commands run in this process (``main(argv)``), so the table
+model folder or a field of the wrong type; an output path whose folder is a file; a token limit
+below one; a trace that is truncated or written by a newer harness; a subject that is not one; an
+unknown profile; a report folder that cannot be written; a "report" that is not one. The commands run in this process (``main(argv)``), so the table
 costs no interpreter starts; each case asserts the exit code, that stderr is exactly one line
 naming the offending field or path, and that no stage ran (no WAV, no report).
 """
@@ -90,6 +90,26 @@ def test_a_usage_mistake_is_one_line(capsys):
         gate_cli.main(["check", "--profile", "nope"])
     assert info.value.code == 2
     assert "invalid choice: 'nope'" in _one_line(capsys)
+
+
+@pytest.mark.parametrize("value", ["-3", "0", "many"])
+def test_a_token_limit_below_one_is_one_line(value, capsys):
+    with pytest.raises(SystemExit) as info:
+        runtime_cli.main(["run", "--prompt", "hi", "--max-codec-tokens", value])
+    assert info.value.code == 2
+    line = _one_line(capsys)
+    assert "--max-codec-tokens" in line and "at least 1" in line, line
+
+
+@pytest.mark.parametrize("what", ["a text file", "a folder"])
+def test_a_report_that_is_not_one_is_one_line(what, tmp_path, capsys):
+    path = tmp_path
+    if what == "a text file":
+        path = tmp_path / "notes.txt"
+        path.write_text("not json")
+    assert gate_cli.main(["report", str(path)]) == 2
+    line = _one_line(capsys)
+    assert str(path) in line and ("not a compat report" in line or "is a folder" in line), line
 
 
 def test_a_truncated_trace_is_one_line(tmp_path, capsys):
