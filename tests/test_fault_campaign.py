@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -56,6 +57,9 @@ LIMITS: dict[str, Any] = {"max_text_tokens": 6, "max_codec_tokens": 32}
 WHEN = ["first", "middle", "terminal"]
 
 _REFERENCES: dict[tuple[Any, ...], dict[str, RequestResult]] = {}
+# One entry per checked run (requests, affected vs expected, outcomes, what was left, time):
+# the rows ``benchmarks/test_bench_faults.py`` prints for the quick cases.
+FIGURES: list[dict[str, Any]] = []
 
 
 def reference(p: OmniPipeline) -> dict[str, RequestResult]:
@@ -115,6 +119,7 @@ def run_and_check(
     properties; returns the outcomes. With ``second_wave``, ``bad`` and the request after it
     are submitted only once that predicate holds (so the fault finds the others elsewhere)."""
     ref = reference(p)
+    t0 = time.perf_counter()
     held = 2 if second_wave is not None else len(IDS)
     p.submit(PROMPTS[:held], **LIMITS, request_ids=IDS[:held])
     events = []
@@ -142,7 +147,26 @@ def run_and_check(
         assert same_output(outcome[rid], ref[rid]), rid
     assert_clean(p)
     assert live_children() == owned_children(p)
+    leftovers = p.leftovers()
+    FIGURES.append(
+        {
+            "requests": len(IDS),
+            "affected": sorted(failed),
+            "expected": sorted(expected),
+            "exactly_one": sum(1 for n in counts.values() if n == 1),
+            "blocks_in_use": sum(leftovers[sid]["blocks_in_use"] for sid in p.orchestrator.engines),
+            "omni_leftovers": _nonempty(leftovers),
+            "seconds": time.perf_counter() - t0,
+        }
+    )
     return outcome
+
+
+def _nonempty(leftovers: Any) -> int:
+    """How many entries of ``leftovers`` still hold something (0 when clean)."""
+    if isinstance(leftovers, dict):
+        return sum(_nonempty(v) for v in leftovers.values())
+    return 1 if leftovers else 0
 
 
 # ---- the chunk processor ----------------------------------------------------------------------
