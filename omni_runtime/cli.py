@@ -5,6 +5,12 @@ request's text, its number of codec tokens, where its WAV file went and its timi
 progress line on stderr while the stages run. With several prompts the files are ``out.wav``,
 ``out-1.wav``, ``out-2.wav`` ... in prompt order. Heavy imports (torch, vLLM) happen inside
 ``main`` so ``--help`` is instant and a connector's spawned child does not pay for them.
+
+Exit codes: 0 every request finished, 1 some request ended in error or abort, 2 bad input (one
+line on stderr), 130 interrupted by SIGINT, 143 interrupted by SIGTERM (128 + the signal's
+number). An interrupted run prints one line saying so, stops the stages, ends the pipe
+connector's relay children and removes any WAV file it had not finished writing; WAV files are
+written under a temporary name and renamed when complete, so none is ever left half-written.
 """
 
 from __future__ import annotations
@@ -12,10 +18,53 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from types import FrameType
 from typing import Any, NoReturn, TextIO
+
+INTERRUPT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived. A BaseException, like KeyboardInterrupt, so the runtime's
+    fault handlers (``except Exception``: a request's fault fails only that request) never
+    mistake it for a request's fault and swallow it."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+
+@contextmanager
+def interruptible() -> Iterator[None]:
+    """SIGINT and SIGTERM raise ``Interrupted`` in the main thread while this is active. The
+    first one only: further signals are ignored, so the clean-up the first one unwinds into
+    (stages, relay children, partial files) runs to its end."""
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        for sig in INTERRUPT_SIGNALS:
+            signal.signal(sig, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    previous = {sig: signal.signal(sig, handler) for sig in INTERRUPT_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -23,7 +72,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
 
 
 def _at_least_one(text: str) -> int:
@@ -142,7 +190,6 @@ def out_problem(out: str, n: int) -> str | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from omni_runtime.audio import write_wav
     from omni_runtime.engine.graph import PipelineConfigError
     from omni_runtime.engine.pipeline import OmniPipeline
 
@@ -182,7 +229,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         for prompt, result, path in zip(args.prompt, results, paths, strict=True):
             wav: Path | None = None
             if result.waveform is not None and result.sample_rate is not None:
-                wav = write_wav(path, result.waveform, result.sample_rate).resolve()
+                wav = _write_whole(path, result.waveform, result.sample_rate)
             failed += not result.ok
             if args.json:
                 print(json.dumps(_as_json(prompt, result, wav)))
@@ -217,6 +264,21 @@ def cmd_run(args: argparse.Namespace) -> int:
         pipeline.close()
 
 
+def _write_whole(path: Path, waveform: Any, sample_rate: int) -> Path:
+    """Write the WAV under a temporary name beside ``path``, then rename: an interrupted write
+    leaves no partial file (the temporary one is removed)."""
+    from omni_runtime.audio import write_wav
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial-{os.getpid()}")
+    try:
+        write_wav(partial, waveform, sample_rate)
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
+    return path.resolve()
+
+
 def _as_json(prompt: str, result: Any, wav: Path | None) -> dict[str, Any]:
     return {
         "request_id": result.request_id,
@@ -237,6 +299,16 @@ def _as_json(prompt: str, result: Any, wav: Path | None) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    try:
+        with interruptible():
+            return _main(args)
+    except Interrupted as exc:
+        # After the unwinding: the stages are stopped and the relay children reaped by now.
+        print(f"omni-runtime: interrupted by {exc.name} (exit {exc.exit_code})", file=sys.stderr)
+        return exc.exit_code
+
+
+def _main(args: argparse.Namespace) -> int:
     # Before vLLM is imported: keep its INFO chatter off the user's terminal, never download.
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

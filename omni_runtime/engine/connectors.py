@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import pickle
+import signal
+import threading
 from collections import deque
 from collections.abc import Callable
 from dataclasses import fields
@@ -180,7 +182,17 @@ class PipeConnector:
             name=f"omni-{self.name}",
             daemon=True,
         )
-        self.process.start()
+        # The relay ignores SIGINT (a terminal's Ctrl-C reaches the whole foreground process
+        # group): it must not die with a traceback mid-chunk; it ends in order when this side
+        # closes its pipe, or is killed by ``close``. An ignored disposition survives the
+        # spawn's exec, so it is set around the start (in the main thread, where it can be).
+        main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if main else None
+        try:
+            self.process.start()
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
         # The child owns these ends now; closing ours lets EOF propagate on shutdown.
         to_child_r.close()
         from_child_w.close()
