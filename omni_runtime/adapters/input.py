@@ -272,3 +272,78 @@ class InputAdapter:
                     rid, name, f"unsupported type {type(value).__name__} (tensor, scalar or list)"
                 )
         return MappingProxyType(out)
+
+
+# ---- the slot across a process boundary ------------------------------------------------------
+# A stage that runs in its own process receives vLLM's ``EngineCoreRequest``, which has no room
+# for the slot. The parent validates with ``InputAdapter.build`` as usual and puts the slot's
+# fields in ``SamplingParams.extra_args`` (vLLM's public dict for plugins) under
+# ``EXTRA_ARGS_KEY``; inside the stage process the scheduler's ``add_request`` hands the request
+# to ``attach_slot_from_extra_args``, which takes the entry out again (the request then looks
+# exactly as it would in process) and sets the one declared slot (C-10, C-12).
+
+EXTRA_ARGS_KEY = "omni_slot"
+
+
+def _tensor_to_wire(t: torch.Tensor) -> dict[str, Any]:
+    t = t.detach().to("cpu").contiguous()
+    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape), "data": raw}
+
+
+def _tensor_from_wire(wire: Mapping[str, Any]) -> torch.Tensor:
+    dtype = getattr(torch, str(wire["dtype"]))
+    if not wire["data"]:
+        return torch.empty(list(wire["shape"]), dtype=dtype)
+    raw = bytearray(wire["data"])
+    return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(list(wire["shape"]))
+
+
+def slot_to_extra_args(state: OmniRequestState) -> dict[str, Any]:
+    """The slot of a validated request as plain msgpack-able data (tensors as raw bytes)."""
+    info: dict[str, Any] = {}
+    for key, value in state.additional_information.items():
+        if isinstance(value, torch.Tensor):
+            info[key] = {"tensor": _tensor_to_wire(value)}
+        elif isinstance(value, tuple):
+            info[key] = {"tuple": list(value)}
+        else:
+            info[key] = {"value": value}
+    return {
+        "stage_id": state.stage_id,
+        "final_stage_id": state.final_stage_id,
+        "downstream": list(state.downstream),
+        "additional_information": info,
+        "conditioning": None if state.conditioning is None else _tensor_to_wire(state.conditioning),
+    }
+
+
+def attach_slot_from_extra_args(request: Request) -> OmniRequestState | None:
+    """Move the slot that ``slot_to_extra_args`` put in the request's ``extra_args`` onto the
+    request's declared attribute; a request without one is left as it is (upstream's)."""
+    params = request.sampling_params
+    extra = params.extra_args if params is not None else None
+    if not extra or EXTRA_ARGS_KEY not in extra:
+        return None
+    assert params is not None
+    wire = extra.pop(EXTRA_ARGS_KEY)
+    if not extra:
+        params.extra_args = None
+    info: dict[str, Any] = {}
+    for key, entry in dict(wire.get("additional_information") or {}).items():
+        if "tensor" in entry:
+            info[key] = _tensor_from_wire(entry["tensor"])
+        elif "tuple" in entry:
+            info[key] = tuple(entry["tuple"])
+        else:
+            info[key] = entry["value"]
+    cond = wire.get("conditioning")
+    state = OmniRequestState(
+        stage_id=str(wire["stage_id"]),
+        final_stage_id=str(wire["final_stage_id"]),
+        downstream=tuple(wire["downstream"]),
+        additional_information=MappingProxyType(info),
+        conditioning=None if cond is None else _tensor_from_wire(cond),
+    )
+    request.omni = state  # type: ignore[attr-defined]
+    return state

@@ -14,6 +14,7 @@ this module.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 from vllm.config import (
     CacheConfig,
@@ -31,7 +32,9 @@ from omni_runtime.sched import OmniARAsyncScheduler, OmniARScheduler
 
 __all__ = [
     "ASYNC_SCHEDULER",
+    "BACKENDS",
     "BUILTIN_MODELS",
+    "Backend",
     "EngineOptions",
     "SYNC_SCHEDULER",
     "WORKER_CLS",
@@ -45,6 +48,13 @@ SYNC_SCHEDULER = f"{OmniARScheduler.__module__}.{OmniARScheduler.__qualname__}"
 ASYNC_SCHEDULER = f"{OmniARAsyncScheduler.__module__}.{OmniARAsyncScheduler.__qualname__}"
 
 
+# Where each AR stage's EngineCore runs: in the orchestrator's process (``StageEngine``) or in
+# its own process through vLLM's multiprocess client (``MPStageEngine``); see
+# ``omni_runtime.engine.backends``.
+Backend = Literal["inprocess", "multiprocess"]
+BACKENDS: tuple[Backend, ...] = ("inprocess", "multiprocess")
+
+
 @dataclass(frozen=True)
 class EngineOptions:
     """Run-time switches that must not change any output (C-22, C-52)."""
@@ -53,6 +63,7 @@ class EngineOptions:
     materialization: Materialization = "inline"
     prefix_caching: bool = True
     seed: int = 0
+    backend: Backend = "inprocess"
 
 
 def resolve_model(model: str) -> str:

@@ -18,23 +18,32 @@ module per layer) because workers must not import engine code.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.v1.core.sched.output import SchedulerOutput
-from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequestType
 from vllm.v1.engine.core import EngineCore
+from vllm.v1.engine.core_client import SyncMPClient
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
+from vllm.v1.serial_utils import MsgpackDecoder
 
 __all__ = [
+    "OmniSyncMPClient",
     "TrackedEngineCore",
     "add_request",
     "block_hasher",
     "cached_prompt_tokens",
+    "call_child_scheduler",
+    "call_child_scheduler_nowait",
+    "client_engine_dead",
+    "client_outputs_queue",
+    "client_processes",
     "evict_blocks",
     "has_queued_steps",
     "model_runner",
@@ -250,3 +259,89 @@ def evict_blocks(scheduler: Any, block_ids: set[int]) -> None:
     allocated to whoever holds them; they only stop serving prefix hits."""
     if block_ids:
         scheduler.kv_cache_manager.evict_blocks(block_ids)
+
+
+# ---- a stage engine in its own process (``engine.mp_stage``) ---------------------------------
+
+
+class OmniSyncMPClient(SyncMPClient):
+    """vLLM's ``SyncMPClient`` (the client ``vllm.LLM`` uses) decoding the omni output type.
+
+    ``MPClient.__init__`` assigns ``self.decoder = MsgpackDecoder(EngineCoreOutputs)`` and
+    ``SyncMPClient.__init__`` hands that object to its output thread; msgspec would drop the
+    trailing omni fields on that type. ``decoder`` is therefore a property here: vLLM's
+    assignment is ignored and the thread gets a decoder of ``outputs_type`` (a trailing-field
+    subclass of ``EngineCoreOutputs``) that also calls ``on_message`` after each decode (to
+    wake a waiting orchestrator without polling).
+    """
+
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        outputs_type: type[EngineCoreOutputs],
+        on_message: Callable[[], None] | None = None,
+    ) -> None:
+        self._omni_decoder = _NotifyingDecoder(outputs_type, on_message)
+        super().__init__(vllm_config, UniProcExecutor, log_stats=False)
+
+    @property  # type: ignore[override]
+    def decoder(self) -> MsgpackDecoder:
+        return self._omni_decoder
+
+    @decoder.setter
+    def decoder(self, value: MsgpackDecoder) -> None:
+        # vLLM's own ``MsgpackDecoder(EngineCoreOutputs)``: replaced by ours (class docstring).
+        pass
+
+
+class _NotifyingDecoder(MsgpackDecoder):
+    def __init__(self, t: type, on_message: Callable[[], None] | None) -> None:
+        super().__init__(t)
+        self._on_message = on_message
+
+    def decode(self, bufs: Any) -> Any:
+        out = super().decode(bufs)
+        if self._on_message is not None:
+            self._on_message()
+        return out
+
+
+def client_outputs_queue(client: SyncMPClient) -> Any:
+    """``SyncMPClient.outputs_queue``: the ``queue.Queue`` the client's output thread fills with
+    decoded ``EngineCoreOutputs`` (or the exception that stopped it); read without blocking."""
+    return client.outputs_queue
+
+
+def client_engine_dead(client: SyncMPClient) -> bool:
+    """``MPClient.resources.engine_dead``: set by vLLM's monitor thread when the engine process
+    exits unexpectedly, or when its output thread received ``ENGINE_CORE_DEAD``."""
+    return bool(client.resources.engine_dead)
+
+
+def client_processes(client: SyncMPClient) -> list[Any]:
+    """The engine's ``multiprocessing.Process`` objects:
+    ``MPClient.resources.engine_manager.processes`` (empty once the manager is gone)."""
+    manager = client.resources.engine_manager
+    return list(getattr(manager, "processes", None) or [])
+
+
+def call_child_scheduler_nowait(client: SyncMPClient, *args: Any) -> Future[Any]:
+    """``call_child_scheduler`` without waiting for the answer: ``SyncMPClient.call_utility``'s
+    own two steps (a ``Future`` registered in ``MPClient.utility_results`` under a fresh call
+    id, which the output thread resolves, then ``SyncMPClient._send_input`` of the UTILITY
+    message), returning the future instead of blocking on it."""
+    call_id = uuid.uuid1().int >> 64
+    future: Future[Any] = Future()
+    client.utility_results[call_id] = future
+    client._send_input(EngineCoreRequestType.UTILITY, (0, call_id, "scheduler", args))
+    return future
+
+
+def call_child_scheduler(client: SyncMPClient, *args: Any) -> Any:
+    """Call the scheduler object inside the engine process and return its result.
+
+    vLLM's utility path (``SyncMPClient.call_utility(name, *args)``) runs, in the engine
+    process, ``getattr(engine_core, name)(*args)``; ``EngineCore.scheduler`` is our scheduler
+    instance, which answers when called (``sched.process_stage.ProcessStageScheduler``).
+    """
+    return client.call_utility("scheduler", *args)
