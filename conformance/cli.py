@@ -9,7 +9,13 @@
               test that ran passed (the rest being not applicable to the subject), 1 on any
               violation and when no test ran at all (nothing was checked), 2 for an environment
               problem (below) or a suite that could not start, 4 when the subject declares it does
-              not support this environment (``SubjectUnsupported``, e.g. its vLLM release).
+              not support this environment (``SubjectUnsupported``, e.g. its vLLM release),
+              130 when interrupted by SIGINT and 143 by SIGTERM (128 + the signal's number):
+              the suite (pytest, its xdist workers and oracle processes, all in one process
+              group) is stopped and reaped, the report of the tests that finished is written
+              marked incomplete (``"complete": false``, status ``incomplete`` unless something
+              already failed, INCOMPLETE at the top of the Markdown, an error in the JUnit),
+              one line says so, and pytest's temporary folder is removed.
 ``matrix``    the gate per vLLM release x subject, each cell in its own environment, merged into
               one report (``conformance.matrix``); ``merge`` merges cell folders.
 ``replay``    re-runs a saved failure trace and says what happened. Exit codes:
@@ -33,9 +39,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib.metadata import entry_points
@@ -270,7 +279,18 @@ def cmd_check(args: argparse.Namespace) -> int:
         f"report-dir={report_dir}",
         flush=True,
     )
-    rc = subprocess.call(cmd, env=env)
+    # pytest's temporary folder (the suite's tmp_path) is the check's own, removed at the end.
+    basetemp = None
+    if not any(str(a).startswith("--basetemp") for a in args.pytest_args or ()):
+        basetemp = tempfile.mkdtemp(prefix="omni-conformance-pytest-")
+        cmd += ["--basetemp", basetemp]
+    try:
+        rc, signum = run_suite(cmd, env)
+    finally:
+        if basetemp is not None:
+            shutil.rmtree(basetemp, ignore_errors=True)
+    if signum is not None:
+        return _interrupted(args, report_json, signum)
     if not report_json.exists():
         # check's exit codes are its own (pytest's 4 is a usage error, not "unsupported").
         return _fail_env(f"the suite did not run: pytest exited {rc} without writing a report")
@@ -292,6 +312,107 @@ def cmd_check(args: argparse.Namespace) -> int:
         print("omni-conformance check: no test ran; nothing was checked", file=sys.stderr)
         return rc or 1
     return rc if rc not in (5,) else 1  # 5: no tests collected is a broken gate, not a pass
+
+
+# After an interrupt, how long pytest may take to finish its session (and write the report of
+# the tests that finished) before its process group is killed.
+INTERRUPT_GRACE_S = 20.0
+
+
+def run_suite(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None]:
+    """Run the suite; returns its exit code and the signal (SIGINT, SIGTERM) that interrupted
+    it, if one did.
+
+    pytest runs in a session of its own, so its xdist workers and oracle processes share one
+    process group that is not the terminal's: a Ctrl-C reaches this process only, which passes
+    one SIGINT to the whole group (pytest then ends its session and writes the report of what
+    finished), waits ``INTERRUPT_GRACE_S`` for it, then kills the group; whatever of the group
+    outlives pytest is killed too, so no child survives the check.
+    """
+    got: list[int] = []
+    proc: subprocess.Popen[bytes] | None = None
+
+    def handler(signum: int, frame: Any) -> None:
+        if not got:
+            got.append(signum)
+            if proc is not None:
+                _signal_group(proc.pid, signal.SIGINT)
+
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+        if got:  # the signal came while pytest was being started
+            _signal_group(proc.pid, signal.SIGINT)
+        deadline: float | None = None
+        while True:
+            try:
+                rc = proc.wait(timeout=0.2)
+                break
+            except subprocess.TimeoutExpired:
+                if not got:
+                    continue
+                if deadline is None:
+                    deadline = time.monotonic() + INTERRUPT_GRACE_S
+                elif time.monotonic() > deadline:
+                    _signal_group(proc.pid, signal.SIGKILL)
+        if got:
+            _reap_group(proc.pid)
+        return rc, (got[0] if got else None)
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _reap_group(pgid: int, wait_s: float = 10.0) -> None:
+    """Kill what is left of the suite's process group and wait until none of it exists."""
+    _signal_group(pgid, signal.SIGKILL)
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return
+        time.sleep(0.05)
+
+
+def _interrupted(args: argparse.Namespace, report_json: Path, signum: int) -> int:
+    """Write the report of what finished, marked incomplete, and say so in one line."""
+    from conformance.report import ReportBuilder, mark_incomplete, write_report
+
+    name = signal.Signals(signum).name
+    # Later signals wait: the partial report is short work and must not be cut in half.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    report: dict[str, Any] | None = None
+    if report_json.exists():
+        try:
+            report = json.loads(report_json.read_text())
+        except (OSError, ValueError):
+            report = None  # pytest was killed while writing it
+    if report is None:
+        from conformance.vllm_compat import environment_versions
+
+        report = ReportBuilder(
+            subject=str(args.subject),
+            profile=args.profile,
+            seed=None,
+            environment=environment_versions(),
+        ).build()
+    report = mark_incomplete(report, f"interrupted by {name}")
+    write_report(report, report_json.parent)
+    print(
+        f"omni-conformance check: interrupted by {name}; partial report marked incomplete: "
+        f"{report_json} (exit {128 + signum})",
+        file=sys.stderr,
+    )
+    return 128 + signum
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

@@ -261,6 +261,18 @@ _ICON = {
 }
 
 
+def mark_incomplete(report: Mapping[str, Any], reason: str) -> dict[str, Any]:
+    """The report of a run cut short (``reason``, e.g. "interrupted by SIGINT"): the tests that
+    finished keep their records; ``complete`` is false, and a run in which nothing failed is
+    ``incomplete``, never ``pass`` (a violation found before the stop still fails it)."""
+    out = dict(report)
+    out["complete"] = False
+    out["incomplete_reason"] = reason
+    if out["status"] != "fail":
+        out["status"] = "incomplete"
+    return out
+
+
 def _tol(t: Mapping[str, int]) -> str:
     return ", ".join(f"{k}×{v}" for k, v in sorted(t.items())) or "—"
 
@@ -286,6 +298,15 @@ def render_markdown(report: Mapping[str, Any]) -> str:
     lines = [
         f"## omni-conformance: {report['status'].upper()} — subject `{report['subject']}`",
         "",
+    ]
+    if report.get("complete") is False:
+        lines += [
+            f"> **⚠️ INCOMPLETE: {report.get('incomplete_reason') or 'the run was cut short'}.** "
+            "Only the tests that finished before the stop are reported; clauses and invariants "
+            "they did not reach are missing or not run.",
+            "",
+        ]
+    lines += [
         f"vLLM {env.get('vllm')} · torch {env.get('torch')} · Python {env.get('python')} · "
         f"profile `{report['profile']}` · seed `{report['seed']}`"
         + (
@@ -422,6 +443,14 @@ def render_junit(report: Mapping[str, Any]) -> str:
     subject = _attr(report["subject"])
     clause_cases, c_fail, c_skip = _clause_cases(report)
     test_cases, t_fail, t_err, t_skip = _test_cases(report)
+    if report.get("complete") is False:
+        # An interrupted run is an error to a CI reader, whatever the tests that ran say.
+        reason = _attr(str(report.get("incomplete_reason") or "the run was cut short"))
+        test_cases.append(
+            f'<testcase classname="omni-conformance" name="run complete">'
+            f'<error message="INCOMPLETE: {reason}"/></testcase>'
+        )
+        t_err += 1
     return (
         '<?xml version="1.0" encoding="utf-8"?>\n<testsuites>'
         f'<testsuite name="omni-conformance[{subject}]" tests="{len(clause_cases)}" '
