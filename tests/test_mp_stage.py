@@ -1,0 +1,336 @@
+"""A stage in its own process (``MPStageEngine``) against the in-process ``StageEngine``.
+
+What these tests prove, and how each can fail:
+
+* Parity — the thinker driven through its own process gives the same sampled ids and the same
+  chunks, payload tensors compared byte for byte, as in process, under sync and async scheduling
+  and with hidden rows on and off (token-only). A chunk lost, reordered, re-sequenced or with
+  one bit of a row changed on the shared-memory path fails it; so does a batch admitted in
+  pieces (the rows' last bits depend on the batch shape).
+* The whole pipeline with every AR stage in its own process gives the in-process text ids,
+  codec ids and waveform bytes (the orchestrator's engine class is swapped for the factory here,
+  the way it will be wired).
+* Abort mid-stream: the aborted requests leave the engine process, the others finish, and no
+  shared-memory segment and no request state is left.
+* Death: killing the engine process fails exactly the requests it held, with reason "error"
+  and a message naming the stage; the stage restarts and a new request completes with the
+  in-process result. The old process is reaped and its segments swept.
+* A sink (connector) that refuses one request's chunk fails only that request (C-61).
+* Afterwards no process this test started is alive and nothing of ours is in /dev/shm.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from vllm import SamplingParams
+
+from omni_runtime.adapters.input import RequestRejected, StageInput
+from omni_runtime.adapters.shm_wire import live_segments
+from omni_runtime.engine.backends import make_stage_engine
+from omni_runtime.engine.config import EngineOptions
+from omni_runtime.engine.graph import ARStageSpec, load_pipeline_config
+from omni_runtime.engine.mp_stage import MPStageEngine
+from omni_runtime.engine.stage import StageEngine
+from omni_runtime.payload import StageChunk, StagePayload
+from omni_runtime.sched.transfer import OutboxSink
+
+CONFIG = load_pipeline_config()
+THINKER = CONFIG.ar_stages[0]
+PROMPTS = [[3 + i] * (5 + 7 * i) for i in range(4)] + [[9, 8, 7, 6, 5, 4, 3, 2, 1, 11]]
+
+
+def _inputs(max_tokens: int = 6, n: int = len(PROMPTS)) -> list[StageInput]:
+    # Alternate final stages: requests that end at the thinker make no chunks (C-42).
+    return [
+        StageInput(
+            request_id=f"r{i}",
+            sampling_params=SamplingParams(
+                max_tokens=max_tokens, temperature=0.0, stop_token_ids=[2], detokenize=False
+            ),
+            prompt_token_ids=PROMPTS[i % len(PROMPTS)],
+            final_stage_id="thinker" if i % 3 == 2 else "code2wav",
+        )
+        for i in range(n)
+    ]
+
+
+def _canon(value: Any) -> Any:
+    """A comparable form of chunk data: tensors as (dtype, shape, bytes)."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", str(value.dtype), tuple(value.shape), value.numpy().tobytes())
+    if isinstance(value, StagePayload):
+        return (
+            "payload",
+            value.request_id,
+            value.start,
+            value.num_tokens,
+            _canon(value.hidden),
+            _canon(value.conditioning),
+            sorted((k, _canon(v)) for k, v in value.multimodal.items()),
+        )
+    if isinstance(value, dict):
+        return ("dict", sorted((k, _canon(v)) for k, v in value.items()))
+    if isinstance(value, list | tuple):
+        return (type(value).__name__, [_canon(v) for v in value])
+    return value
+
+
+def _chunk_key(c: StageChunk) -> tuple[Any, ...]:
+    return (
+        c.request_id,
+        c.source_stage,
+        c.seq,
+        c.token_ids,
+        c.is_final,
+        c.finish_reason,
+        _canon(c.payload),
+        _canon(c.data),
+    )
+
+
+def _run(engine: Any, items: list[StageInput], timeout: float = 60.0) -> dict[str, Any]:
+    sink = OutboxSink()
+    if engine.spec.downstream:
+        engine.set_sink(sink)
+    for item in items:
+        engine.add(item)
+    ids: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    chunks: list[StageChunk] = []
+    deadline = time.monotonic() + timeout
+    while engine.has_work():
+        assert time.monotonic() < deadline, "stage did not finish"
+        for out in engine.step().outputs:
+            ids.setdefault(out.request_id, []).extend(out.new_token_ids)
+            if out.finish_reason is not None:
+                reasons[out.request_id] = out.finish_reason
+        chunks.extend(sink.drain())
+    return {"ids": ids, "reasons": reasons, "chunks": chunks}
+
+
+def _by_request(chunks: list[StageChunk]) -> dict[str, list[tuple[Any, ...]]]:
+    out: dict[str, list[tuple[Any, ...]]] = {}
+    for c in chunks:
+        out.setdefault(c.request_id, []).append(_chunk_key(c))
+    return out
+
+
+def _our_segments() -> list[str]:
+    return live_segments(f"omni-{os.getpid()}-")
+
+
+def _settled_clean(engine: Any, timeout: float = 5.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    left = engine.leftovers()
+    while any(left.values()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        left = engine.leftovers()
+    return left
+
+
+@pytest.fixture(autouse=True)
+def no_leaks() -> Iterator[None]:
+    """Every engine process this test started is gone afterwards, and so are our segments."""
+    before = {p.pid for p in multiprocessing.active_children()}
+    yield
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        extra = [p for p in multiprocessing.active_children() if p.pid not in before]
+        if not extra:
+            break
+        time.sleep(0.1)
+    assert not extra, f"processes left running: {extra}"
+    assert not _our_segments()
+
+
+@pytest.fixture
+def mp_thinker() -> Iterator[MPStageEngine]:
+    engine = MPStageEngine(THINKER, CONFIG.stage_ids, EngineOptions(async_scheduling=False))
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+
+
+# ---- parity ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("include_hidden", [True, False], ids=["hidden", "token-only"])
+def test_thinker_outputs_and_chunks_are_bit_identical(async_scheduling, include_hidden):
+    spec = dataclasses.replace(THINKER, include_hidden=include_hidden)
+    options = EngineOptions(async_scheduling=async_scheduling)
+    results = {}
+    for backend in ("inprocess", "multiprocess"):
+        engine = make_stage_engine(
+            spec, CONFIG.stage_ids, dataclasses.replace(options, backend=backend)
+        )
+        try:
+            results[backend] = _run(engine, _inputs())
+            assert not any(_settled_clean(engine).values()), engine.leftovers()
+        finally:
+            engine.shutdown()
+    ref, mp = results["inprocess"], results["multiprocess"]
+    assert isinstance(ref["ids"], dict) and len(ref["ids"]) == len(PROMPTS)
+    assert mp["ids"] == ref["ids"]
+    assert mp["reasons"] == ref["reasons"]
+    assert _by_request(mp["chunks"]) == _by_request(ref["chunks"])
+    # The comparison has teeth: payload tensors did cross (or, token-only, none did).
+    with_rows = [
+        c for c in ref["chunks"] if isinstance(c.data, dict) and c.data["hidden"] is not None
+    ]
+    assert bool(with_rows) == include_hidden
+    assert {c.request_id for c in ref["chunks"]} == {"r0", "r1", "r3", "r4"}
+
+
+def test_bad_input_is_refused_before_it_crosses(mp_thinker):
+    bad = _inputs(n=1)[0]
+    bad.prompt_token_ids = [10**9]
+    with pytest.raises(RequestRejected, match="prompt_token_ids"):
+        mp_thinker.add(bad)
+    assert not mp_thinker.has_work()
+    assert not any(mp_thinker.leftovers().values())
+
+
+# ---- abort, connector fault, death -----------------------------------------------------------
+
+
+def test_abort_mid_stream_releases_everything(mp_thinker):
+    sink = OutboxSink()
+    mp_thinker.set_sink(sink)
+    items = _inputs(max_tokens=200, n=4)
+    for item in items:
+        item.sampling_params.stop_token_ids = []
+        mp_thinker.add(item)
+    seen: set[str] = set()
+    deadline = time.monotonic() + 30
+    while len({c.request_id for c in sink.drain()} | seen) < 2 or not seen:
+        assert time.monotonic() < deadline
+        seen |= {o.request_id for o in mp_thinker.step().outputs if o.new_token_ids}
+    assert mp_thinker.abort(["r0", "r3", "nope"]) == ["r0", "r3"]
+    reasons: dict[str, str] = {}
+    while mp_thinker.has_work():
+        assert time.monotonic() < deadline
+        for out in mp_thinker.step().outputs:
+            if out.finish_reason is not None:
+                reasons[out.request_id] = out.finish_reason
+        sink.drain()
+    assert reasons == {"r1": "length", "r2": "length"}
+    left = _settled_clean(mp_thinker)
+    assert not any(left.values()), left
+    assert not live_segments(mp_thinker.shm_prefix)
+
+
+def test_a_refused_chunk_fails_only_its_request(mp_thinker):
+    class Refusing(OutboxSink):
+        def send(self, chunk: StageChunk) -> None:
+            if chunk.request_id == "r1":
+                raise OSError("connector down")
+            super().send(chunk)
+
+    sink = Refusing()
+    mp_thinker.set_sink(sink)
+    for item in _inputs(n=4):
+        mp_thinker.add(item)
+    outcome: dict[str, tuple[str, str | None]] = {}
+    while mp_thinker.has_work():
+        for out in mp_thinker.step().outputs:
+            if out.finish_reason is not None:
+                outcome.setdefault(out.request_id, (out.finish_reason, out.error))
+    assert outcome["r1"][0] == "error" and "thinker" in (outcome["r1"][1] or "")
+    assert {rid for rid, (reason, _) in outcome.items() if reason == "error"} == {"r1"}
+    assert {c.request_id for c in sink.drain()} == {"r0", "r3"}
+    assert not any(_settled_clean(mp_thinker).values())
+
+
+def test_killed_process_fails_exactly_its_requests_then_serves_again(mp_thinker):
+    sink = OutboxSink()
+    mp_thinker.set_sink(sink)
+    items = _inputs(max_tokens=400, n=3)
+    for item in items:
+        item.sampling_params.stop_token_ids = []
+        mp_thinker.add(item)
+    deadline = time.monotonic() + 30
+    while not sink.drain():
+        assert time.monotonic() < deadline
+        mp_thinker.step()
+    old_pid, old_prefix = mp_thinker.pid, mp_thinker.shm_prefix
+    assert old_pid is not None
+    os.kill(old_pid, signal.SIGKILL)
+    failed: dict[str, str | None] = {}
+    finished_ok: set[str] = set()
+    while mp_thinker.has_work():
+        assert time.monotonic() < deadline
+        for out in mp_thinker.step().outputs:
+            if out.finish_reason == "error":
+                failed[out.request_id] = out.error
+            elif out.finish_reason is not None:
+                finished_ok.add(out.request_id)
+    # Exactly the requests the process held: none finished before the kill (400 tokens).
+    assert sorted(failed) == ["r0", "r1", "r2"] and not finished_ok
+    assert all("thinker" in (e or "") and "died" in (e or "") for e in failed.values())
+    assert mp_thinker.restarts == 1 and mp_thinker.pid not in (None, old_pid)
+    assert not live_segments(old_prefix)
+    assert old_pid not in {p.pid for p in multiprocessing.active_children()}
+
+    # The restarted stage serves a new request, with the in-process result.
+    new = _inputs(n=1)[0]
+    new.request_id = "after"
+    again = _run(mp_thinker, [new])
+    ref_engine = StageEngine(THINKER, CONFIG.stage_ids, EngineOptions(async_scheduling=False))
+    try:
+        ref = _run(
+            ref_engine, [dataclasses.replace(new, sampling_params=new.sampling_params.clone())]
+        )
+    finally:
+        ref_engine.shutdown()
+    assert again["ids"] == ref["ids"] and again["reasons"] == ref["reasons"]
+    assert _by_request(again["chunks"]) == _by_request(ref["chunks"])
+    assert not any(_settled_clean(mp_thinker).values())
+
+
+# ---- the whole pipeline ----------------------------------------------------------------------
+
+
+def _pipeline_signature(async_scheduling: bool, backend: str, monkeypatch) -> list[Any]:
+    from omni_runtime.engine import OmniPipeline
+    from omni_runtime.engine import orchestrator as orch
+
+    def factory(spec: ARStageSpec, stages: tuple[str, ...], options: EngineOptions) -> Any:
+        return make_stage_engine(spec, stages, dataclasses.replace(options, backend=backend))
+
+    # How the orchestrator will build its stage engines once wired (see backends.py).
+    monkeypatch.setattr(orch, "StageEngine", factory)
+    prompts = ["The quick brown fox jumps over the lazy dog. Hello", "short", "Goodbye now"]
+    with OmniPipeline(async_scheduling=async_scheduling) as p:
+        results = p.generate(prompts, max_text_tokens=6, max_codec_tokens=24)
+        p.drain()
+        deadline = time.monotonic() + 10
+        while not p.orchestrator.is_clean() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p.orchestrator.is_clean(), p.orchestrator.leftovers()
+    assert all(r.ok for r in results), [(r.finish_reason, r.error) for r in results]
+    return [(r.text_token_ids, r.codec_token_ids, r.waveform.numpy().tobytes()) for r in results]
+
+
+@pytest.mark.parametrize(
+    "async_scheduling",
+    [False, pytest.param(True, marks=pytest.mark.slow)],
+    ids=["sync", "async"],
+)
+def test_pipeline_is_bit_identical_with_every_stage_in_its_own_process(
+    async_scheduling, monkeypatch
+):
+    ref = _pipeline_signature(async_scheduling, "inprocess", monkeypatch)
+    mp = _pipeline_signature(async_scheduling, "multiprocess", monkeypatch)
+    assert mp == ref
+    assert len({r[0] and tuple(r[0]) for r in ref}) == len(ref)  # distinct prompts differ
