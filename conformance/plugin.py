@@ -90,6 +90,36 @@ settings.register_profile(
     "thorough", max_examples=CI_EXAMPLES * 10, stateful_step_count=100, **_COMMON
 )
 
+# Whether ``freeze_local_constants`` took effect in this process (the report says so).
+LOCAL_CONSTANTS_FROZEN = False
+
+
+def freeze_local_constants() -> bool:
+    """Stop hypothesis from drawing "local constants": literals it collects from every
+    non-test module of the project that happens to be imported when it draws (it does, for about
+    one draw in twenty, since 6.13x). Which modules are imported differs between
+    ``omni-conformance check`` (the suite alone), ``pytest -m invariants`` from a checkout (which
+    also collects ``tests/`` and imports the runtime modules those files import), each xdist
+    worker (what its earlier tests imported) and a non-editable install (site-packages modules
+    are never "local"), so the same derandomized profile generated different examples each way.
+    The pool is emptied instead: global constants stay, and the examples depend only on the
+    hypothesis version (pinned by the gate's install) and the profile. Returns False when this
+    hypothesis has no such pool (nothing to freeze)."""
+    global LOCAL_CONSTANTS_FROZEN
+    try:
+        from hypothesis.internal.conjecture import providers
+    except ImportError:  # pragma: no cover - hypothesis moved its internals
+        return False
+    if not hasattr(providers, "_get_local_constants") or not hasattr(providers, "Constants"):
+        return False
+    empty = providers.Constants()
+    providers._get_local_constants = lambda: empty
+    cache = getattr(providers, "CONSTANTS_CACHE", None)
+    if cache is not None and hasattr(cache, "cache"):
+        cache.cache.clear()  # anything cached from a pool read before the freeze
+    LOCAL_CONSTANTS_FROZEN = True
+    return True
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("omni-conformance", "differential conformance against upstream vLLM")
@@ -150,6 +180,9 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     if config.getoption("hypothesis_profile", None) is None:
         settings.load_profile(_profile_name(config))
+    # Before any test draws: the same profile must generate the same examples however the
+    # suite is run (see ``freeze_local_constants``).
+    freeze_local_constants()
     if not config.pluginmanager.has_plugin(SESSION_PLUGIN):
         config.pluginmanager.register(ConformanceSession(config), SESSION_PLUGIN)
 
@@ -555,6 +588,7 @@ class ConformanceSession:
         if seed is None:
             seed = 0 if settings.get_profile(profile).derandomize else "random"
         environment = environment_versions()
+        environment["hypothesis_local_constants"] = "off" if LOCAL_CONSTANTS_FROZEN else "on"
         # Where each worker ran upstream (its recorder says): separate once any did.
         placements = sorted({str(t["oracle"]) for t in self.tests.values() if t.get("oracle")})
         isolated = [p for p in placements if p != "in-process"]

@@ -88,6 +88,15 @@ def difference_headline(diff: Mapping[str, Any]) -> str:
     )
 
 
+def _installed(package: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return "missing"
+
+
 def _status(outcomes: Iterable[str]) -> str:
     seen = set(outcomes)
     if seen & {"failed", "error"}:
@@ -128,6 +137,9 @@ class ReportBuilder:
         self.profile = profile
         self.seed = seed
         self.environment = dict(environment)
+        # The hypothesis release decides, with the profile, which examples every test ran: a
+        # report without it could not say why two runs' step counts differ.
+        self.environment.setdefault("hypothesis", _installed("hypothesis"))
         self.records: list[TestRecord] = []
 
     def add(self, record: TestRecord) -> None:
@@ -308,6 +320,7 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         ]
     lines += [
         f"vLLM {env.get('vllm')} · torch {env.get('torch')} · Python {env.get('python')} · "
+        f"hypothesis {env.get('hypothesis', 'unknown')} · "
         f"profile `{report['profile']}` · seed `{report['seed']}`"
         + (
             " · **untested vLLM** (outside the harness's supported releases, run by opt-in)"

@@ -6,12 +6,40 @@ with the reason.
 
 ``pytest_addoption`` is a historic hook, so registering the plugin here still gives it its
 command-line options; when the entry point already loaded it, nothing happens.
+
+A pytest process that hashes strings at random (no ``PYTHONHASHSEED`` when it started: plain
+``pytest -m invariants`` without ``-n``) starts itself again with ``PYTHONHASHSEED=0``, as
+``omni-conformance check`` does, before anything runs: vLLM frees the blocks of a multi-id abort
+in ``set`` order, so without it the examples the suite runs are not the ones the gate runs.
 """
 
 import os
+import sys
 
-import pytest
-import torch
+
+def _restart_with_pinned_hash_seed() -> None:
+    """``exec`` this pytest command again with ``PYTHONHASHSEED=0`` when this interpreter hashes
+    at random. Not inside a running test (an in-process ``pytest.main`` must not replace its
+    host), not in an xdist worker (it inherits the controller's seed), and never over a seed
+    the caller chose (the root conftest sets ``0`` only where none was given)."""
+    if sys.flags.hash_randomization == 0:
+        return
+    if os.environ.get("PYTEST_CURRENT_TEST") or os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    if os.environ.get("PYTHONHASHSEED", "random") not in ("", "random", "0"):
+        return
+    argv = list(getattr(sys, "orig_argv", ()))[1:]
+    if not argv:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execve(sys.executable, [sys.executable, *argv], {**os.environ, "PYTHONHASHSEED": "0"})
+
+
+_restart_with_pinned_hash_seed()
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
