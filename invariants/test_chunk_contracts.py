@@ -26,6 +26,9 @@ What can fail, and why:
 * C-45 — no position's row is delivered twice, even after preemption and recompute (tight block
   budget; rows encode their position), and each row belongs to its request (C-51).
 
+* C-62 — as in every audited lock-step session, each request ends with exactly one terminal
+  outcome, whatever the generated processor does (``invariants.outcomes``).
+
 Not applicable to a subject without ``chunk_delivery`` or without a ``processor_feature``.
 Positive controls: mutants ``truthy_token_updates``, ``no_eof_when_processor_returns_none``,
 ``double_eof_on_abort``, ``final_stage_request_sends``, ``ids_not_copied``,
@@ -167,7 +170,7 @@ def chunk_run(recorder: Any, subject: Any, mode: str) -> MachineRun:
     )
 
 
-@pytest.mark.clauses("C-40", "C-41", "C-42", "C-43", "C-44", "C-45")
+@pytest.mark.clauses("C-40", "C-41", "C-42", "C-43", "C-44", "C-45", "C-62")
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_chunk_contracts(conformance, conformance_subject, mode):
     run = chunk_run(conformance, conformance_subject, mode)
