@@ -10,7 +10,8 @@
               violation and when no test ran at all (nothing was checked), 2 for an environment
               problem (below) or a suite that could not start, 4 when the subject declares it does
               not support this environment (``SubjectUnsupported``, e.g. its vLLM release),
-              130 when interrupted by SIGINT and 143 by SIGTERM (128 + the signal's number):
+              130 when interrupted by SIGINT, 143 by SIGTERM (129 by SIGHUP: 128 + the signal's
+              number):
               the suite (pytest, its xdist workers and oracle processes, all in one process
               group) is stopped and reaped, the report of the tests that finished is written
               marked incomplete (``"complete": false``, status ``incomplete`` unless something
@@ -44,6 +45,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -338,7 +340,10 @@ def run_suite(cmd: list[str], env: dict[str, str]) -> tuple[int, int | None]:
             if proc is not None:
                 _signal_group(proc.pid, signal.SIGINT)
 
-    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # SIGHUP too: in a session of its own the suite no longer hears a closing terminal.
+    handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, handler) for sig in handled} if main_thread else {}
     try:
         proc = subprocess.Popen(cmd, env=env, start_new_session=True)
         if got:  # the signal came while pytest was being started
@@ -384,12 +389,29 @@ def _reap_group(pgid: int, wait_s: float = 10.0) -> None:
 
 def _interrupted(args: argparse.Namespace, report_json: Path, signum: int) -> int:
     """Write the report of what finished, marked incomplete, and say so in one line."""
-    from conformance.report import ReportBuilder, mark_incomplete, write_report
-
     name = signal.Signals(signum).name
     # Later signals wait: the partial report is short work and must not be cut in half.
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, signal.SIG_IGN)
+    held = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in held} if main_thread else {}
+    try:
+        _write_incomplete(args, report_json, f"interrupted by {name}")
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+    print(
+        f"omni-conformance check: interrupted by {name}; partial report marked incomplete: "
+        f"{report_json} (exit {128 + signum})",
+        file=sys.stderr,
+    )
+    return 128 + signum
+
+
+def _write_incomplete(args: argparse.Namespace, report_json: Path, reason: str) -> None:
+    """The report pytest wrote for the tests that finished (or an empty one), marked
+    incomplete, as JSON, Markdown and JUnit."""
+    from conformance.report import ReportBuilder, mark_incomplete, write_report
+
     report: dict[str, Any] | None = None
     if report_json.exists():
         try:
@@ -405,14 +427,7 @@ def _interrupted(args: argparse.Namespace, report_json: Path, signum: int) -> in
             seed=None,
             environment=environment_versions(),
         ).build()
-    report = mark_incomplete(report, f"interrupted by {name}")
-    write_report(report, report_json.parent)
-    print(
-        f"omni-conformance check: interrupted by {name}; partial report marked incomplete: "
-        f"{report_json} (exit {128 + signum})",
-        file=sys.stderr,
-    )
-    return 128 + signum
+    write_report(mark_incomplete(report, reason), report_json.parent)
 
 
 def cmd_replay(args: argparse.Namespace) -> int:

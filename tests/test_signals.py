@@ -203,3 +203,32 @@ def test_check_interrupted_writes_an_incomplete_report(tmp_path, sig, code) -> N
     assert f"INCOMPLETE: interrupted by {name}" in markdown
     junit = (report_dir / "compat-report.junit.xml").read_text()
     assert f'name="run complete"><error message="INCOMPLETE: interrupted by {name}"' in junit
+
+
+def test_a_check_interrupted_before_pytest_wrote_anything_still_leaves_a_report(tmp_path):
+    """pytest killed before its session ended (the grace ran out): the check writes an empty
+    report, marked incomplete, valid against the schema."""
+    from argparse import Namespace
+
+    from conformance.cli import _write_incomplete
+
+    report_json = tmp_path / "compat-report.json"
+    _write_incomplete(
+        Namespace(subject="omni", profile="smoke"), report_json, "interrupted by SIGTERM"
+    )
+    report = json.loads(report_json.read_text())
+    validate(report)
+    assert (report["complete"], report["status"]) == (False, "incomplete")
+    assert report["summary"]["tests"] == 0
+    assert "INCOMPLETE: interrupted by SIGTERM" in (tmp_path / "compat-report.md").read_text()
+
+
+def test_an_interrupted_run_that_already_failed_stays_failed() -> None:
+    from conformance.report import mark_incomplete
+
+    marked = mark_incomplete({"status": "fail"}, "interrupted by SIGINT")
+    assert marked == {
+        "status": "fail",
+        "complete": False,
+        "incomplete_reason": "interrupted by SIGINT",
+    }
