@@ -28,6 +28,7 @@ process generation; ``shutdown`` and a restart sweep what is left under it.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
@@ -199,6 +200,17 @@ class MPStageEngine:
         if client is None:
             return
         try:
+            if not compat.client_engine_dead(client):
+                # vLLM's engine process runs its SIGTERM handler (which starts its shutdown) in
+                # its main thread only, and an idle engine's main thread sleeps on its input
+                # queue; when the kernel hands the signal to another thread, nothing wakes it
+                # and vLLM's shutdown waits out its 5 s grace, then kills. So: signal first,
+                # then a message, which wakes the main thread to run the handler.
+                for proc in compat.client_processes(client):
+                    if proc.is_alive():
+                        proc.terminate()
+                with contextlib.suppress(Exception):
+                    compat.call_child_scheduler_nowait(client, "audit")
             client.shutdown()
         finally:
             # Messages nobody will read still own segments; then whatever the process left.
