@@ -31,6 +31,7 @@ CAPABILITY_HOOKS: tuple[str, ...] = (
     "runner_probes",
     "model_reference",
     "difference_witnesses",
+    "fault_containment",
 )
 
 
@@ -287,6 +288,27 @@ class DifferenceWitness:
     feature: Feature
     ops: tuple[Any, ...]
     mode: str = "sync"
+
+
+@runtime_checkable
+class FaultContainment(Protocol):
+    """The subject's claim that its worker keeps a fault raised in its model's forward to the
+    requests whose data cause it, reporting them as finished with an error (C-61).
+
+    The gate plants the fault itself (``invariants/test_reliability.py``): a forward pre-hook on
+    the module ``embedding`` returns. The subject only says where its model embeds token ids,
+    how to configure its scheduler and worker for the check, and how to stop the worker.
+    """
+
+    def feature(self, materialization: str) -> Feature:
+        """A real-worker feature (``use_worker``) with ``materialization`` ("inline" or
+        "background") payloads, or the subject's only mode when it has none."""
+
+    def embedding(self, worker: Any) -> Any:
+        """The ``torch.nn.Module`` the worker's forward calls with the step's token ids (vLLM
+        models name it ``get_input_embeddings()``)."""
+
+    def shutdown(self, worker: Any) -> None: ...
 
 
 def require(subject: Any, hook: str, what: str) -> Any:

@@ -9,7 +9,7 @@ hook the way upstream vLLM behaves, so a new runtime overrides only what it chan
 
 What a subject can be checked for beyond lock-step parity it declares through the capability
 hooks (``declared_attributes``, ``chunk_delivery``, ``source_layout``, ``input_adapter``,
-``runner_probes``, ``model_reference``, ``difference_witnesses``; the vocabulary is
+``runner_probes``, ``model_reference``, ``difference_witnesses``, ``fault_containment``; the vocabulary is
 ``conformance.capabilities``). Each returns None in ``BaseSubject``: not provided, so the tests
 that need it are not applicable.
 
@@ -36,6 +36,7 @@ from conformance.capabilities import (
     ChunkDelivery,
     DeclaredAttributes,
     DifferenceWitness,
+    FaultContainment,
     InputAdapterProbe,
     ModelReference,
     NotApplicable,
@@ -221,6 +222,10 @@ class BaseSubject:
 
     def difference_witnesses(self) -> Sequence[DifferenceWitness] | None:
         """For each entry of ``differences()``, a workload that makes it happen (C-03)."""
+        return None
+
+    def fault_containment(self) -> FaultContainment | None:
+        """Whether the worker keeps a model fault to the requests it concerns (C-61)."""
         return None
 
     def __repr__(self) -> str:

@@ -360,6 +360,22 @@ class OmniRunnerProbes:
         runner.shutdown()
 
 
+class OmniFaultContainment:
+    """C-61: the runner retries a faulting step, then splits the batch to pin a persistent
+    fault on its request (``omni_runtime.worker.recovery``); the scheduler fails that request."""
+
+    def feature(self, materialization: str) -> Feature:
+        return OmniRunnerProbes().payload_feature(
+            include_hidden=True, full_prefix=False, materialization=materialization
+        )
+
+    def embedding(self, worker: Any) -> Any:
+        return worker.model.get_input_embeddings()
+
+    def shutdown(self, worker: Any) -> None:
+        worker.shutdown()
+
+
 # ---- the model's independent reference -----------------------------------------------------
 
 _MODELS: dict[str, Any] = {}
@@ -579,6 +595,9 @@ class OmniSubject(OmniSchedulerSubject):
 
     def runner_probes(self) -> OmniRunnerProbes:
         return OmniRunnerProbes()
+
+    def fault_containment(self) -> OmniFaultContainment:
+        return OmniFaultContainment()
 
     def model_reference(self) -> OmniModelReference:
         return OmniModelReference()

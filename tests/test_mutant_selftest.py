@@ -180,6 +180,20 @@ def _registry_probe(subject: Any) -> tuple[BaseException | None, int]:
     return (AssertionError(problems[0]) if problems else None), len(entries)
 
 
+def _fault_containment_probe(subject: Any) -> tuple[BaseException | None, int]:
+    """What ``invariants/test_reliability.py`` checks, with a fault that persists (sync)."""
+    from invariants.strategies import jobs
+    from invariants.test_reliability import check_fault_stays_with_its_request
+
+    return _given_probe(
+        st.tuples(jobs, st.integers(0, 5)),
+        lambda v, s: check_fault_stays_with_its_request(
+            v[0], v[1], s, mode="sync", materialization="inline", persistent=True
+        ),
+        lambda v: len(v[0]),
+    )(subject)
+
+
 PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     "lockstep-off": _machine_probe("off"),
     "lockstep-token-updates": _machine_probe("token-updates"),
@@ -195,6 +209,7 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     ),
     "builder-errors": _builder_errors_probe,
     "registry": _registry_probe,
+    "fault-containment": _fault_containment_probe,
 }
 
 

@@ -481,6 +481,24 @@ def _builder_error_swallowed():
     return _patch(BackgroundOutput, "get_output", make)
 
 
+def _pinned_fault_fails_whole_step():
+    """C-61: when a step fault persists, every request of the step is failed, not just the one
+    the batch split pins it on (the isolation's result is thrown away)."""
+    import omni_runtime.worker.runner as runner
+
+    def make(orig: Any) -> Any:
+        def whole_step(req_ids: Any, run: Any, retries: int) -> Any:
+            failed = orig(req_ids, run, retries)
+            if not failed:
+                return failed
+            cause = next(iter(failed.values()))
+            return {rid: failed.get(rid, cause) for rid in req_ids}
+
+        return whole_step
+
+    return _patch(runner, "bisect", make)
+
+
 def _stale_registry_subject() -> Any:
     """C-03: the registry keeps an entry (with its witness) for a difference the runtime no
     longer makes: preempted requests with a downstream consumer once resumed at the back of the
@@ -713,6 +731,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "builder-errors",
         "a background builder exception is swallowed",
         _builder_error_swallowed,
+    ),
+    Mutant(
+        "pinned_fault_fails_whole_step",
+        "C-61",
+        "fault-containment",
+        "a persistent step fault fails every request of the step, not only the one it is on",
+        _pinned_fault_fails_whole_step,
     ),
     Mutant(
         "prefix_merge_missing_rows",

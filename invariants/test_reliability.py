@@ -1,0 +1,237 @@
+"""C-61 and C-62 under a worker step fault: the fault stays with the request it concerns.
+
+A subject that declares ``fault_containment`` claims its worker contains a fault raised inside
+its model's forward to the requests whose data cause it. The check takes that claim at its word
+and tests it with a fault the subject does not choose: a forward pre-hook on the subject's token
+embedding (the module ``FaultContainment.embedding`` names) raises whenever the embedded ids
+contain a *poison* token, which the workload places at the last prompt position
+of one request, the *victim* (vLLM never serves the last prompt position from the prefix cache,
+so the victim's prefill always embeds it).
+
+The subject's own scheduler and worker run the workload, stepped as vLLM's ``EngineCore`` steps
+them (``conformance.driver``), sync and async, with inline and background payloads:
+
+* **persistent** — the hook raises on every forward that embeds the poison. The victim must end
+  with exactly one terminal output whose finish reason is upstream's ``FinishReason.ERROR``;
+  every other request exactly one terminal output, not an error (C-61, C-62); once drained the
+  scheduler holds nothing, every block is free, no omni state is left (C-06, C-04). Then, hook
+  removed, the victim's prompt runs again alone: its tokens must equal the same prompt run alone
+  after a fault-free workload: a prefix-cache hit on KV the failed step never wrote would differ.
+* **transient** — the hook raises once. Nobody may fail, and every request's tokens must equal
+  the fault-free run's exactly (identical batches, so identical arithmetic).
+
+A fault that escapes the worker (``execute_model``/``sample_tokens`` raising) fails the check:
+under vLLM's ``EngineCore`` such a step fails every request in it. A subject that does not
+declare containment is *not applicable*: many runtimes, upstream's included, leave step faults to
+the engine, and claiming they break C-61 here would be a verdict on something the gate does not
+drive.
+
+Positive control: mutant ``pinned_fault_fails_whole_step`` (the runtime pins a fault on every
+request of the step instead of the one that causes it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conformance.capabilities import FaultContainment, require, require_worker
+from conformance.driver import WorkerExecutor, make_driver
+from conformance.vllm_compat import state as vc
+from conformance.workload import AddRequest
+from invariants.machines import suite_settings, worker_harness_config
+from invariants.strategies import Job, job_prompt, jobs
+
+pytestmark = [pytest.mark.invariants]
+
+MODES = ("sync", "async")
+MATERIALIZATION = ("inline", "background")
+
+
+class InjectedModelFault(RuntimeError):
+    """The fault the check plants in the subject's model forward."""
+
+
+@contextmanager
+def poisoned(embedding: Any, poison: int, times: int | None) -> Iterator[list[int]]:
+    """``embedding`` raises when its input holds ``poison`` (at most ``times`` times; None:
+    always). Yields the count of faults raised so far."""
+    raised = [0]
+
+    def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        ids = args[0] if args else None
+        if not isinstance(ids, torch.Tensor) or not bool((ids == poison).any()):
+            return
+        if times is not None and raised[0] >= times:
+            return
+        raised[0] += 1
+        raise InjectedModelFault(f"poison token {poison} in the forward")
+
+    if not isinstance(embedding, torch.nn.Module):
+        raise AssertionError(
+            f"C-61: the subject names {type(embedding).__name__} as its token embedding, which is "
+            "not a torch module the fault can be planted in"
+        )
+    handle = embedding.register_forward_pre_hook(hook)
+    try:
+        yield raised
+    finally:
+        handle.remove()
+
+
+@dataclass
+class Outcome:
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    terminal: dict[str, list[str]] = field(default_factory=dict)  # finish reasons, in order
+    causes: dict[str, str] = field(default_factory=dict)
+    steps: int = 0
+
+
+def _drain(driver: Any, scheduler: Any, outcome: Outcome, max_steps: int) -> None:
+    while scheduler.has_requests() or driver.in_flight():
+        if outcome.steps >= max_steps:
+            raise AssertionError(f"C-62: the workload did not drain within {max_steps} steps")
+        try:
+            obs = driver.step()
+        except InjectedModelFault as exc:
+            raise AssertionError(
+                f"C-61: step {outcome.steps}: the model fault escaped the subject's worker, which "
+                f"declares it contains them ({exc}); under vLLM's EngineCore every request of "
+                "the step would fail"
+            ) from exc
+        outcome.steps += 1
+        for eco in (obs.outputs or {}).values():
+            for out in eco.outputs:
+                outcome.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finish_reason is not None:
+                    reason = getattr(out.finish_reason, "name", str(out.finish_reason))
+                    outcome.terminal.setdefault(out.request_id, []).append(str(reason).lower())
+                    # A subject may say why (the omni runtime's ``omni_error``); shown if so.
+                    cause = getattr(out, "omni_error", None)
+                    if cause:
+                        outcome.causes[out.request_id] = str(cause)
+
+
+def run_workload(
+    subject: Any,
+    containment: FaultContainment,
+    cfg: Any,
+    prompts: dict[str, list[int]],
+    max_tokens: dict[str, int],
+    fault: tuple[int, int | None] | None,
+    again: tuple[str, list[int], int],
+) -> tuple[Outcome, Outcome, int]:
+    """Run ``prompts`` (with ``fault`` = (poison, times) planted), drain, check conservation,
+    then run ``again`` alone with no fault. Returns both outcomes and the fault count."""
+    scheduler = subject.build_scheduler(cfg)
+    worker = subject.make_worker(cfg)
+    try:
+        pool = vc.block_pool(scheduler)
+        initial = vc.num_free_blocks(pool)
+        driver = make_driver(scheduler, WorkerExecutor(worker))
+        for i, (rid, prompt) in enumerate(prompts.items()):
+            op = AddRequest(rid, tuple(prompt), max_tokens=max_tokens[rid])
+            scheduler.add_request(subject.make_request(op, prompt, cfg, scheduler, float(i)))
+        first = Outcome()
+        faults = 0
+        if fault is None:
+            _drain(driver, scheduler, first, 400)
+        else:
+            with poisoned(containment.embedding(worker), fault[0], fault[1]) as raised:
+                _drain(driver, scheduler, first, 400)
+            faults = raised[0]
+        free = vc.num_free_blocks(pool)
+        assert free == initial, f"C-06: {initial - free} blocks still held after the drain"
+        left = subject.live_omni_ids(scheduler)
+        assert not left, f"C-04: omni state left for {sorted(left)} after the drain"
+        rid, prompt, limit = again
+        op = AddRequest(rid, tuple(prompt), max_tokens=limit)
+        scheduler.add_request(subject.make_request(op, prompt, cfg, scheduler, 1000.0))
+        second = Outcome()
+        _drain(driver, scheduler, second, 200)
+        return first, second, faults
+    finally:
+        containment.shutdown(worker)
+
+
+def check_fault_stays_with_its_request(
+    workload: list[Job],
+    victim_index: int,
+    subject: Any,
+    *,
+    mode: str,
+    materialization: str,
+    persistent: bool,
+) -> int:
+    """Raise AssertionError on a C-61/C-62 violation; returns the steps run."""
+    containment = require(subject, "fault_containment", "worker fault containment")
+    cfg = worker_harness_config(
+        subject, containment.feature(materialization), mode=mode, prefix=True
+    )
+    prompts = {f"f{i}": job_prompt(i, job) for i, job in enumerate(workload)}
+    limits = {f"f{i}": job.max_tokens for i, job in enumerate(workload)}
+    victim = f"f{victim_index % len(workload)}"
+    used = {t for p in prompts.values() for t in p}
+    poison = min(t for t in range(1, 1000) if t not in used)
+    prompts[victim] = prompts[victim][:-1] + [poison]
+    again = ("again", list(prompts[victim]), limits[victim])
+
+    clean, clean_again, _ = run_workload(subject, containment, cfg, prompts, limits, None, again)
+    fault = (poison, None if persistent else 1)
+    got, got_again, faults = run_workload(subject, containment, cfg, prompts, limits, fault, again)
+    assert faults > 0, "the planted fault never fired (the victim was never embedded)"
+    for rid in prompts:
+        ends = got.terminal.get(rid, [])
+        assert len(ends) == 1, f"C-62: {rid} ended {len(ends)} times: {ends}"
+        if persistent and rid == victim:
+            assert ends == ["error"], (
+                f"C-61: {rid}, whose every forward faulted, ended {ends[0]!r}, not with an error"
+            )
+        else:
+            assert ends != ["error"], f"C-61: {rid} failed with an error, yet only " + (
+                f"{victim}'s forward faulted" if persistent else "one forward faulted, once"
+            ) + (f" (the subject says: {got.causes[rid]})" if rid in got.causes else "")
+    if not persistent:
+        for rid in prompts:
+            assert got.tokens.get(rid) == clean.tokens.get(rid), (
+                f"C-61: after a fault a retry cleared, {rid}'s tokens differ: "
+                f"{got.tokens.get(rid)} vs {clean.tokens.get(rid)} without the fault"
+            )
+    assert got_again.tokens == clean_again.tokens, (
+        f"C-61: {victim}'s prompt, run again after its fault, gives {got_again.tokens} and "
+        f"{clean_again.tokens} after a fault-free run: a prefix-cache hit on KV never written"
+    )
+    return clean.steps + got.steps
+
+
+@pytest.mark.clauses("C-61", "C-62")
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "transient"])
+@pytest.mark.parametrize("mode,materialization", [("sync", "inline"), ("async", "background")])
+def test_a_model_fault_stays_with_its_request(
+    conformance_subject, mode, materialization, persistent
+):
+    require_worker(conformance_subject)
+    require(conformance_subject, "fault_containment", "worker fault containment")
+    total = [0]
+
+    @suite_settings(8)
+    @given(jobs, st.integers(0, 5))
+    def prop(workload: list[Job], victim: int) -> None:
+        total[0] += check_fault_stays_with_its_request(
+            workload,
+            victim,
+            conformance_subject,
+            mode=mode,
+            materialization=materialization,
+            persistent=persistent,
+        )
+
+    prop()
+    assert total[0] > 0
