@@ -249,6 +249,7 @@ def test_bench_kv_exhaustion(
         outcomes=dict(Counter(r.finish_reason for r in results.values())),
         outputs_differing_from_reference=len(differ),
     )
+    print(f"preemptions {dict(preemptions)}; outcomes {benchmark.extra_info['outcomes']}")
     assert_figures(fig, N_KV)
     assert sum(preemptions.values()) > 0, "the overload must make vLLM preempt"
     assert differ == []
