@@ -259,10 +259,15 @@ def test_killed_process_fails_exactly_its_requests_then_serves_again(mp_thinker)
     for item in items:
         item.sampling_params.stop_token_ids = []
         mp_thinker.add(item)
+    short = _inputs(max_tokens=2, n=1)[0]
+    short.request_id = "short"
+    mp_thinker.add(short)
     deadline = time.monotonic() + 30
-    while not sink.drain():
+    done_before: set[str] = set()
+    while "short" not in done_before:
         assert time.monotonic() < deadline
-        mp_thinker.step()
+        done_before |= {o.request_id for o in mp_thinker.step().outputs if o.finish_reason}
+    assert done_before == {"short"}
     old_pid, old_prefix = mp_thinker.pid, mp_thinker.shm_prefix
     assert old_pid is not None
     os.kill(old_pid, signal.SIGKILL)
@@ -275,7 +280,7 @@ def test_killed_process_fails_exactly_its_requests_then_serves_again(mp_thinker)
                 failed[out.request_id] = out.error
             elif out.finish_reason is not None:
                 finished_ok.add(out.request_id)
-    # Exactly the requests the process held: none finished before the kill (400 tokens).
+    # Exactly the requests the process held: not the one that had finished before the kill.
     assert sorted(failed) == ["r0", "r1", "r2"] and not finished_ok
     assert all("thinker" in (e or "") and "died" in (e or "") for e in failed.values())
     assert mp_thinker.restarts == 1 and mp_thinker.pid not in (None, old_pid)
