@@ -306,7 +306,7 @@ def test_killed_process_fails_exactly_its_requests_then_serves_again(mp_thinker)
 # ---- the whole pipeline ----------------------------------------------------------------------
 
 
-def _pipeline_signature(async_scheduling: bool, backend: str, monkeypatch) -> list[Any]:
+def _pipeline_signature(switches: dict[str, Any], backend: str, monkeypatch) -> list[Any]:
     from omni_runtime.engine import OmniPipeline
     from omni_runtime.engine import orchestrator as orch
 
@@ -315,9 +315,12 @@ def _pipeline_signature(async_scheduling: bool, backend: str, monkeypatch) -> li
 
     # How the orchestrator will build its stage engines once wired (see backends.py).
     monkeypatch.setattr(orch, "StageEngine", factory)
-    prompts = ["The quick brown fox jumps over the lazy dog. Hello", "short", "Goodbye now"]
-    with OmniPipeline(async_scheduling=async_scheduling) as p:
+    prefix = "The quick brown fox jumps over the lazy dog. "
+    prompts = [prefix + "Hello", "short", prefix + "Goodbye now"]
+    with OmniPipeline(**switches) as p:
         results = p.generate(prompts, max_text_tokens=6, max_codec_tokens=24)
+        # A second wave: with prefix caching on, it hits blocks the first one left cached.
+        results += p.generate(prompts[:1], max_text_tokens=6, max_codec_tokens=24)
         p.drain()
         deadline = time.monotonic() + 10
         while not p.orchestrator.is_clean() and time.monotonic() < deadline:
@@ -327,15 +330,26 @@ def _pipeline_signature(async_scheduling: bool, backend: str, monkeypatch) -> li
     return [(r.text_token_ids, r.codec_token_ids, r.waveform.numpy().tobytes()) for r in results]
 
 
-@pytest.mark.parametrize(
-    "async_scheduling",
-    [False, pytest.param(True, marks=pytest.mark.slow)],
-    ids=["sync", "async"],
-)
-def test_pipeline_is_bit_identical_with_every_stage_in_its_own_process(
-    async_scheduling, monkeypatch
-):
-    ref = _pipeline_signature(async_scheduling, "inprocess", monkeypatch)
-    mp = _pipeline_signature(async_scheduling, "multiprocess", monkeypatch)
+SWITCHES = [
+    pytest.param({"async_scheduling": False}, id="sync"),
+    pytest.param({"async_scheduling": True}, id="async", marks=pytest.mark.slow),
+    pytest.param(
+        {"async_scheduling": True, "materialization": "background", "prefix_caching": False},
+        id="async-background-nocache",
+        marks=pytest.mark.slow,
+    ),
+    pytest.param(
+        {"async_scheduling": False, "materialization": "background", "connector": "pipe"},
+        id="sync-background-pipe",
+        marks=pytest.mark.slow,
+    ),
+]
+
+
+@pytest.mark.parametrize("switches", SWITCHES)
+def test_pipeline_is_bit_identical_with_every_stage_in_its_own_process(switches, monkeypatch):
+    ref = _pipeline_signature(switches, "inprocess", monkeypatch)
+    mp = _pipeline_signature(switches, "multiprocess", monkeypatch)
     assert mp == ref
-    assert len({r[0] and tuple(r[0]) for r in ref}) == len(ref)  # distinct prompts differ
+    assert ref[0] == ref[3]  # the same prompt twice (the second from the prefix cache)
+    assert len({tuple(r[0]) for r in ref[:3]}) == 3  # different prompts differ
