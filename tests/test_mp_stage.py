@@ -34,7 +34,13 @@ import torch
 from vllm import SamplingParams
 
 from omni_runtime.adapters.input import RequestRejected, StageInput
-from omni_runtime.adapters.shm_wire import live_segments
+from omni_runtime.adapters.shm_wire import (
+    ShmChunkWriter,
+    ShmEngineCoreOutputs,
+    live_segments,
+    read_chunks,
+    release_descriptors,
+)
 from omni_runtime.engine.backends import make_stage_engine
 from omni_runtime.engine.config import EngineOptions
 from omni_runtime.engine.graph import ARStageSpec, load_pipeline_config
@@ -66,7 +72,8 @@ def _inputs(max_tokens: int = 6, n: int = len(PROMPTS)) -> list[StageInput]:
 def _canon(value: Any) -> Any:
     """A comparable form of chunk data: tensors as (dtype, shape, bytes)."""
     if isinstance(value, torch.Tensor):
-        return ("tensor", str(value.dtype), tuple(value.shape), value.numpy().tobytes())
+        raw = value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        return ("tensor", str(value.dtype), tuple(value.shape), raw)
     if isinstance(value, StagePayload):
         return (
             "payload",
@@ -159,6 +166,51 @@ def mp_thinker() -> Iterator[MPStageEngine]:
         yield engine
     finally:
         engine.shutdown()
+
+
+# ---- the wire ---------------------------------------------------------------------------------
+
+
+def test_shm_wire_round_trip_copies_once_and_releases():
+    writer = ShmChunkWriter(f"omni-{os.getpid()}-wire")
+    hidden = torch.randn(3, 8)[:, ::2]  # not contiguous
+    payload = StagePayload("a", 4, 3, hidden, {"mm": torch.arange(6, dtype=torch.int16)}, None)
+    chunks = [
+        StageChunk("a", "thinker", 0, (1, 2), payload, payload, False),
+        StageChunk(
+            "a",
+            "thinker",
+            1,
+            (),
+            None,
+            {"x": (torch.ones(2, dtype=torch.bfloat16), [1, 2.5, None]), "e": torch.empty(0, 4)},
+            True,
+            "stop",
+        ),
+        StageChunk("b", "thinker", 0, (), None, None, True, "abort"),
+    ]
+    for c in chunks:
+        writer.send(c)
+    descriptors = writer.flush()
+    assert len({d.segment for d in descriptors if d.segment}) == 1  # one segment per step
+    assert live_segments(writer.prefix)
+    back = read_chunks(ShmEngineCoreOutputs(omni_chunks=descriptors).omni_chunks or [])
+    assert not live_segments(writer.prefix)
+    assert [_chunk_key(c) for c in back] == [_chunk_key(c) for c in chunks]
+    assert back[0].data is back[0].payload  # identity of "data is the payload" survives
+    assert isinstance(back[1].data["x"], tuple)
+
+
+def test_shm_wire_refuses_what_cannot_cross_and_drops_cleanly():
+    writer = ShmChunkWriter(f"omni-{os.getpid()}-wire")
+    with pytest.raises(TypeError, match="cannot cross"):
+        writer.send(StageChunk("a", "thinker", 0, (), None, object(), False))
+    writer.send(StageChunk("a", "thinker", 0, (), None, torch.ones(3), False))
+    writer.discard()
+    assert writer.flush() == []
+    writer.send(StageChunk("a", "thinker", 0, (), None, torch.ones(3), False))
+    release_descriptors(writer.flush())  # a message nobody reads
+    assert not live_segments(writer.prefix)
 
 
 # ---- parity ----------------------------------------------------------------------------------
