@@ -36,6 +36,7 @@ import queue
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterable
 from multiprocessing import resource_tracker
 from typing import Any
@@ -170,6 +171,9 @@ class MPStageEngine:
         # The stdlib's shared-memory tracker must run here before the engine process is forked:
         # a child that starts its own would leave one more process behind.
         resource_tracker.ensure_running()
+        # An engine nobody shut down: at exit, after vLLM's own finalizer stopped the process
+        # (finalizers run newest first, and this one is older), whatever it left is swept.
+        weakref.finalize(self, sweep_segments, self._prefix)
         extra: dict[str, Any] = dict(self.vllm_config.additional_config or {})  # type: ignore[arg-type]
         extra[PROCESS_STAGE_KEY] = {"shm_prefix": self._prefix}
         self.vllm_config.additional_config = extra
