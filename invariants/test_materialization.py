@@ -16,8 +16,10 @@ What can fail, and why:
 * C-53 — a payload list that is not aligned with the output's ``req_ids``.
 * C-54 — with the real builder thread (``RunnerProbes.instrument``): connector output is
   collected on a thread other than the calling one, or not exactly once per executed step; a
-  payload build ran on the calling thread; a builder exception is lost instead of re-raised from
-  ``get_output`` (or, for an output nobody collected, from a later step).
+  payload build ran on the calling thread instead of the builder's; a builder exception is lost:
+  it must either be re-raised from ``get_output`` (or, for an output nobody collected, from a
+  later step), or be recovered there, and then the step still delivers a payload for every
+  request (a one-off fault, which is what is planted here, leaves nothing to fail).
 
 Not applicable to a subject without a real worker and runner probes. Positive controls: mutants
 ``background_no_snapshot``, ``builder_error_swallowed``, ``connector_collected_on_builder``.
@@ -157,14 +159,21 @@ def check_threads_and_errors(workload: list[Job], fail_at: int, subject: Any) ->
         if so.total_num_scheduled_tokens:
             executed[0] += 1
 
+    recovered: list[Any] = []
+
     class Exec(RunnerExec):
         def execute(self, so: Any) -> Any:
+            before = probe.builds
             try:
-                return super().execute(so)
+                out = super().execute(so)
             except InjectedBuildError as exc:
                 # The engine fails the step here; the run ends with the error surfaced.
                 raised.append(exc)
                 raise _Stop from exc
+            if before < fail_at <= probe.builds:
+                # The failing build was this step's, and get_output returned: recovered.
+                recovered.append(out)
+            return out
 
     try:
         drive_runners(workload, cfg, [Exec(runner)], on_step)
@@ -178,8 +187,19 @@ def check_threads_and_errors(workload: list[Job], fail_at: int, subject: Any) ->
         f"C-54: connector output collected {len(collected)}x for {executed[0]} executed steps"
     )
     assert main not in probe.builder_threads(), "C-54: a build ran on the caller"
-    if probe.builds >= fail_at:
-        assert raised, f"C-54: the builder error of build {fail_at} was lost"
+    if probe.builds >= fail_at and not raised:
+        assert recovered, f"C-54: the builder error of build {fail_at} was lost"
+        out = recovered[0]
+        payloads = probes.payloads(out)
+        missing = [
+            rid
+            for rid, p in zip(out.req_ids, payloads or [None] * len(out.req_ids), strict=True)
+            if p is None
+        ]
+        assert not missing, (
+            f"C-54: build {fail_at} raised and get_output neither re-raised it nor rebuilt the "
+            f"step: no payload for {missing}"
+        )
 
 
 @pytest.mark.clauses("C-54")

@@ -239,12 +239,6 @@ def test_processor_fault_fails_only_its_request(pipeline, stage, when) -> None:
     assert fault.fired
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a chunk processor that raises on its is_final call before releasing its per-request "
-    "buffer keeps it for ever: the transfer adapter has no way to tell it to drop the request "
-    "(omni_runtime/sched/transfer.py, not editable here); the outcome itself is right",
-)
 def test_processor_fault_before_release_leaves_no_buffer(pipeline) -> None:
     reference(pipeline)
     with processor_fault(pipeline, "talker", "terminal", after_release=False) as fault:
@@ -300,15 +294,8 @@ def test_connector_send_fault_fails_only_its_request(pipeline, edge, exc, when) 
     assert faulty.fired
 
 
-CAUSE_XFAIL = (
-    "a processor or connector fault fails its request with the message 'stage <id> finished "
-    "with error': the scheduler finishes it with a plain EngineCoreOutput, without the cause "
-    "on omni_error as it does for worker faults (omni_runtime/sched/scheduler.py "
-    "_fail_requests_of, not edited here)"
-)
 
 
-@pytest.mark.xfail(strict=True, reason=CAUSE_XFAIL)
 @pytest.mark.parametrize("fault", ["processor", "connector"])
 def test_send_path_fault_message_names_its_cause(pipeline, fault) -> None:
     p = pipeline
@@ -443,21 +430,14 @@ def test_relay_child_lost_mid_stream_fails_only_what_it_held(
 # ---- the payload builder ----------------------------------------------------------------------
 
 
-BACKGROUND_BUILDER_XFAIL = (
-    "a fault on the background builder thread surfaces when the step's output is collected, "
-    "and fails every request of that step, where the inline build of the same step is retried "
-    "and isolated (omni_runtime/worker/ and engine/stage.py, being reworked, not edited here)"
-)
 
 
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "one-off"])
-def test_builder_fault_fails_only_its_request(pipeline, persistent, monkeypatch, request) -> None:
+def test_builder_fault_fails_only_its_request(pipeline, persistent, monkeypatch) -> None:
     """The thinker's payload builder raises on a step shared by ``bad`` and bystanders (on the
     builder thread in background mode). The stage retries the step: a one-off fault fails
     nobody; a fault that recurs whenever ``bad`` is in the step fails ``bad`` alone."""
     p = pipeline
-    if p.options.materialization == "background":
-        request.applymarker(pytest.mark.xfail(strict=True, reason=BACKGROUND_BUILDER_XFAIL))
     reference(p)
     builder = p.orchestrator.engines["thinker"].runner.materializer.builder
     real_build = builder.build

@@ -22,6 +22,7 @@ What these tests prove:
 from __future__ import annotations
 
 import random
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -348,12 +349,37 @@ def _plan() -> tuple[OmniModelRunnerOutput, PayloadPlan, PayloadInputs]:
     return out, plan, PayloadInputs()
 
 
-def test_background_error_raised_by_get_output() -> None:
-    mat = BackgroundMaterializer(_failing_builder())
+def test_background_error_reaches_get_output_and_fails_its_request() -> None:
+    """A build that keeps failing is handled by ``get_output`` on the caller's thread: retried,
+    then pinned on its request, which is reported failed with the error as its cause."""
+    mat = BackgroundMaterializer(_failing_builder(), retries=1, stage="thinker")
     try:
-        res = mat.finish(*_plan())
-        with pytest.raises(ValueError, match="bad payload"):
-            res.get_output()
+        out = mat.finish(*_plan()).get_output()
+        assert out.omni_payloads == [None]
+        assert out.omni_failed == {"a": "thinker: payload build: ValueError: bad payload"}
+    finally:
+        mat.shutdown()
+
+
+def test_a_one_off_background_error_is_rebuilt_away() -> None:
+    builder = PayloadBuilder(include_hidden=False, postprocess=lambda p: p)
+    real = builder.build
+    calls = []
+
+    def build(plan: PayloadPlan, inputs: PayloadInputs):
+        calls.append(threading.get_ident())
+        if len(calls) == 1:
+            raise ValueError("once")
+        return real(plan, inputs)
+
+    builder.build = build  # type: ignore[method-assign]
+    mat = BackgroundMaterializer(builder)
+    try:
+        out = mat.finish(*_plan()).get_output()
+        assert out.omni_failed is None and out.omni_payloads is not None
+        assert out.omni_payloads[0] is not None and out.omni_payloads[0].request_id == "a"
+        # The failed build ran on the builder thread, the rebuild on the caller's (C-54).
+        assert calls[0] != threading.get_ident() == calls[1]
     finally:
         mat.shutdown()
 

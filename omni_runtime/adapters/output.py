@@ -87,6 +87,16 @@ class PayloadPlan:
     num_computed: np.ndarray
     conditioning_index: np.ndarray
 
+    def only(self, i: int) -> PayloadPlan:
+        """The plan of request ``i`` alone (its rows keep their step row numbers)."""
+        return PayloadPlan(
+            [self.req_ids[i]],
+            self.query_start[i : i + 2],
+            self.num_scheduled[i : i + 1],
+            self.num_computed[i : i + 1],
+            self.conditioning_index[i : i + 1],
+        )
+
     def snapshot(self) -> PayloadPlan:
         """A private copy of the arrays (the request ids list is immutable by contract)."""
         return PayloadPlan(
@@ -112,6 +122,17 @@ class PayloadInputs:
     conditioning_rows: torch.Tensor | None = None
     prefix_rows: Mapping[int, torch.Tensor] = field(default_factory=dict)
     multimodal_rows: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+    def only(self, i: int) -> PayloadInputs:
+        """The inputs as ``PayloadPlan.only(i)`` reads them: request ``i``'s prefix rows become
+        request 0's; the row-indexed tensors are shared as they are."""
+        prefix = self.prefix_rows.get(i)
+        return PayloadInputs(
+            hidden=self.hidden,
+            conditioning_rows=self.conditioning_rows,
+            prefix_rows={} if prefix is None else {0: prefix},
+            multimodal_rows=self.multimodal_rows,
+        )
 
     def snapshot(self) -> PayloadInputs:
         """Private copies of every tensor, so the runner may reuse its buffers at once."""

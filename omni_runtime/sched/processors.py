@@ -3,7 +3,8 @@
 A processor is a plain callable ``(request_id, payload, is_final[, new_token_ids])`` returning the
 data to deliver downstream, or None for "nothing this step"; the transfer adapter decides when to
 call it (``sched.transfer``). Processors may keep per-request buffers; they must release them on
-the ``is_final`` call, which every request with a downstream consumer gets exactly once.
+the ``is_final`` call, which every request with a downstream consumer gets exactly once, and
+offer ``release(request_id)`` for the case where that call itself raised.
 """
 
 from __future__ import annotations
@@ -72,6 +73,9 @@ class CodecTokenStreamer:
         n = len(buf) - len(buf) % self.chunk_size
         out, self._buffers[request_id] = buf[:n], buf[n:]
         return torch.tensor(out, dtype=torch.long)
+
+    def release(self, request_id: str) -> None:
+        self._buffers.pop(request_id, None)
 
     def pending_request_ids(self) -> set[str]:
         return set(self._buffers)

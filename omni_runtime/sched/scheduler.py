@@ -258,26 +258,31 @@ class OmniARScheduler(Scheduler):
         if not failures:
             return outputs
         self._last_failed = set(failures)
+        stage = self.omni_stage.stage_id if self.omni_stage is not None else "?"
+        causes = {
+            rid: f"{stage}: send path: {type(e).__name__}: {e}" for rid, e in failures.items()
+        }
         live = [rid for rid in failures if rid in self.requests]
         errored = super().finish_requests(live, RequestStatus.FINISHED_ERROR)
         # The error EOF itself may fail on a broken connector; it is not retried.
         self.transfer.take_failures()
         if outputs is None:
             return None
-        for request in errored:
-            outputs.setdefault(request.client_index, EngineCoreOutputs()).outputs.append(
-                EngineCoreOutput(
-                    request_id=request.request_id,
-                    new_token_ids=[],
-                    finish_reason=request.get_finished_reason(),
-                    trace_headers=request.trace_headers,
-                )
-            )
+        outputs = self._report_errors(outputs, [(r, causes[r.request_id]) for r in errored])
         ended = set(failures) - set(live)
-        for eco in outputs.values():
+        for client, eco in list(outputs.items()):
+            if ended.isdisjoint(out.request_id for out in eco.outputs):
+                continue
+            if not isinstance(eco, OmniEngineCoreOutputs):
+                fields = {n: getattr(eco, n) for n in eco.__struct_fields__}
+                eco = outputs[client] = OmniEngineCoreOutputs(**fields)
             for i, out in enumerate(eco.outputs):
                 if out.request_id in ended and out.finish_reason is not None:
-                    eco.outputs[i] = msgspec.structs.replace(out, finish_reason=FinishReason.ERROR)
+                    if not isinstance(out, OmniEngineCoreOutput):
+                        out = omni_output_from(out, None, False)
+                    eco.outputs[i] = msgspec.structs.replace(
+                        out, finish_reason=FinishReason.ERROR, omni_error=causes[out.request_id]
+                    )
         return outputs
 
     # ---- introspection for audits ------------------------------------------------------

@@ -16,12 +16,15 @@ finish reason, and decides (C-40 to C-45):
 
 Chunk processors are plain callables ``processor(request_id, payload, is_final)`` with an optional
 ``requires_token_updates`` attribute; a processor whose signature accepts ``new_token_ids`` (by
-name, or through ``**kwargs``) also receives the step's ids as a fresh list.
+name, or through ``**kwargs``) also receives the step's ids as a fresh list. A processor that
+keeps per-request state may also have ``release(request_id)``: it is called when the processor
+raised on a request's final call, the one where it would have let go of that state itself.
 """
 
 from __future__ import annotations
 
 import inspect
+import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -33,6 +36,8 @@ from omni_runtime.adapters.input import OmniRequestState
 from omni_runtime.payload import StageChunk, StagePayload
 
 ChunkProcessor = Callable[..., Any]
+
+logger = logging.getLogger(__name__)
 
 
 class ChunkSink(Protocol):
@@ -173,6 +178,8 @@ class ChunkTransferAdapter:
                     self.progress.pop(request_id, None)
                     return None
                 # The terminal delivery still happens, bare: downstream must see the end (C-43).
+                # The processor never got to let go of the request: ask it to.
+                self._release(request_id)
                 data = None
                 if finish_reason != "abort":
                     finish_reason = "error"
@@ -205,6 +212,15 @@ class ChunkTransferAdapter:
             self.progress.pop(request_id, None)
             return None
         return chunk
+
+    def _release(self, request_id: str) -> None:
+        release = getattr(self.processor, "release", None)
+        if not callable(release):
+            return
+        try:
+            release(request_id)
+        except Exception:  # the request already failed; this only costs the processor memory
+            logger.exception("stage %s: processor release(%r) raised", self.stage_id, request_id)
 
     def take_failures(self) -> dict[str, BaseException]:
         out, self.failures = self.failures, {}

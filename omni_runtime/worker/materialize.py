@@ -15,8 +15,12 @@ step's ``PayloadPlan`` (scheduler metadata) and ``PayloadInputs`` (tensors) to a
 
 Both reuse the request-id list the runner built for ``ModelRunnerOutput.req_ids`` (C-53).
 Connector output is collected by the runner on the calling thread before materialization and
-never here (C-54). A build error is re-raised by ``get_output()``; should a caller drop a ``BackgroundOutput`` without
-collecting it, a later ``finish`` raises its error instead, so an error is never lost (C-54).
+never here (C-54). A build error is never lost (C-54): ``get_output()`` recovers from it on the
+caller's thread, from the snapshot the build read (``recover_build``): the whole build is
+retried, then each request is built alone, and a request whose build keeps failing is reported
+on ``OmniModelRunnerOutput.omni_failed`` with the error as its cause, so the scheduler fails it
+alone (C-61); should a caller drop a ``BackgroundOutput`` without collecting it, a later
+``finish`` raises its error instead.
 vLLM's engine keeps at most ``max_concurrent_batches`` (2) steps in flight, so when step N
 finishes only step N-1 may still be legitimately uncollected: anything older is abandoned, and
 that is when it is joined.
@@ -24,13 +28,44 @@ that is when it is joined.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from omni_runtime.adapters.output import PayloadBuilder, PayloadInputs, PayloadPlan
 from omni_runtime.payload import OmniModelRunnerOutput, StagePayload
+from omni_runtime.worker.recovery import describe
 from omni_runtime.worker.vllm_compat import AsyncModelRunnerOutput, KVConnectorOutput
+
+logger = logging.getLogger(__name__)
+
+
+def recover_build(
+    builder: PayloadBuilder, plan: PayloadPlan, inputs: PayloadInputs, retries: int
+) -> tuple[list[StagePayload | None], dict[str, BaseException]]:
+    """A step's payloads after its build raised: the whole build again, up to ``retries``
+    times, then each request alone (each up to ``1 + retries`` times). Returns the payloads
+    (None for a request whose build kept failing) and those requests with their last error."""
+    for _ in range(retries):
+        try:
+            return builder.build(plan, inputs), {}
+        except Exception:  # noqa: BLE001 - the per-request pass below pins what persists
+            continue
+    payloads: list[StagePayload | None] = []
+    failed: dict[str, BaseException] = {}
+    for i, rid in enumerate(plan.req_ids):
+        payload: StagePayload | None = None
+        for _ in range(1 + retries):
+            try:
+                [payload] = builder.build(plan.only(i), inputs.only(i))
+                failed.pop(rid, None)
+                break
+            except Exception as exc:  # noqa: BLE001 - pinned on this request
+                failed[rid] = exc
+        payloads.append(payload)
+    return payloads, failed
 
 
 class InlineMaterializer:
@@ -53,16 +88,38 @@ class BackgroundOutput(AsyncModelRunnerOutput):
     """A step's output whose payloads are still being built on the builder thread."""
 
     def __init__(
-        self, output: OmniModelRunnerOutput, future: Future[list[StagePayload | None]]
+        self,
+        output: OmniModelRunnerOutput,
+        future: Future[list[StagePayload | None]],
+        recover: Callable[[], tuple[list[StagePayload | None], dict[str, BaseException]]],
+        stage: str = "?",
     ) -> None:
         self._output = output
         self._future = future
+        self._recover = recover
+        self._stage = stage
         self.collected = False
 
     def get_output(self) -> OmniModelRunnerOutput:
         self.collected = True
-        # Re-raises the builder's exception on the caller's thread (C-54).
-        self._output.omni_payloads = self._future.result()
+        try:
+            payloads = self._future.result()
+        except Exception as exc:
+            # The builder's error, on the caller's thread (C-54): recovered here, and what
+            # persists fails only the requests it is on (C-61).
+            payloads, failed = self._recover()
+            if failed:
+                logger.warning(
+                    "stage %s: payload build fault %s pinned on %s",
+                    self._stage,
+                    describe(exc),
+                    sorted(failed),
+                )
+                causes = dict(self._output.omni_failed or {})
+                for rid, err in failed.items():
+                    causes.setdefault(rid, f"{self._stage}: payload build: {describe(err)}")
+                self._output.omni_failed = causes
+        self._output.omni_payloads = payloads
         return self._output
 
     def get_kv_connector_output(self) -> KVConnectorOutput | None:
@@ -75,8 +132,10 @@ class BackgroundOutput(AsyncModelRunnerOutput):
 class BackgroundMaterializer:
     mode = "background"
 
-    def __init__(self, builder: PayloadBuilder) -> None:
+    def __init__(self, builder: PayloadBuilder, *, retries: int = 2, stage: str = "?") -> None:
         self.builder = builder
+        self.retries = retries
+        self.stage = stage
         self._pool: ThreadPoolExecutor | None = None
         self._recent: deque[BackgroundOutput] = deque()
         self.builder_thread_ids: set[int] = set()
@@ -98,7 +157,12 @@ class BackgroundMaterializer:
         # Snapshot on the calling thread: after this line the runner's buffers are free.
         snap_plan, snap_inputs = plan.snapshot(), inputs.snapshot()
         future = self._executor().submit(self._build, snap_plan, snap_inputs)
-        out = BackgroundOutput(output, future)
+        out = BackgroundOutput(
+            output,
+            future,
+            lambda: recover_build(self.builder, snap_plan, snap_inputs, self.retries),
+            self.stage,
+        )
         self._recent.append(out)
         return out
 
@@ -127,9 +191,12 @@ class BackgroundMaterializer:
 Materializer = InlineMaterializer | BackgroundMaterializer
 
 
-def make_materializer(mode: str, builder: PayloadBuilder) -> Materializer:
+def make_materializer(
+    mode: str, builder: PayloadBuilder, *, retries: int = 2, stage: str = "?"
+) -> Materializer:
     if mode == "inline":
+        # Inline builds are part of the runner's step: its own recovery retries them.
         return InlineMaterializer(builder)
     if mode == "background":
-        return BackgroundMaterializer(builder)
+        return BackgroundMaterializer(builder, retries=retries, stage=stage)
     raise ValueError(f"omni_stage.materialization: unknown mode {mode!r}")

@@ -217,7 +217,10 @@ class OmniARModelRunner:
             postprocess=self.postprocess,
         )
         self.materializer: Materializer = make_materializer(
-            stage.materialization if stage else "inline", self.builder
+            stage.materialization if stage else "inline",
+            self.builder,
+            retries=stage.step_retries if stage is not None else 2,
+            stage=stage.stage_id if stage is not None else "?",
         )
 
         self.sampler = Sampler()

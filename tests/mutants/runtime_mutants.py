@@ -466,19 +466,17 @@ def _background_no_snapshot() -> Iterator[None]:
 
 
 def _builder_error_swallowed():
-    from omni_runtime.worker.materialize import BackgroundOutput
+    """The collection step's recovery from a builder error drops the step's payloads and
+    reports nobody failed: the error vanishes."""
+    import omni_runtime.worker.materialize as materialize
 
     def make(orig: Any) -> Any:
-        def get_output(self: Any) -> Any:
-            try:
-                return orig(self)
-            except Exception:
-                self._output.omni_payloads = None
-                return self._output
+        def recover_build(builder: Any, plan: Any, inputs: Any, retries: int) -> Any:
+            return [None] * len(plan.req_ids), {}
 
-        return get_output
+        return recover_build
 
-    return _patch(BackgroundOutput, "get_output", make)
+    return _patch(materialize, "recover_build", make)
 
 
 def _pinned_fault_fails_whole_step():
