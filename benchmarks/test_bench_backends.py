@@ -21,6 +21,7 @@ Run: ``OMP_NUM_THREADS=1 pytest benchmarks/test_bench_backends.py -o addopts="" 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import statistics
 import time
 from typing import Any
@@ -116,13 +117,18 @@ def test_bench_pipeline_backend(benchmark, async_scheduling, backend, monkeypatc
     from omni_runtime.engine import OmniPipeline
     from omni_runtime.engine import orchestrator as orch
 
-    def factory(spec: Any, stages: tuple[str, ...], options: EngineOptions) -> Any:
-        return make_stage_engine(spec, stages, dataclasses.replace(options, backend=backend))
+    kwargs: dict[str, Any] = {}
+    if "backend" in inspect.signature(OmniPipeline).parameters:
+        kwargs["backend"] = backend
+    else:
+        # Until the orchestrator builds its engines with make_stage_engine.
+        def factory(spec: Any, stages: tuple[str, ...], options: EngineOptions) -> Any:
+            return make_stage_engine(spec, stages, dataclasses.replace(options, backend=backend))
 
-    monkeypatch.setattr(orch, "StageEngine", factory)
+        monkeypatch.setattr(orch, "StageEngine", factory)
     prompts = [f"request {i}: say something about the number {i}" for i in range(8)]
     seconds: list[float] = []
-    with OmniPipeline(async_scheduling=async_scheduling, torch_threads=None) as p:
+    with OmniPipeline(async_scheduling=async_scheduling, torch_threads=None, **kwargs) as p:
         p.generate(prompts[:2], max_text_tokens=2, max_codec_tokens=2)  # warm-up
 
         def run() -> None:

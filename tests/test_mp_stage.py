@@ -22,6 +22,7 @@ What these tests prove, and how each can fail:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import multiprocessing
 import os
 import signal
@@ -362,14 +363,20 @@ def _pipeline_signature(switches: dict[str, Any], backend: str, monkeypatch) -> 
     from omni_runtime.engine import OmniPipeline
     from omni_runtime.engine import orchestrator as orch
 
-    def factory(spec: ARStageSpec, stages: tuple[str, ...], options: EngineOptions) -> Any:
-        return make_stage_engine(spec, stages, dataclasses.replace(options, backend=backend))
+    if "backend" in inspect.signature(OmniPipeline).parameters:
+        switches = {**switches, "backend": backend}
+    else:
+        # Until the orchestrator builds its engines with make_stage_engine: the same thing,
+        # by swapping the class it calls.
+        def factory(spec: ARStageSpec, stages: tuple[str, ...], options: EngineOptions) -> Any:
+            return make_stage_engine(spec, stages, dataclasses.replace(options, backend=backend))
 
-    # How the orchestrator will build its stage engines once wired (see backends.py).
-    monkeypatch.setattr(orch, "StageEngine", factory)
+        monkeypatch.setattr(orch, "StageEngine", factory)
     prefix = "The quick brown fox jumps over the lazy dog. "
     prompts = [prefix + "Hello", "short", prefix + "Goodbye now"]
     with OmniPipeline(**switches) as p:
+        kinds = {type(e) for e in p.orchestrator.engines.values()}
+        assert kinds == {MPStageEngine if backend == "multiprocess" else StageEngine}
         results = p.generate(prompts, max_text_tokens=6, max_codec_tokens=24)
         # A second wave: with prefix caching on, it hits blocks the first one left cached.
         results += p.generate(prompts[:1], max_text_tokens=6, max_codec_tokens=24)
