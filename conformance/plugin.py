@@ -542,9 +542,11 @@ class ConformanceSession:
         props: dict[str, Any] = dict(report.user_properties)
         if _CLAUSES_PROP not in props and report.nodeid not in self.tests:
             return
+        # "pending" until the test's call reports: a run interrupted between a test's setup and
+        # the end of its call must not count that test as passed.
         entry = self.tests.setdefault(
             report.nodeid,
-            {"outcome": "passed", "clauses": [], "duration": 0.0, "message": None, "reason": None},
+            {"outcome": "pending", "clauses": [], "duration": 0.0, "message": None, "reason": None},
         )
         if _CLAUSES_PROP in props:
             entry["clauses"] = props[_CLAUSES_PROP]
@@ -563,9 +565,11 @@ class ConformanceSession:
                 or (str(cause)[:300] if cause else None)
                 or _first_line(report, entry.get("first_difference"))
             )
-        elif report.skipped and report.when != "teardown" and entry["outcome"] == "passed":
+        elif report.skipped and report.when != "teardown" and entry["outcome"] == "pending":
             entry["outcome"] = "not_applicable"
             entry["reason"] = _skip_reason(report)
+        elif report.when == "call" and entry["outcome"] == "pending":
+            entry["outcome"] = "passed"
         if entry["outcome"] in ("failed", "error") and entry.get("first_difference"):
             # The recorder's properties arrive with the teardown report, after the (shrunk) trace
             # was saved: its first difference is the cause to lead with.
@@ -600,6 +604,12 @@ class ConformanceSession:
             environment=environment,
         )
         for nodeid, data in self.tests.items():
+            if data["outcome"] == "pending":
+                data = {
+                    **data,
+                    "outcome": "not_run",
+                    "reason": "the run was interrupted before this test finished",
+                }
             builder.add(TestRecord.from_dict({"nodeid": nodeid, **data}))
         self.report = builder.build()
         self.paths = write_report(self.report, out_dir)

@@ -50,3 +50,30 @@ def test_check_fails_on_a_broken_subject_and_names_the_first_difference(
     replayed = capsys.readouterr().out
     assert "block_pool.free_order" in replayed
     assert json.loads(saved[0].read_text())["meta"]["first_difference"]["path"] in replayed
+
+
+def test_a_test_interrupted_before_its_call_ended_is_not_counted_passed() -> None:
+    """The partial report of an interrupted run: a test whose setup passed but whose call never
+    reported is 'pending' while the run goes on, and never becomes 'passed'."""
+    import pytest as _pytest
+
+    from conformance.plugin import _CLAUSES_PROP, ConformanceSession
+
+    session = ConformanceSession(config=None)  # type: ignore[arg-type]
+
+    def report(nodeid: str, when: str) -> _pytest.TestReport:
+        return _pytest.TestReport(
+            nodeid,
+            ("x.py", 0, nodeid),
+            {},
+            "passed",
+            None,
+            when,
+            user_properties=[(_CLAUSES_PROP, ["C-01"])],
+        )
+
+    session.pytest_runtest_logreport(report("t::done", "setup"))
+    session.pytest_runtest_logreport(report("t::done", "call"))
+    session.pytest_runtest_logreport(report("t::cut", "setup"))
+    assert session.tests["t::done"]["outcome"] == "passed"
+    assert session.tests["t::cut"]["outcome"] == "pending"
