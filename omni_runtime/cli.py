@@ -116,6 +116,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument(
         "--connector", choices=("inprocess", "pipe"), default=None, help="override every edge"
     )
+    run.add_argument(
+        "--backend",
+        # engine.config.BACKENDS, spelled out: importing the engine here would make --help
+        # wait for vLLM (tests/test_cli.py holds the two equal).
+        choices=("inprocess", "multiprocess"),
+        default="inprocess",
+        help="where each LM stage's vLLM engine runs: in this process, or in its own",
+    )
     run.add_argument("--json", action="store_true", help="print results as JSON lines")
     run.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
     return parser
@@ -204,6 +212,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             materialization=args.materialization,
             prefix_caching=args.prefix_caching,
             connector=args.connector,
+            backend=args.backend,
         )
     except PipelineConfigError as exc:
         print(f"omni-runtime: error: {exc}", file=sys.stderr)
@@ -213,7 +222,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         orch = pipeline.orchestrator
 
         def on_step(events: list[Any]) -> None:
-            load = {sid: len(e.scheduler.requests) for sid, e in orch.engines.items()}
+            load = {sid: e.num_requests() for sid, e in orch.engines.items()}
             progress.update(events, load)
 
         results = pipeline.generate(

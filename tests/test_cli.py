@@ -149,3 +149,12 @@ def test_byte_tokenizer_round_trip(prompt) -> None:
     ids = text.encode(prompt)
     assert ids[0] == text.BOS_ID and all(3 <= i < 259 for i in ids[1:])
     assert text.decode(ids) == prompt
+
+
+def test_backend_choices_are_the_engine_backends() -> None:
+    from omni_runtime.cli import build_parser
+    from omni_runtime.engine.config import BACKENDS
+
+    run = build_parser()._subparsers._group_actions[0].choices["run"]  # type: ignore[union-attr]
+    [action] = [a for a in run._actions if a.dest == "backend"]
+    assert tuple(action.choices) == BACKENDS

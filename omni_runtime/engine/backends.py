@@ -41,6 +41,9 @@ class StageBackend(Protocol):
 
     def has_work(self) -> bool: ...
 
+    def num_requests(self) -> int:
+        """Requests the stage holds now (progress display)."""
+
     def step(self) -> StageStep: ...
 
     def num_free_blocks(self) -> int: ...

@@ -301,6 +301,9 @@ class MPStageEngine:
             self.client.abort_requests(live)
         return live
 
+    def num_requests(self) -> int:
+        return len(self._held)
+
     def has_work(self) -> bool:
         return bool(self._held) or bool(self._pending_failures) or self._queued()
 

@@ -37,11 +37,12 @@ import torch
 from vllm import SamplingParams
 
 from omni_runtime.adapters.input import RequestRejected, StageInput
+from omni_runtime.engine.backends import StageBackend, make_stage_engine
 from omni_runtime.engine.code2wav_stage import AudioChunk, Code2WavStage
 from omni_runtime.engine.config import EngineOptions
 from omni_runtime.engine.connectors import Connector, ConnectorLost, make_connector
 from omni_runtime.engine.graph import ARStageSpec, PipelineConfig
-from omni_runtime.engine.stage import StageEngine, StageOutput, talker_start_embeddings
+from omni_runtime.engine.stage import StageOutput, talker_start_embeddings
 from omni_runtime.payload import StageChunk
 
 ABORT = "abort"
@@ -130,13 +131,14 @@ class Orchestrator:
         self.stream_audio = stream_audio
         self.options = options or EngineOptions()
         self.order: tuple[str, ...] = config.stage_ids
-        self.engines: dict[str, StageEngine] = {}
+        self.engines: dict[str, StageBackend] = {}
         self.connectors: dict[str, Connector] = {}
         self.start_embeds: dict[str, torch.Tensor | None] = {}
         self.code2wav: Code2WavStage | None = None
         try:
             for spec in config.ar_stages:
-                self.engines[spec.id] = StageEngine(spec, config.stage_ids, self.options)
+                # In this process or in its own (``EngineOptions.backend``).
+                self.engines[spec.id] = make_stage_engine(spec, config.stage_ids, self.options)
                 self.start_embeds[spec.id] = talker_start_embeddings(spec)
             for spec in config.ar_stages:
                 if spec.downstream:

@@ -17,7 +17,7 @@ import torch
 
 from omni_runtime import text as text_codec
 from omni_runtime.config import Materialization
-from omni_runtime.engine.config import EngineOptions
+from omni_runtime.engine.config import Backend, EngineOptions
 from omni_runtime.engine.graph import ConnectorKind, PipelineConfig, load_pipeline_config
 from omni_runtime.engine.orchestrator import Orchestrator, PipelineEvent, RequestResult
 
@@ -48,6 +48,7 @@ class OmniPipeline:
         seed: int = 0,
         torch_threads: int | None = 1,
         stream_audio: bool = True,
+        backend: Backend = "inprocess",
     ) -> None:
         if torch_threads is not None:
             # The embedded models are tiny: with more than one intra-op thread every matmul
@@ -63,6 +64,7 @@ class OmniPipeline:
             materialization=materialization,
             prefix_caching=prefix_caching,
             seed=seed,
+            backend=backend,
         )
         self.orchestrator = Orchestrator(config, self.options, stream_audio=stream_audio)
         self._backlog: list[PipelineEvent] = []

@@ -125,6 +125,9 @@ class StageEngine:
             self.core.abort_requests(live)
         return live
 
+    def num_requests(self) -> int:
+        return len(compat.scheduler_requests(self.scheduler))
+
     def has_work(self) -> bool:
         return self.scheduler.has_requests() or compat.has_queued_steps(self.core)
 
