@@ -443,20 +443,9 @@ def test_connector_collected_on_engine_thread_once_per_step(thinker_dir) -> None
     assert builder_threads and main not in builder_threads
 
 
-def test_background_builder_error_is_recovered_on_the_caller(thinker_dir) -> None:
-    """A background build runs after the step returned: its error reaches the caller's thread
-    when the engine collects the step (C-54), where the build is redone from the snapshot, so a
-    one-off fault changes nothing: the tokens equal an undisturbed run."""
-    clean_ec = make_engine(
-        thinker_dir, async_=True, budget=32, stage=_stage(materialization="background")
-    )
-    try:
-        clean = Run(clean_ec).run(_omni_waves(clean_ec, _stage(), PROMPTS[:4])).tokens
-    finally:
-        clean_ec.shutdown()
-    ec = make_engine(
-        thinker_dir, async_=True, budget=32, stage=_stage(materialization="background")
-    )
+def _tokens_with_build_fault(thinker_dir, mode: str, async_: bool, fail_at: int | None):
+    """The run's tokens, with build number ``fail_at`` raising once; and the fault's thread."""
+    ec = make_engine(thinker_dir, async_=async_, budget=32, stage=_stage(materialization=mode))
     builder = runner_of(ec).builder
     original = builder.build
     count = 0
@@ -465,46 +454,29 @@ def test_background_builder_error_is_recovered_on_the_caller(thinker_dir) -> Non
     def failing_build(plan, inputs):
         nonlocal count
         count += 1
-        if count == 3:
+        if count == fail_at:
             threads.append(threading.get_ident())
             raise RuntimeError("builder exploded")
         return original(plan, inputs)
 
     builder.build = failing_build  # type: ignore[method-assign]
     try:
-        tokens = Run(ec).run(_omni_waves(ec, _stage(), PROMPTS[:4])).tokens
+        return Run(ec).run(_omni_waves(ec, _stage(), PROMPTS[:4])).tokens, threads
     finally:
         ec.shutdown()
-    assert count > 3 and threads and threads[0] != threading.get_ident()
-    assert tokens == clean
 
 
-def test_inline_builder_fault_is_retried_away(thinker_dir) -> None:
-    """An inline build is part of the step: a one-off fault in it is undone and the step run
-    again (``worker.recovery``), so nobody fails and the tokens equal an undisturbed run."""
-    clean_ec = make_engine(thinker_dir, async_=False, budget=32, stage=_stage())
-    try:
-        clean = Run(clean_ec).run(_omni_waves(clean_ec, _stage(), PROMPTS[:4])).tokens
-    finally:
-        clean_ec.shutdown()
-    ec = make_engine(thinker_dir, async_=False, budget=32, stage=_stage())
-    builder = runner_of(ec).builder
-    original = builder.build
-    count = 0
-
-    def failing_build(plan, inputs):
-        nonlocal count
-        count += 1
-        if count == 3:
-            raise RuntimeError("builder exploded")
-        return original(plan, inputs)
-
-    builder.build = failing_build  # type: ignore[method-assign]
-    try:
-        tokens = Run(ec).run(_omni_waves(ec, _stage(), PROMPTS[:4])).tokens
-    finally:
-        ec.shutdown()
-    assert count > 3 and tokens == clean
+@pytest.mark.parametrize("mode,async_", [("background", True), ("inline", False)])
+def test_a_one_off_builder_fault_changes_nothing(thinker_dir, mode, async_) -> None:
+    """A one-off payload-build fault fails nobody and changes no token. Inline, the build is
+    part of the step, which is undone and run again (``worker.recovery``); in the background it
+    ran on the builder thread after the step returned, and its error reaches the caller's
+    thread when the engine collects the step (C-54), where the build is redone from its
+    snapshot."""
+    clean, _ = _tokens_with_build_fault(thinker_dir, mode, async_, None)
+    faulted, threads = _tokens_with_build_fault(thinker_dir, mode, async_, 3)
+    assert threads and faulted == clean
+    assert (threads[0] == threading.get_ident()) == (mode == "inline")
 
 
 # ---- sampling and prompt embeds ---------------------------------------------------------------
