@@ -1,6 +1,7 @@
 """Scheduler step cost: omni vs upstream, measured side by side in the same run.
 
-One step is ``schedule()`` + ``update_from_output()`` with N running decode requests. Upstream and
+One step is ``schedule()`` + ``update_from_output()`` with N running decode requests (8, 64 and
+1,024). Upstream and
 omni steps alternate round by round so drift on the machine hits both equally; the reported
 figure is the ratio of medians (targets: <= 1.10x with omni features off, <= 1.25x with chunk
 transfer on). Run with ``pytest benchmarks -o addopts="" --benchmark-enable -p no:cacheprovider``.
@@ -66,7 +67,7 @@ def _timed(sched) -> float:
     return time.perf_counter() - t
 
 
-@pytest.mark.parametrize("n", [8, 64])
+@pytest.mark.parametrize("n", [8, 64, 1024])
 @pytest.mark.parametrize("mode,target", [("omni-off", 1.10), ("chunk-transfer", 1.25)])
 def test_step_cost_vs_upstream(benchmark, n, mode, target):
     omni_on = mode == "chunk-transfer"
