@@ -366,7 +366,7 @@ def test_bench_fault_campaign_quick_cases(benchmark) -> None:
             cases.append(
                 (
                     f"processor raises, {stage}, {when} step",
-                    lambda p, mp, req, s=stage, w=when: (
+                    lambda p, mp, s=stage, w=when: (
                         campaign.test_processor_fault_fails_only_its_request(p, s, w)
                     ),
                 )
@@ -380,7 +380,7 @@ def test_bench_fault_campaign_quick_cases(benchmark) -> None:
                 cases.append(
                     (
                         f"connector send {name}, {edge}, {when} chunk",
-                        lambda p, mp, req, e=edge, x=exc, w=when: (
+                        lambda p, mp, e=edge, x=exc, w=when: (
                             campaign.test_connector_send_fault_fails_only_its_request(p, e, x, w)
                         ),
                     )
@@ -389,8 +389,8 @@ def test_bench_fault_campaign_quick_cases(benchmark) -> None:
         cases.append(
             (
                 f"builder raises, {'persistent' if persistent else 'one-off'}",
-                lambda p, mp, req, ps=persistent: (
-                    campaign.test_builder_fault_fails_only_its_request(p, ps, mp, req)
+                lambda p, mp, ps=persistent: (
+                    campaign.test_builder_fault_fails_only_its_request(p, ps, mp)
                 ),
             )
         )
@@ -398,7 +398,7 @@ def test_bench_fault_campaign_quick_cases(benchmark) -> None:
         cases.append(
             (
                 f"decoder raises, {when} chunk",
-                lambda p, mp, req, w=when: campaign.test_decoder_fault_fails_only_its_request(
+                lambda p, mp, w=when: campaign.test_decoder_fault_fails_only_its_request(
                     p, w, mp
                 ),
             )
@@ -406,22 +406,13 @@ def test_bench_fault_campaign_quick_cases(benchmark) -> None:
     relay_cases = [
         (
             f"relay child {how}, {edge} edge",
-            lambda p, mp, req, e=edge, h=how: (
+            lambda p, mp, e=edge, h=how: (
                 campaign.test_relay_child_lost_mid_stream_fails_only_what_it_held(p, e, h, mp)
             ),
         )
         for edge in ("thinker", "talker")
         for how in ("killed", "stalled")
     ]
-
-    class _Marks:
-        """Stands in for pytest's ``request``: a case it marks xfail is recorded as such."""
-
-        def __init__(self) -> None:
-            self.xfail: str | None = None
-
-        def applymarker(self, mark: Any) -> None:
-            self.xfail = mark.kwargs.get("reason", "xfail")
 
     def run_all() -> None:
         for async_scheduling, materialization in MODES:
@@ -433,17 +424,9 @@ def test_bench_fault_campaign_quick_cases(benchmark) -> None:
                     connector=connector,
                 ) as p:
                     for case, fn in table:
-                        marks = _Marks()
                         before = len(campaign.FIGURES)
                         with pytest.MonkeyPatch.context() as mp:
-                            try:
-                                fn(p, mp, marks)
-                            except AssertionError:
-                                if marks.xfail is None:
-                                    raise
-                                ROWS.append(f"{case + ' (' + mode + ')':<68} xfail: {marks.xfail}")
-                                p.drain()
-                                continue
+                            fn(p, mp)
                         for fig in campaign.FIGURES[before:]:
                             row(f"{case} ({mode})", fig)
 
