@@ -38,9 +38,11 @@ from conformance import vllm_compat as vc
 
 def observe_state(scheduler: Any, subject: Any) -> dict[str, Any]:
     requests: dict[str, Any] = {}
+    block_ids = vc.block_ids_reader(scheduler)
+    request_fields = vc.request_fields
     for rid, req in scheduler.requests.items():
-        fields = vc.request_fields(req)
-        fields["block_ids"] = vc.request_block_ids(scheduler, rid)
+        fields = request_fields(req)
+        fields["block_ids"] = block_ids(rid)
         requests[rid] = fields
     pool = vc.block_pool(scheduler)
     refs, hashed = vc.block_table(pool)
@@ -69,16 +71,25 @@ def observe_outputs(outputs: dict[int, Any] | None) -> dict[str, Any]:
     result: dict[str, Any] = {}
     if not outputs:
         return result
+    # The type name depends on the output's class alone: looked up once per class per step.
+    type_names: dict[type, str | None] = {}
     for client in sorted(outputs):
         for out in outputs[client].outputs:
+            cls = type(out)
+            if cls in type_names:
+                type_name = type_names[cls]
+            else:
+                type_name = type_names[cls] = vc.output_type_name(out)
             entry = {
                 "new_token_ids": tuple(out.new_token_ids),
                 "finish_reason": vc.finish_reason_name(out.finish_reason),
                 "stop_reason": out.stop_reason,
                 "prefill_stats": vc.prefill_stats_fields(out.prefill_stats),
-                "__type__": vc.output_type_name(out),
+                "__type__": type_name,
             }
-            entry.update(vc.output_extra_fields(out))
+            extra = vc.output_extra_fields(out)
+            if extra:
+                entry.update(extra)
             key = out.request_id
             n = 2
             while key in result:

@@ -19,6 +19,7 @@ from conformance.vllm_compat.scheduler_output import (
 from conformance.vllm_compat.state import (
     ADMISSION_QUEUES,
     base_output_fields,
+    block_ids_reader,
     block_pool,
     block_table,
     finish_reason_name,
@@ -62,6 +63,7 @@ __all__ = [
     "EnvironmentProblem",
     "base_output_fields",
     "block_pool",
+    "block_ids_reader",
     "block_table",
     "check_vllm",
     "computed_before",

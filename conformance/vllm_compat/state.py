@@ -10,11 +10,18 @@ drains their own code performs).
 
 from __future__ import annotations
 
+from operator import attrgetter
 from typing import Any
 
 from conformance.vllm_compat.versions import ByRelease, Change
 
 # ---- block pool -------------------------------------------------------------------------
+
+
+# ``map`` over an attrgetter builds the id lists at C speed; the harness reads every block and
+# every request's blocks after every operation, so these loops dominate its own cost.
+_block_id = attrgetter("block_id")
+_ref_cnt = attrgetter("ref_cnt")
 
 
 def block_pool(scheduler: Any) -> Any:
@@ -23,7 +30,7 @@ def block_pool(scheduler: Any) -> Any:
 
 def free_block_order(pool: Any) -> list[int]:
     """Free-queue order (the next block to be reused or evicted comes first)."""
-    return [b.block_id for b in pool.free_block_queue.get_all_free_blocks()]
+    return list(map(_block_id, pool.free_block_queue.get_all_free_blocks()))
 
 
 def num_free_blocks(pool: Any) -> int:
@@ -32,13 +39,9 @@ def num_free_blocks(pool: Any) -> int:
 
 def block_table(pool: Any) -> tuple[list[int], list[tuple[int, bytes]]]:
     """Ref counts of every block, and (block id, hash) of every block that holds a hash."""
-    refs: list[int] = []
-    hashed: list[tuple[int, bytes]] = []
-    for b in pool.blocks:
-        refs.append(b.ref_cnt)
-        h = b._block_hash
-        if h is not None:
-            hashed.append((b.block_id, bytes(h)))
+    blocks = pool.blocks
+    refs = list(map(_ref_cnt, blocks))
+    hashed = [(b.block_id, bytes(h)) for b in blocks if (h := b._block_hash) is not None]
     return refs, hashed
 
 
@@ -51,12 +54,31 @@ def num_cached_hashes(pool: Any) -> int:
 
 def request_block_ids(scheduler: Any, request_id: str) -> tuple[tuple[int, ...], ...]:
     """Block ids a request holds, per KV-cache group (the scheduler's view, without copying)."""
+    return block_ids_reader(scheduler)(request_id)
+
+
+def block_ids_reader(scheduler: Any) -> Any:
+    """``request_block_ids`` for many requests of one scheduler: the KV groups are looked up once
+    per snapshot instead of once per request."""
     managers = scheduler.kv_cache_manager.coordinator.single_type_managers
-    out = []
-    for mgr in managers:
-        blocks = mgr.req_to_blocks.get(request_id)
-        out.append(tuple(b.block_id for b in blocks) if blocks else ())
-    return tuple(out)
+    tables = [mgr.req_to_blocks for mgr in managers]
+    if len(tables) == 1:
+        (table,) = tables
+
+        def one_group(request_id: str) -> tuple[tuple[int, ...], ...]:
+            blocks = table.get(request_id)
+            return (tuple(map(_block_id, blocks)) if blocks else (),)
+
+        return one_group
+
+    def per_group(request_id: str) -> tuple[tuple[int, ...], ...]:
+        out = []
+        for table in tables:
+            blocks = table.get(request_id)
+            out.append(tuple(map(_block_id, blocks)) if blocks else ())
+        return tuple(out)
+
+    return per_group
 
 
 def request_fields(request: Any) -> dict[str, Any]:
@@ -126,16 +148,28 @@ def is_finished(request: Any) -> bool:
 # ---- outputs ------------------------------------------------------------------------------
 
 
+# Bound ``EngineCoreOutput`` -> upstream's class found on its MRO. Keyed by the bound class, so
+# a subject that rebinds the name later still gets its MRO searched; the search itself ran once
+# per output of every step.
+_UPSTREAM_OUTPUT_CLASS: dict[Any, Any] = {}
+
+
 def upstream_output_class() -> Any:
     """vLLM's own ``EngineCoreOutput``, even where a subject rebound the name to a subclass
     (vllm-omni does, in every loaded ``vllm`` module): the class of that name that
     ``vllm.v1.engine`` defines, found on the bound class's MRO."""
     from vllm.v1.engine import EngineCoreOutput
 
+    found = _UPSTREAM_OUTPUT_CLASS.get(EngineCoreOutput)
+    if found is not None:
+        return found
+    found = EngineCoreOutput
     for cls in EngineCoreOutput.__mro__:
         if cls.__module__ == "vllm.v1.engine" and cls.__name__ == "EngineCoreOutput":
-            return cls
-    return EngineCoreOutput
+            found = cls
+            break
+    _UPSTREAM_OUTPUT_CLASS[EngineCoreOutput] = found
+    return found
 
 
 _BASE_OUTPUT_FIELDS: frozenset[str] | None = None
