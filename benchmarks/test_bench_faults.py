@@ -131,15 +131,9 @@ def references(p: OmniPipeline, pool: list[tuple[str, int, int]]) -> list[Reques
 
 
 def same(a: RequestResult, b: RequestResult) -> bool:
-    import torch
+    from tests.test_fault_campaign import same_output
 
-    return (
-        a.text_token_ids == b.text_token_ids
-        and a.codec_token_ids == b.codec_token_ids
-        and a.waveform is not None
-        and b.waveform is not None
-        and torch.equal(a.waveform, b.waveform)
-    )
+    return same_output(a, b)
 
 
 def count_preemptions(p: OmniPipeline, monkeypatch: pytest.MonkeyPatch) -> Counter[str]:

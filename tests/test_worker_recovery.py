@@ -16,10 +16,10 @@ from __future__ import annotations
 from collections import Counter
 
 import pytest
-import torch
 
 from omni_runtime.engine import OmniPipeline
 from omni_runtime.worker.recovery import PoisonedBlocks, StepJournal, bisect
+from tests.test_fault_campaign import same_output
 from tests.test_pipeline_faults import IDS, MODES, assert_clean, terminal_counts
 
 LIMITS = dict(max_text_tokens=5, max_codec_tokens=16)
@@ -49,12 +49,8 @@ def run(p: OmniPipeline, prompts, rids):
 
 
 def same(a, b) -> bool:
-    return (
-        a.ok
-        and b.ok
-        and (a.text_token_ids, a.codec_token_ids) == (b.text_token_ids, b.codec_token_ids)
-        and torch.equal(a.waveform, b.waveform)
-    )
+    """Both completed, with identical text ids, codec ids and waveform."""
+    return a.ok and b.ok and same_output(a, b)
 
 
 def inject(monkeypatch, p: OmniPipeline, stage: str, should_fail) -> list[int]:

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from vllm.v1.request import RequestStatus
 
 from omni_runtime.adapters.input import InputAdapter, StageInput
 from omni_runtime.config import OmniStageConfig
@@ -166,20 +165,14 @@ class StageEngine:
         logger.warning(
             "stage %s: step fault %r fails requests %s", self.stage_id, exc, sorted(live)
         )
-        # The scheduler registered block hashes for this step's positions when it scheduled
-        # them, but the worker may never have written their KV: those blocks must not serve
-        # prefix hits (a retry of the same prompt would read garbage). Evicting every block of
-        # the failed requests is conservative; blocks other requests hold stay allocated.
-        suspect = compat.request_block_ids(self.scheduler, live)
         # The failed step may not have reached the worker at all; its finished ids are sent
         # again with the next step (dropping an unknown id is a no-op for the runner).
         compat.resend_finished_ids(self.scheduler, failed_steps)
-        finished = self.scheduler.finish_requests(live, RequestStatus.FINISHED_ERROR)
-        compat.evict_blocks(self.scheduler, suspect)
-        return [
-            StageOutput(r.request_id, [], "error", f"{self.stage_id}: {type(exc).__name__}: {exc}")
-            for r in finished
-        ]
+        # The same path as a fault the worker pinned: finished with an error, and their blocks,
+        # hashed when the step was scheduled but maybe never written, out of the prefix cache.
+        cause = f"{self.stage_id}: {type(exc).__name__}: {exc}"
+        finished = self.scheduler.fail_unwritten(dict.fromkeys(live, cause))
+        return [StageOutput(r.request_id, [], "error", why) for r, why in finished]
 
     # ---- audits ------------------------------------------------------------------------------
 

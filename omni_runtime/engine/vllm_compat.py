@@ -44,14 +44,12 @@ __all__ = [
     "client_engine_dead",
     "client_outputs_queue",
     "client_processes",
-    "evict_blocks",
     "has_queued_steps",
     "model_runner",
     "num_free_blocks",
     "num_queued_steps",
     "num_waiting",
     "pending_finished_ids",
-    "request_block_ids",
     "resend_finished_ids",
     "running_request_ids",
     "scheduler_of",
@@ -241,24 +239,6 @@ def resend_finished_ids(scheduler: Any, failed_steps: Iterable[SchedulerOutput])
 def num_free_blocks(scheduler: Any) -> int:
     """Free KV blocks: ``Scheduler.kv_cache_manager.block_pool.get_num_free_blocks()``."""
     return int(scheduler.kv_cache_manager.block_pool.get_num_free_blocks())
-
-
-def request_block_ids(scheduler: Any, request_ids: Iterable[str]) -> set[int]:
-    """Every KV block the requests hold, over all KV cache groups:
-    ``Scheduler.kv_cache_manager.get_block_ids(request_id)``."""
-    kv = scheduler.kv_cache_manager
-    blocks: set[int] = set()
-    for rid in request_ids:
-        for group in kv.get_block_ids(rid):
-            blocks.update(group)
-    return blocks
-
-
-def evict_blocks(scheduler: Any, block_ids: set[int]) -> None:
-    """Drop the blocks' prefix-cache entries: ``KVCacheManager.evict_blocks``. Blocks stay
-    allocated to whoever holds them; they only stop serving prefix hits."""
-    if block_ids:
-        scheduler.kv_cache_manager.evict_blocks(block_ids)
 
 
 # ---- a stage engine in its own process (``engine.mp_stage``) ---------------------------------

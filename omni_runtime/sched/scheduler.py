@@ -99,7 +99,7 @@ class OmniARScheduler(Scheduler):
         self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
     ) -> dict[int, EngineCoreOutputs]:
         pinned = getattr(model_runner_output, "omni_failed", None)
-        errored = self._fail_pinned(pinned) if pinned else []
+        errored = self.fail_unwritten(pinned) if pinned else []
         outputs = self._update_with_transfer(scheduler_output, model_runner_output)
         return self._report_errors(outputs, errored) if errored else outputs
 
@@ -121,7 +121,7 @@ class OmniARScheduler(Scheduler):
             request = get_request(req_id)
             if request is None or request.is_finished():
                 continue
-            state = getattr(request, "omni", None)  # omni_state_of, without the call
+            state = omni_state_of(request)
             if state is None or not state.has_downstream:
                 continue
             captured[req_id] = state
@@ -180,15 +180,15 @@ class OmniARScheduler(Scheduler):
             self._fail_requests_of(failures, outputs)
         return outputs
 
-    def _fail_pinned(self, pinned: dict[str, str]) -> list[tuple[Request, str]]:
-        """Finish, with an error reason, the live requests the worker pinned a fault on.
-
-        Done before upstream's pass over the step, which skips finished requests, as it does
-        for a request aborted while its step was executing. Their blocks leave the prefix
-        cache: vLLM hashed them when it scheduled the step, but their KV was never written
-        (C-61: no hit on KV that does not exist). Blocks other requests share stay allocated.
+    def fail_unwritten(self, causes: dict[str, str]) -> list[tuple[Request, str]]:
+        """Finish, with an error reason, live requests whose scheduled step never wrote its KV:
+        those the worker pinned a fault on (called before upstream's pass over the step, which
+        skips finished requests, as for an abort that lands while a step executes), and those
+        of a step that raised out of the engine (``engine.stage``). Their blocks leave the
+        prefix cache: vLLM hashed them when it scheduled the step (C-61: no hit on KV that does
+        not exist). Blocks other requests share stay allocated. Returns (request, cause) pairs.
         """
-        live = [rid for rid in pinned if rid in self.requests]
+        live = [rid for rid in causes if rid in self.requests]
         if not live:
             return []
         kv = self.kv_cache_manager
@@ -199,7 +199,7 @@ class OmniARScheduler(Scheduler):
         finished = self.finish_requests(live, RequestStatus.FINISHED_ERROR)
         if suspect:
             kv.evict_blocks(suspect)
-        return [(request, pinned[request.request_id]) for request in finished]
+        return [(request, causes[request.request_id]) for request in finished]
 
     @staticmethod
     def _report_errors(
@@ -211,9 +211,9 @@ class OmniARScheduler(Scheduler):
             client = request.client_index
             eco = outputs.get(client)
             if not isinstance(eco, OmniEngineCoreOutputs):
-                fields = {} if eco is None else {n: getattr(eco, n) for n in eco.__struct_fields__}
-                fields["outputs"] = list(fields.get("outputs", ()))
-                eco = outputs[client] = OmniEngineCoreOutputs(**fields)
+                eco = outputs[client] = (
+                    OmniEngineCoreOutputs() if eco is None else _omni_outputs(eco, eco.outputs)
+                )
             eco.outputs.append(
                 OmniEngineCoreOutput(
                     request_id=request.request_id,
@@ -243,9 +243,7 @@ class OmniARScheduler(Scheduler):
                 new_outputs.append(
                     out if chunk is None else omni_output_from(out, [chunk.ref], chunk.is_final)
                 )
-            fields = {name: getattr(eco, name) for name in eco.__struct_fields__}
-            fields["outputs"] = new_outputs
-            rebuilt[client] = OmniEngineCoreOutputs(**fields)
+            rebuilt[client] = _omni_outputs(eco, new_outputs)
         return rebuilt
 
     def _fail_requests_of(
@@ -280,8 +278,7 @@ class OmniARScheduler(Scheduler):
             if ended.isdisjoint(out.request_id for out in eco.outputs):
                 continue
             if not isinstance(eco, OmniEngineCoreOutputs):
-                fields = {n: getattr(eco, n) for n in eco.__struct_fields__}
-                eco = outputs[client] = OmniEngineCoreOutputs(**fields)
+                eco = outputs[client] = _omni_outputs(eco, eco.outputs)
             for i, out in enumerate(eco.outputs):
                 if out.request_id in ended and out.finish_reason is not None:
                     if not isinstance(out, OmniEngineCoreOutput):
@@ -300,6 +297,14 @@ class OmniARScheduler(Scheduler):
     def omni_request_ids(self) -> set[str]:
         """Ids that any omni per-request structure still holds (C-04: empty once all are gone)."""
         return self.transfer.live_request_ids() if self.transfer is not None else set()
+
+
+def _omni_outputs(eco: EngineCoreOutputs, outputs: list[Any]) -> OmniEngineCoreOutputs:
+    """``eco`` as the omni container (whose element type carries the trailing omni fields),
+    holding ``outputs`` (a new list: the caller may append to it)."""
+    fields = {name: getattr(eco, name) for name in eco.__struct_fields__}
+    fields["outputs"] = list(outputs)
+    return OmniEngineCoreOutputs(**fields)
 
 
 class OmniARAsyncScheduler(OmniARScheduler, AsyncScheduler):

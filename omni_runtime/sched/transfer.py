@@ -134,15 +134,14 @@ class ChunkTransferAdapter:
         """Apply the transfer decision for one request's step; returns the chunk sent, if any."""
         if not state.has_downstream:
             return None
-        progress = self.progress
-        prog = progress.get(request_id)
+        prog = self.progress.get(request_id)
         if prog is None:
-            prog = progress[request_id] = TransferProgress()
+            prog = self.progress[request_id] = TransferProgress()
         if payload is not None:
             payload = payload.trimmed_before(prog.delivered_positions)
-            if payload is not None and payload.has_tensors:
-                return self._deliver(request_id, prog, new_token_ids, payload, finish_reason)
-        if finish_reason is None and not (new_token_ids and self.token_updates):
+        has_tensor = payload is not None and payload.has_tensors
+        terminal = finish_reason is not None
+        if not (has_tensor or terminal or (new_token_ids and self.token_updates)):
             return None
         return self._deliver(request_id, prog, new_token_ids, payload, finish_reason)
 

@@ -67,6 +67,7 @@ from omni_runtime.worker.attention import (
 from omni_runtime.worker.materialize import (
     BackgroundMaterializer,
     BackgroundOutput,
+    InlineMaterializer,
     Materializer,
     make_materializer,
 )
@@ -216,6 +217,8 @@ class OmniARModelRunner:
             producers=self.producers if self.include_hidden else None,
             postprocess=self.postprocess,
         )
+        # Parts of a step re-run in isolation are built inline whatever the stage's mode.
+        self._inline = InlineMaterializer(self.builder)
         self.materializer: Materializer = make_materializer(
             stage.materialization if stage else "inline",
             self.builder,
@@ -819,11 +822,9 @@ class OmniARModelRunner:
             num_computed=self.num_computed[:num_reqs],
             conditioning_index=cond_index[:num_reqs],
         )
-        if inline:
-            # An isolating re-run builds each part at once: its rows live only until the next.
-            output.omni_payloads = self.builder.build(plan, inputs)
-            return output
-        return self.materializer.finish(output, plan, inputs)
+        # An isolating re-run builds each part at once: its rows live only until the next.
+        materializer = self._inline if inline else self.materializer
+        return materializer.finish(output, plan, inputs)
 
     # ---- hooks ----------------------------------------------------------------------------
 
