@@ -194,3 +194,40 @@ def test_journal_rollback_restores_states_and_slots() -> None:
     journal.rollback()
     assert (a.token_ids, a.block_ids, a.num_computed_tokens) == ([1, 2, 3], [7], 2)
     assert sorted(requests) == ["a", "gone"]
+
+
+def test_without_the_undo_a_retried_step_is_not_the_same_step(pipeline, monkeypatch) -> None:
+    """Positive control for the journal: a one-off fault in the thinker's inline payload build,
+    on a step that gave a running request a new KV block. With the undo blinded, the retry
+    appends that block to the runner's table a second time, so later positions are written to
+    and read from the wrong slots: the outputs differ from a clean run. With the undo they are
+    equal (the tests above)."""
+    from omni_runtime.worker import vllm_compat as worker_compat
+
+    p = pipeline
+    if p.options.materialization != "inline":
+        pytest.skip("the inline build is the part of the step that is retried")
+    long_limits = dict(max_text_tokens=40, max_codec_tokens=16)
+    clean = p.generate(["grow past a block"], **long_limits, request_ids=["c-grow"])[0]
+    monkeypatch.setattr(StepJournal, "rollback", lambda self, to=0: None)
+    runner = p.orchestrator.engines["thinker"].runner
+    real = runner._finish_payloads
+    armed = [True]
+
+    def finish(output, step, *, inline=False):
+        so = runner._step_so
+        grows = any(
+            u.req_id == "grow" and not u.resumed and u.new_block_ids and u.new_block_ids[0]
+            for u in worker_compat.cached_request_updates(so)
+        )
+        if armed[0] and grows:
+            armed[0] = False
+            raise RuntimeError("one-off build fault")
+        return real(output, step, inline=inline)
+
+    monkeypatch.setattr(runner, "_finish_payloads", finish)
+    [got] = p.generate(["grow past a block"], **long_limits, request_ids=["grow"])
+    monkeypatch.undo()
+    assert not armed[0]
+    assert not same(got, clean)
+    assert_clean(p)
