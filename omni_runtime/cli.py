@@ -120,9 +120,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--backend",
         # engine.config.BACKENDS, spelled out: importing the engine here would make --help
         # wait for vLLM (tests/test_cli.py holds the two equal).
-        choices=("inprocess", "multiprocess"),
+        choices=("inprocess", "multiprocess", "ray"),
         default="inprocess",
-        help="where each LM stage's vLLM engine runs: in this process, or in its own",
+        help="where each LM stage's vLLM engine runs: in this process, in its own, or in a Ray "
+        "actor (needs the [ray] extra)",
+    )
+    run.add_argument(
+        "--ray-address",
+        default=None,
+        help="with --backend ray: the Ray cluster to join (host:port, or auto); default: start a "
+        "local Ray instance",
     )
     run.add_argument("--json", action="store_true", help="print results as JSON lines")
     run.add_argument("--no-progress", action="store_true", help="no progress line on stderr")
@@ -198,10 +205,13 @@ def out_problem(out: str, n: int) -> str | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from omni_runtime.engine.backends import BackendUnavailable
     from omni_runtime.engine.graph import PipelineConfigError
     from omni_runtime.engine.pipeline import OmniPipeline
 
     problem = None if args.text_only else out_problem(args.out, len(args.prompt))
+    if args.ray_address is not None and args.backend != "ray":
+        problem = f"--ray-address needs --backend ray (got --backend {args.backend})"
     if problem:
         print(f"omni-runtime: error: {problem}", file=sys.stderr)
         return 2
@@ -213,8 +223,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             prefix_caching=args.prefix_caching,
             connector=args.connector,
             backend=args.backend,
+            ray_address=args.ray_address,
         )
-    except PipelineConfigError as exc:
+    except (PipelineConfigError, BackendUnavailable) as exc:
         print(f"omni-runtime: error: {exc}", file=sys.stderr)
         return 2
     try:

@@ -8,8 +8,7 @@ What these tests prove, and how each can fail:
   one bit of a row changed on the shared-memory path fails it; so does a batch admitted in
   pieces (the rows' last bits depend on the batch shape).
 * The whole pipeline with every AR stage in its own process gives the in-process text ids,
-  codec ids and waveform bytes (the orchestrator's engine class is swapped for the factory here,
-  the way it will be wired).
+  codec ids and waveform bytes (``tests.backend_parity``, shared with the Ray backend's tests).
 * Abort mid-stream: the aborted requests leave the engine process, the others finish, and no
   shared-memory segment and no request state is left.
 * Death: killing the engine process fails exactly the requests it held, with reason "error"
@@ -22,7 +21,6 @@ What these tests prove, and how each can fail:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import multiprocessing
 import os
 import signal
@@ -44,11 +42,12 @@ from omni_runtime.adapters.shm_wire import (
 )
 from omni_runtime.engine.backends import make_stage_engine
 from omni_runtime.engine.config import EngineOptions
-from omni_runtime.engine.graph import ARStageSpec, load_pipeline_config
+from omni_runtime.engine.graph import load_pipeline_config
 from omni_runtime.engine.mp_stage import MPStageEngine
 from omni_runtime.engine.stage import StageEngine
 from omni_runtime.payload import StageChunk, StagePayload
 from omni_runtime.sched.transfer import OutboxSink
+from tests.backend_parity import SWITCHES, assert_same_as_inprocess, pipeline_signature
 
 CONFIG = load_pipeline_config()
 THINKER = CONFIG.ar_stages[0]
@@ -359,56 +358,7 @@ def test_killed_process_fails_exactly_its_requests_then_serves_again(mp_thinker)
 # ---- the whole pipeline ----------------------------------------------------------------------
 
 
-def _pipeline_signature(switches: dict[str, Any], backend: str, monkeypatch) -> list[Any]:
-    from omni_runtime.engine import OmniPipeline
-    from omni_runtime.engine import orchestrator as orch
-
-    if "backend" in inspect.signature(OmniPipeline).parameters:
-        switches = {**switches, "backend": backend}
-    else:
-        # Until the orchestrator builds its engines with make_stage_engine: the same thing,
-        # by swapping the class it calls.
-        def factory(spec: ARStageSpec, stages: tuple[str, ...], options: EngineOptions) -> Any:
-            return make_stage_engine(spec, stages, dataclasses.replace(options, backend=backend))
-
-        monkeypatch.setattr(orch, "StageEngine", factory)
-    prefix = "The quick brown fox jumps over the lazy dog. "
-    prompts = [prefix + "Hello", "short", prefix + "Goodbye now"]
-    with OmniPipeline(**switches) as p:
-        kinds = {type(e) for e in p.orchestrator.engines.values()}
-        assert kinds == {MPStageEngine if backend == "multiprocess" else StageEngine}
-        results = p.generate(prompts, max_text_tokens=6, max_codec_tokens=24)
-        # A second wave: with prefix caching on, it hits blocks the first one left cached.
-        results += p.generate(prompts[:1], max_text_tokens=6, max_codec_tokens=24)
-        p.drain()
-        deadline = time.monotonic() + 10
-        while not p.orchestrator.is_clean() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert p.orchestrator.is_clean(), p.orchestrator.leftovers()
-    assert all(r.ok for r in results), [(r.finish_reason, r.error) for r in results]
-    return [(r.text_token_ids, r.codec_token_ids, r.waveform.numpy().tobytes()) for r in results]
-
-
-SWITCHES = [
-    pytest.param({"async_scheduling": False}, id="sync"),
-    pytest.param({"async_scheduling": True}, id="async", marks=pytest.mark.slow),
-    pytest.param(
-        {"async_scheduling": True, "materialization": "background", "prefix_caching": False},
-        id="async-background-nocache",
-        marks=pytest.mark.slow,
-    ),
-    pytest.param(
-        {"async_scheduling": False, "materialization": "background", "connector": "pipe"},
-        id="sync-background-pipe",
-        marks=pytest.mark.slow,
-    ),
-]
-
-
 @pytest.mark.parametrize("switches", SWITCHES)
-def test_pipeline_is_bit_identical_with_every_stage_in_its_own_process(switches, monkeypatch):
-    ref = _pipeline_signature(switches, "inprocess", monkeypatch)
-    mp = _pipeline_signature(switches, "multiprocess", monkeypatch)
-    assert mp == ref
-    assert ref[0] == ref[3]  # the same prompt twice (the second from the prefix cache)
-    assert len({tuple(r[0]) for r in ref[:3]}) == 3  # different prompts differ
+def test_pipeline_is_bit_identical_with_every_stage_in_its_own_process(switches):
+    ref = pipeline_signature(switches, "inprocess")
+    assert_same_as_inprocess(ref, pipeline_signature(switches, "multiprocess"))

@@ -8,9 +8,14 @@ protocol below is what the orchestrator uses of them):
   ``benchmarks/test_bench_backends.py``);
 * ``"multiprocess"`` — ``MPStageEngine``: the ``EngineCore`` in its own process through vLLM's
   ``SyncMPClient``, stepping on its own; chunks come back on vLLM's output messages with their
-  tensors in shared memory.
+  tensors in shared memory;
+* ``"ray"`` — ``RayStageEngine``: the ``EngineCore`` in a Ray actor placed by the stage's
+  ``ray_resources``, on this host or another; chunks come back with each step, through shared
+  memory on the same host and Ray's object store across hosts.
 
-Both give bit-identical outputs for the same requests (``tests/test_mp_stage.py``).
+All give bit-identical outputs for the same requests (``tests/test_mp_stage.py``,
+``tests/test_ray_stage.py``). What the out-of-process engines share lives here too: the error
+a dead stage process reports, and handing returned chunks to the stage's connector.
 """
 
 from __future__ import annotations
@@ -21,10 +26,53 @@ from typing import Any, Protocol
 from omni_runtime.adapters.input import StageInput
 from omni_runtime.engine.config import BACKENDS, EngineOptions
 from omni_runtime.engine.graph import ARStageSpec
-from omni_runtime.engine.stage import StageEngine, StageStep
+from omni_runtime.engine.stage import StageEngine, StageOutput, StageStep
+from omni_runtime.payload import StageChunk
 from omni_runtime.sched.transfer import ChunkSink
 
-__all__ = ["StageBackend", "make_stage_engine"]
+__all__ = [
+    "BackendUnavailable",
+    "StageBackend",
+    "StageProcessDied",
+    "make_stage_engine",
+    "refused_as_errors",
+    "route_chunks",
+]
+
+
+class BackendUnavailable(RuntimeError):
+    """The chosen backend cannot run here (Ray not installed, its cluster unreachable)."""
+
+
+class StageProcessDied(RuntimeError):
+    """A stage's engine process (or actor) exited while holding requests."""
+
+
+def route_chunks(
+    stage_id: str, sink: ChunkSink | None, chunks: Iterable[StageChunk]
+) -> dict[str, str]:
+    """Hand a stage's returned chunks to its connector, in order; returns refused requests.
+
+    A connector fault fails only its own request (C-61): that request's later chunks are not
+    sent, and the caller aborts it and reports the cause this returns (request id -> message).
+    """
+    refused: dict[str, str] = {}
+    if sink is None:
+        return refused
+    for chunk in chunks:
+        if chunk.request_id in refused:
+            continue
+        try:
+            sink.send(chunk)
+        except Exception as exc:
+            refused[chunk.request_id] = f"{stage_id}: {type(exc).__name__}: {exc}"
+    return refused
+
+
+def refused_as_errors(outputs: list[StageOutput], refused: dict[str, str]) -> list[StageOutput]:
+    """The step's outputs with each refused request's replaced by one error outcome."""
+    kept = [o for o in outputs if o.request_id not in refused]
+    return kept + [StageOutput(rid, [], "error", why) for rid, why in refused.items()]
 
 
 class StageBackend(Protocol):
@@ -66,4 +114,9 @@ def make_stage_engine(
         from omni_runtime.engine.mp_stage import MPStageEngine
 
         return MPStageEngine(spec, stages, options)
+    if options.backend == "ray":
+        # Imported here: Ray is an optional extra.
+        from omni_runtime.engine.ray_stage import RayStageEngine
+
+        return RayStageEngine(spec, stages, options)
     raise ValueError(f"backend: unknown {options.backend!r}; known {list(BACKENDS)}")

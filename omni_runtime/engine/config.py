@@ -48,11 +48,11 @@ SYNC_SCHEDULER = f"{OmniARScheduler.__module__}.{OmniARScheduler.__qualname__}"
 ASYNC_SCHEDULER = f"{OmniARAsyncScheduler.__module__}.{OmniARAsyncScheduler.__qualname__}"
 
 
-# Where each AR stage's EngineCore runs: in the orchestrator's process (``StageEngine``) or in
-# its own process through vLLM's multiprocess client (``MPStageEngine``); see
-# ``omni_runtime.engine.backends``.
-Backend = Literal["inprocess", "multiprocess"]
-BACKENDS: tuple[Backend, ...] = ("inprocess", "multiprocess")
+# Where each AR stage's EngineCore runs: in the orchestrator's process (``StageEngine``), in
+# its own process through vLLM's multiprocess client (``MPStageEngine``), or in a Ray actor
+# (``RayStageEngine``); see ``omni_runtime.engine.backends``.
+Backend = Literal["inprocess", "multiprocess", "ray"]
+BACKENDS: tuple[Backend, ...] = ("inprocess", "multiprocess", "ray")
 
 
 @dataclass(frozen=True)
@@ -64,6 +64,9 @@ class EngineOptions:
     prefix_caching: bool = True
     seed: int = 0
     backend: Backend = "inprocess"
+    # ``backend="ray"`` only: the cluster to join ("host:port", or "auto"); None starts a local
+    # Ray instance (or uses the one this process already initialised).
+    ray_address: str | None = None
 
 
 def resolve_model(model: str) -> str:

@@ -38,6 +38,7 @@ _AR_KEYS = {
     "max_num_batched_tokens",
     "block_size",
     "num_blocks",
+    "ray_resources",
 }
 _C2W_KEYS = {"id", "kind", "model"}
 
@@ -60,6 +61,7 @@ _FIELD_TYPES: dict[str, str] = {
     "max_num_batched_tokens": "pos",
     "block_size": "pos",
     "num_blocks": "pos?",
+    "ray_resources": "ray",
 }
 # Model names the runtime builds itself (``omni_runtime.models.model_dir``); any other value of
 # a stage's ``model`` must be a model folder.
@@ -82,6 +84,7 @@ def _type_problem(value: Any, expected: str) -> str | None:
         "pos": lambda v: _is_int(v) and v > 0,
         "list[str]": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
         "list[int]": lambda v: isinstance(v, list) and all(_is_int(x) and x >= 0 for x in v),
+        "ray": lambda v: RayResources.problem(v) is None,
     }[expected](value)
     if ok:
         return None
@@ -91,12 +94,70 @@ def _type_problem(value: Any, expected: str) -> str | None:
         "pos": "an integer above 0",
         "list[str]": "a list of strings",
         "list[int]": "a list of token ids (integers >= 0)",
+        "ray": RayResources.problem(value) or "",
     }[expected]
     return f"expected {wanted}, got {json.dumps(value, default=repr)[:60]}"
 
 
 class PipelineConfigError(ValueError):
     """A pipeline file that cannot describe a runnable graph; the message names the field."""
+
+
+@dataclass(frozen=True)
+class RayResources:
+    """What a stage's Ray actor reserves (``--backend ray``): Ray's own actor resource options.
+
+    ``resources`` are custom resources by name, which is how a stage is pinned to a machine: start
+    that machine's Ray node with ``--resources='{"talker_host": 1}'`` and ask for
+    ``{"talker_host": 1}`` here. Frozen and hashable, like the spec that holds it.
+    """
+
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    memory: int | None = None
+    resources: tuple[tuple[str, float], ...] = ()
+
+    _KEYS = ("num_cpus", "num_gpus", "memory", "resources")
+
+    @classmethod
+    def problem(cls, value: Any) -> str | None:
+        """Why ``value`` (parsed JSON) cannot be a stage's ``ray_resources``, or None."""
+        if not isinstance(value, Mapping):
+            return "expected an object with num_cpus, num_gpus, memory, resources"
+        unknown = sorted(set(value) - set(cls._KEYS))
+        if unknown:
+            return f"unknown keys {unknown} (known {list(cls._KEYS)})"
+
+        def amount(v: Any) -> bool:
+            return isinstance(v, int | float) and not isinstance(v, bool) and v >= 0
+
+        for key in ("num_cpus", "num_gpus", "memory"):
+            if key in value and not amount(value[key]):
+                return f"{key}: expected a number >= 0, got {json.dumps(value[key], default=repr)}"
+        custom = value.get("resources", {})
+        if not isinstance(custom, Mapping) or not all(
+            isinstance(k, str) and k and amount(v) for k, v in custom.items()
+        ):
+            return "resources: expected an object of resource name to amount >= 0"
+        return None
+
+    @classmethod
+    def from_json(cls, value: Mapping[str, Any]) -> RayResources:
+        return cls(
+            num_cpus=float(value.get("num_cpus", 1.0)),
+            num_gpus=float(value.get("num_gpus", 0.0)),
+            memory=int(value["memory"]) if value.get("memory") is not None else None,
+            resources=tuple(sorted((k, float(v)) for k, v in value.get("resources", {}).items())),
+        )
+
+    def actor_options(self) -> dict[str, Any]:
+        """Keyword arguments for Ray's ``ActorClass.options``."""
+        out: dict[str, Any] = {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}
+        if self.memory is not None:
+            out["memory"] = self.memory
+        if self.resources:
+            out["resources"] = dict(self.resources)
+        return out
 
 
 @dataclass(frozen=True)
@@ -118,6 +179,8 @@ class ARStageSpec:
     max_num_batched_tokens: int = 1024
     block_size: int = 16
     num_blocks: int | None = None
+    # Where ``--backend ray`` places the stage's actor; other backends ignore it.
+    ray_resources: RayResources = RayResources()
     kind: StageKind = "ar"
 
 
@@ -212,6 +275,8 @@ class PipelineConfig:
             for key in ("downstream", "start_token_ids", "stop_token_ids"):
                 if key in kw:
                     kw[key] = tuple(kw[key])
+            if "ray_resources" in kw:
+                kw["ray_resources"] = RayResources.from_json(kw["ray_resources"])
             stages.append(ARStageSpec(**kw) if kind == "ar" else Code2WavStageSpec(**kw))
 
         ids = [s.id for s in stages]

@@ -59,6 +59,7 @@ from omni_runtime.adapters.shm_wire import (
 )
 from omni_runtime.config import OmniStageConfig
 from omni_runtime.engine import vllm_compat as compat
+from omni_runtime.engine.backends import StageProcessDied, refused_as_errors, route_chunks
 from omni_runtime.engine.config import EngineOptions, stage_vllm_config
 from omni_runtime.engine.graph import ARStageSpec
 from omni_runtime.engine.stage import StageOutput, StageStep
@@ -81,10 +82,6 @@ _ASYNC = f"{ProcessStageAsyncScheduler.__module__}.{ProcessStageAsyncScheduler._
 # stage process's message ends the wait at once (``_Arrivals``), so this only bounds the wait
 # when everything is slow; it keeps an idle orchestrator from spinning on shared cores.
 _WAIT = 0.05
-
-
-class StageProcessDied(RuntimeError):
-    """A stage's engine process exited while holding requests."""
 
 
 class _Arrivals:
@@ -368,22 +365,14 @@ class MPStageEngine:
                     compat.cached_prompt_tokens(out),
                 )
             )
-        sink = self._sink
-        for chunk in chunks:
-            if sink is None or chunk.request_id in failures:
-                continue
-            try:
-                sink.send(chunk)
-            except Exception as exc:  # a connector fault fails only its own request (C-61)
-                failures[chunk.request_id] = f"{self.stage_id}: {type(exc).__name__}: {exc}"
+        # Chunks of a request refused earlier in this step stay unsent (C-61).
+        pending = [c for c in chunks if c.request_id not in failures]
+        failures.update(route_chunks(self.stage_id, self._sink, pending))
 
     def _fail_sends(self, result: StageStep, failures: dict[str, str]) -> None:
         """Requests whose chunk the sink refused: aborted in the process, reported as errors."""
         self.abort(list(failures))
-        kept = [o for o in result.outputs if o.request_id not in failures]
-        for rid, message in failures.items():
-            kept.append(StageOutput(rid, [], "error", message))
-        result.outputs = kept
+        result.outputs = refused_as_errors(result.outputs, failures)
 
     # ---- audits ------------------------------------------------------------------------------
 

@@ -49,6 +49,7 @@ class OmniPipeline:
         torch_threads: int | None = 1,
         stream_audio: bool = True,
         backend: Backend = "inprocess",
+        ray_address: str | None = None,
     ) -> None:
         if torch_threads is not None:
             # The embedded models are tiny: with more than one intra-op thread every matmul
@@ -65,6 +66,7 @@ class OmniPipeline:
             prefix_caching=prefix_caching,
             seed=seed,
             backend=backend,
+            ray_address=ray_address,
         )
         self.orchestrator = Orchestrator(config, self.options, stream_audio=stream_audio)
         self._backlog: list[PipelineEvent] = []

@@ -1,0 +1,410 @@
+"""``RayStageEngine``: an AR stage whose vLLM ``EngineCore`` runs inside a Ray actor.
+
+The actor (``StageActor``) holds an ordinary in-process ``StageEngine``: vLLM's ``EngineCore``
+with the omni scheduler and ``OmniARWorker``, so admission, stepping, aborts and the worker's
+fault recovery are the very code the in-process backend runs. This class gives the orchestrator
+the same surface as ``StageEngine`` (``backends.StageBackend``) from the driver's side:
+
+* placement: one actor per AR stage, reserving the stage's ``ray_resources`` from the pipeline
+  file (default one CPU). Ray is joined at ``EngineOptions.ray_address``, or the instance this
+  process already initialised is used, or a local one is started (``RaySession``) and stopped
+  when its last stage shuts down. Actors get the driver's ``HF_*``, ``VLLM_*``,
+  ``OMNI_RUNTIME_*`` and ``PYTHONHASHSEED`` environment and its torch thread count, so a stage
+  computes the same bits wherever it runs;
+* admission: the stage's ``InputAdapter`` validates in the driver, so a bad input is refused
+  before anything is sent; the actor validates again with the engine's own block hasher;
+* stepping: ``step`` runs one engine step in the actor and waits for it, so every backend steps
+  the same schedule in the same order (outputs are bit-identical to in-process). Adds and
+  aborts are sent without waiting: Ray runs one caller's calls on an actor in order;
+* payloads: the stage's chunks come back with the step. When the actor shares the driver's
+  host they are written once into shared memory and only descriptors travel
+  (``adapters.shm_wire``); across hosts they travel as the step's return value, through Ray's
+  object store. The driver hands them to the stage's connector, as the in-process scheduler
+  does during its step; a chunk the connector refuses fails only its request (C-61);
+* death: a dead actor (killed, its node lost) fails exactly the requests it held, with reason
+  "error" and a message naming the stage; its segments are swept and a fresh actor serves new
+  requests. Shutdown kills the actor and sweeps what it left.
+
+Ray is an optional extra (``pip install 'omni-conformance[ray]'``); nothing imports it unless this
+backend is chosen.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import uuid
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from omni_runtime.adapters.input import InputAdapter, RequestRejected, StageInput
+from omni_runtime.adapters.shm_wire import live_segments, read_chunks, sweep_segments
+from omni_runtime.engine.backends import (
+    BackendUnavailable,
+    StageProcessDied,
+    refused_as_errors,
+    route_chunks,
+)
+from omni_runtime.engine.config import EngineOptions
+from omni_runtime.engine.graph import ARStageSpec
+from omni_runtime.engine.stage import StageOutput, StageStep
+from omni_runtime.sched.transfer import ChunkSink
+
+__all__ = ["RaySession", "RayStageEngine", "StageActor", "actor_env"]
+
+logger = logging.getLogger(__name__)
+
+# The driver's environment that decides what a stage computes or where it finds its models.
+_ENV_PREFIXES = ("HF_", "VLLM_", "OMNI_RUNTIME_")
+_ENV_NAMES = ("PYTHONHASHSEED",)
+# A local Ray instance's object store: chunks are small; Ray's default (30% of RAM) would
+# reserve gigabytes of /dev/shm on a shared host for nothing.
+_LOCAL_OBJECT_STORE_BYTES = 256 * 1024 * 1024
+
+
+def _ray() -> Any:
+    try:
+        import ray
+    except ImportError as exc:
+        raise BackendUnavailable(
+            "backend 'ray' needs Ray: pip install 'omni-conformance[ray]'"
+        ) from exc
+    return ray
+
+
+def actor_env() -> dict[str, str]:
+    """The driver's variables a stage actor must share (see the module docstring)."""
+    return {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES}
+
+
+class RaySession:
+    """This process's connection to Ray, shared by its stage engines.
+
+    Joins ``address`` when one is given; uses Ray as already initialised in this process (a
+    test's or an application's own ``ray.init``) when there is one; otherwise starts a local
+    instance sized for the stages. Only an instance this class started is shut down, when the
+    last stage engine using it releases it.
+    """
+
+    _lock = threading.Lock()
+    _users = 0
+    _owned = False
+
+    @classmethod
+    def acquire(cls, address: str | None, num_cpus: float) -> Any:
+        ray = _ray()
+        with cls._lock:
+            if not ray.is_initialized():
+                kwargs: dict[str, Any] = {
+                    "runtime_env": {"env_vars": actor_env()},
+                    "log_to_driver": False,
+                    "include_dashboard": False,
+                }
+                if address is None:
+                    # Enough CPUs for every stage's reservation even on a small host: the
+                    # stages share the cores either way, and an unplaceable actor would hang.
+                    cpus = max(os.cpu_count() or 1, int(num_cpus + 0.999))
+                    kwargs.update(num_cpus=cpus, object_store_memory=_LOCAL_OBJECT_STORE_BYTES)
+                else:
+                    kwargs["address"] = address
+                try:
+                    ray.init(**kwargs)
+                except Exception as exc:
+                    where = f"--ray-address {address}" if address else "a local Ray instance"
+                    raise BackendUnavailable(f"{where}: cannot start or join Ray: {exc}") from exc
+                cls._owned = True
+            cls._users += 1
+        return ray
+
+    @classmethod
+    def release(cls) -> None:
+        ray = _ray()
+        with cls._lock:
+            cls._users = max(0, cls._users - 1)
+            if cls._users == 0 and cls._owned:
+                cls._owned = False
+                ray.shutdown()
+
+
+class StageActor:
+    """The actor side: one ``StageEngine`` and the sink its chunks wait in until the step returns.
+
+    A plain class; ``RayStageEngine`` makes it a Ray actor with the stage's resources.
+    """
+
+    def __init__(
+        self,
+        spec: ARStageSpec,
+        stages: tuple[str, ...],
+        options: EngineOptions,
+        driver_node: str,
+        shm_prefix: str,
+        torch_threads: int,
+    ) -> None:
+        import ray
+
+        from omni_runtime.adapters.shm_wire import ShmChunkWriter
+        from omni_runtime.engine.stage import StageEngine
+        from omni_runtime.sched.transfer import OutboxSink
+
+        # Ray sets OMP_NUM_THREADS from the reserved CPUs; the stage computes with the driver's
+        # thread count instead, so its results do not depend on where it was placed.
+        torch.set_num_threads(torch_threads)
+        self.node = str(ray.get_runtime_context().get_node_id())
+        self.engine = StageEngine(spec, stages, options)
+        self.writer: ShmChunkWriter | None = None
+        self.outbox: OutboxSink | None = None
+        if spec.downstream:
+            # Shared memory only when the driver can open it: on the driver's own host.
+            if self.node == driver_node:
+                self.writer = ShmChunkWriter(shm_prefix)
+                self.engine.set_sink(self.writer)
+            else:
+                self.outbox = OutboxSink()
+                self.engine.set_sink(self.outbox)
+        # Requests the actor's own adapter refused, reported by the next step.
+        self.refused: list[StageOutput] = []
+
+    def describe(self) -> dict[str, Any]:
+        hf = self.engine.vllm_config.model_config.hf_config
+        return {
+            "pid": os.getpid(),
+            "node": self.node,
+            "shm": self.writer is not None,
+            "omni_stage": self.engine.adapter.stage,
+            "vocab_size": int(hf.vocab_size),
+            "free_blocks": self.engine.num_free_blocks(),
+        }
+
+    def add(self, item: StageInput) -> None:
+        try:
+            self.engine.add(item)
+        except RequestRejected as exc:
+            self.refused.append(
+                StageOutput(item.request_id, [], "error", f"{self.engine.stage_id}: {exc}")
+            )
+
+    def abort(self, request_ids: list[str]) -> None:
+        self.engine.abort(request_ids)
+        # EOF chunks the abort delivered belong to requests whose outcome the driver decided.
+        self._drop_chunks()
+
+    def step(self) -> tuple[list[StageOutput], bool, str | None, list[Any], bool]:
+        """One engine step: outputs, executed, the fault (as text), the chunks, has_work."""
+        result = self.engine.step()
+        outputs = self.refused + result.outputs
+        self.refused = []
+        fault = result.fault
+        text = None if fault is None else f"{type(fault).__name__}: {fault}"
+        return outputs, result.executed, text, self._take_chunks(), self.has_work()
+
+    def has_work(self) -> bool:
+        return bool(self.refused) or self.engine.has_work()
+
+    def _take_chunks(self) -> list[Any]:
+        if self.writer is not None:
+            return list(self.writer.flush()) if len(self.writer) else []
+        return self.outbox.drain() if self.outbox is not None else []
+
+    def _drop_chunks(self) -> None:
+        if self.writer is not None:
+            self.writer.discard()
+        elif self.outbox is not None:
+            self.outbox.drain()
+
+    def leftovers(self) -> dict[str, Any]:
+        out = self.engine.leftovers()
+        out["outbox"] = len(self.writer or self.outbox or ())
+        out["refused"] = [o.request_id for o in self.refused]
+        return out
+
+    def num_free_blocks(self) -> int:
+        return self.engine.num_free_blocks()
+
+    def close(self) -> None:
+        self.engine.shutdown()
+
+
+class RayStageEngine:
+    """One AR stage in a Ray actor; see the module docstring."""
+
+    def __init__(self, spec: ARStageSpec, stages: tuple[str, ...], options: EngineOptions) -> None:
+        self.spec = spec
+        self.stage_id = spec.id
+        self.stages = stages
+        self.options = options
+        self.steps = 0
+        self.restarts = 0
+        self.ray = RaySession.acquire(options.ray_address, spec.ray_resources.num_cpus)
+        self._released = False
+        self._actor_cls = self.ray.remote(max_restarts=0, max_task_retries=0)(StageActor)
+        # Ids sent to the actor whose terminal output has not come back and that were not
+        # aborted: what the actor's death fails.
+        self._held: set[str] = set()
+        # The actor's own answer, as of its last step, to whether it still has work (e.g. a
+        # finished request whose scheduler bookkeeping clears on the next step).
+        self._actor_busy = False
+        self._sink: ChunkSink | None = None
+        self._actor: Any = None
+        self._info: dict[str, Any] = {}
+        self._prefix = ""
+        try:
+            self._start()
+        except BaseException:
+            self._release()
+            raise
+        self.adapter = InputAdapter(
+            self._info["omni_stage"],
+            max_model_len=spec.max_model_len,
+            vocab_size=self._info["vocab_size"],
+            hidden_size=spec.prompt_embeds_dim,
+            # Blocks are hashed where they are cached, in the actor.
+            block_hasher=None,
+            live_ids=self._held,
+        )
+        self.initial_free_blocks = int(self._info["free_blocks"])
+
+    # ---- the actor -----------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        ray = self.ray
+        self._prefix = f"omni-ray-{os.getpid()}-{self.stage_id}-{uuid.uuid4().hex[:8]}"
+        # An engine nobody shut down: whatever its actor left on this host is swept at exit.
+        weakref.finalize(self, sweep_segments, self._prefix)
+        driver_node = str(ray.get_runtime_context().get_node_id())
+        actor = self._actor_cls.options(**self.spec.ray_resources.actor_options()).remote(
+            self.spec, self.stages, self.options, driver_node, self._prefix, torch.get_num_threads()
+        )
+        self._actor = actor
+        self._info = ray.get(actor.describe.remote())
+        self._actor_busy = False
+
+    @property
+    def pid(self) -> int:
+        """The actor's process id (tests kill it)."""
+        return int(self._info["pid"])
+
+    @property
+    def node(self) -> str:
+        """The Ray node the actor runs on."""
+        return str(self._info["node"])
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """True when chunks come back through shared memory, False through Ray's object store."""
+        return bool(self._info.get("shm"))
+
+    @property
+    def shm_prefix(self) -> str:
+        return self._prefix
+
+    def _kill(self) -> None:
+        actor, self._actor = self._actor, None
+        if actor is None:
+            return
+        try:
+            self.ray.get(actor.close.remote(), timeout=30)
+        except Exception:  # already dead, or stuck: killed below either way
+            pass
+        self.ray.kill(actor, no_restart=True)
+        sweep_segments(self._prefix)
+
+    def _restart(self, cause: str) -> list[StageOutput]:
+        """Fail what the dead actor held, clean up after it and start a fresh one."""
+        failed = sorted(self._held)
+        self._held.clear()
+        logger.warning("stage %s: %s; failing %s and restarting", self.stage_id, cause, failed)
+        self._kill()
+        self._start()
+        self.restarts += 1
+        message = f"{self.stage_id}: {StageProcessDied.__name__}: {cause}"
+        return [StageOutput(rid, [], "error", message) for rid in failed]
+
+    # ---- wiring --------------------------------------------------------------------------------
+
+    def set_sink(self, sink: ChunkSink) -> None:
+        """Where this stage's chunks go; only the orchestrator calls this (C-21)."""
+        if not self.spec.downstream:
+            raise ValueError(f"stage {self.stage_id!r} has no downstream to send to")
+        self._sink = sink
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    def add(self, item: StageInput) -> None:
+        """Validate and admit one request; raises ``RequestRejected`` before anything is sent."""
+        self.adapter.build(item)
+        self._live_actor().add.remote(item)
+        self._held.add(item.request_id)
+
+    def abort(self, request_ids: Iterable[str]) -> list[str]:
+        """Abort the given ids that are live here; unknown ids are a no-op (C-60)."""
+        live = [rid for rid in request_ids if rid in self._held]
+        if live:
+            self._held.difference_update(live)
+            self._live_actor().abort.remote(live)
+        return live
+
+    def _live_actor(self) -> Any:
+        if self._actor is None:
+            raise RuntimeError(f"stage {self.stage_id!r} is shut down")
+        return self._actor
+
+    def num_requests(self) -> int:
+        return len(self._held)
+
+    def has_work(self) -> bool:
+        return bool(self._held) or self._actor_busy
+
+    # ---- stepping ------------------------------------------------------------------------------
+
+    def step(self) -> StageStep:
+        if not self.has_work():
+            return StageStep()
+        self.steps += 1
+        ray = self.ray
+        try:
+            outputs, executed, fault, wire, busy = ray.get(self._live_actor().step.remote())
+        except ray.exceptions.RayActorError as exc:
+            cause = f"actor died ({type(exc).__name__})"
+            return StageStep(self._restart(cause), True, StageProcessDied(cause))
+        self._actor_busy = bool(busy)
+        for out in outputs:
+            if out.finish_reason is not None:
+                self._held.discard(out.request_id)
+        chunks = read_chunks(wire) if self.uses_shared_memory else wire
+        result = StageStep(list(outputs), bool(executed), RuntimeError(fault) if fault else None)
+        refused = route_chunks(self.stage_id, self._sink, chunks)
+        if refused:
+            self.abort(list(refused))
+            result.outputs = refused_as_errors(result.outputs, refused)
+        return result
+
+    # ---- audits --------------------------------------------------------------------------------
+
+    def num_free_blocks(self) -> int:
+        return int(self.ray.get(self._live_actor().num_free_blocks.remote()))
+
+    def leftovers(self) -> dict[str, Any]:
+        """Everything that still holds a request, in the actor and here."""
+        out: dict[str, Any] = dict(self.ray.get(self._live_actor().leftovers.remote()))
+        out["held"] = sorted(self._held)
+        out["shm_segments"] = live_segments(self._prefix)
+        return out
+
+    def is_clean(self) -> bool:
+        return not any(self.leftovers().values())
+
+    def shutdown(self) -> None:
+        try:
+            self._kill()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if not self._released:
+            self._released = True
+            RaySession.release()
