@@ -1,4 +1,4 @@
-"""In-process vs multiprocess stage engines: what a stage in its own process costs or gains.
+"""In-process vs multiprocess vs Ray stage engines: what a stage outside the caller costs or gains.
 
 Two workloads, each under sync and async scheduling:
 
@@ -7,21 +7,22 @@ Two workloads, each under sync and async scheduling:
   orchestrator drives it (``add`` all, then ``step`` until idle, chunks drained each step).
   In-process is ``StageEngine``; multiprocess is ``MPStageEngine`` (vLLM's ``SyncMPClient``,
   chunks through shared memory).
-* ``pipeline`` — 8 requests through thinker -> talker -> code2wav with every AR stage on the
-  given backend (the orchestrator's engine class swapped for ``make_stage_engine``, as it will
-  be wired), where two stage processes can overlap.
+* ``pipeline`` — 8 and 32 concurrent requests through thinker -> talker -> code2wav with every
+  AR stage on each backend (``OmniPipeline(backend=...)``); the three pipelines are built
+  first and then run in turn within each round, so the machine's drift hits all of them.
+  Reported per backend: seconds per wave, requests/s, the median time to first audio chunk,
+  and both as ratios to in-process measured in the same round.
 
 Engine start-up is outside the timed region. Seconds per run (median of the rounds) and
 requests/s go to ``benchmark.extra_info`` and stdout; the multiprocess/in-process ratio is the
-number that picks ``EngineOptions.backend``'s default.
+number that picks ``EngineOptions.backend``'s default. Ray actors are ``RayStageEngine`` on a
+local Ray instance started by the first Ray engine (outside the timed region).
 
 Run: ``OMP_NUM_THREADS=1 pytest benchmarks/test_bench_backends.py -o addopts="" --benchmark-enable -p no:cacheprovider -s``
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import statistics
 import time
 from typing import Any
@@ -74,19 +75,17 @@ def _report(benchmark: Any, key: tuple[str, str, int], seconds: list[float]) -> 
     benchmark.extra_info.update(
         {"workload": workload, "scheduling": scheduling, "requests": n, "seconds": median}
     )
-    other = "inprocess" if backend == "multiprocess" else "multiprocess"
-    base = _MEDIANS.get((other, f"{workload}-{scheduling}", n))
-    ratio = "" if base is None else "  multiprocess/inprocess = "
-    if base is not None:
-        mp, ip = (median, base) if backend == "multiprocess" else (base, median)
-        ratio += f"{mp / ip:.2f}"
+    base = _MEDIANS.get(("inprocess", f"{workload}-{scheduling}", n))
+    ratio = "" if base is None or backend == "inprocess" else f"  {backend}/inprocess = "
+    if ratio:
+        ratio += f"{median / base:.2f}"
     print(
         f"\n{workload:8s} {scheduling:5s} {backend:12s} {n:3d} requests: "
         f"{median:.3f} s ({n / median:.1f} req/s){ratio}"
     )
 
 
-@pytest.mark.parametrize("backend", ["inprocess", "multiprocess"])
+@pytest.mark.parametrize("backend", ["inprocess", "multiprocess", "ray"])
 @pytest.mark.parametrize("n", [8, 32])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_bench_thinker_backend(benchmark, async_scheduling, n, backend) -> None:
@@ -111,32 +110,56 @@ def test_bench_thinker_backend(benchmark, async_scheduling, n, backend) -> None:
     _report(benchmark, ("thinker", "async" if async_scheduling else "sync", n), seconds)
 
 
-@pytest.mark.parametrize("backend", ["inprocess", "multiprocess"])
+BACKENDS = ("inprocess", "multiprocess", "ray")
+
+
+@pytest.mark.parametrize("n", [8, 32])
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-def test_bench_pipeline_backend(benchmark, async_scheduling, backend, monkeypatch) -> None:
+def test_bench_pipeline_backends(benchmark, async_scheduling, n) -> None:
+    """Throughput and time to first audio, every backend in the same run, rounds interleaved."""
     from omni_runtime.engine import OmniPipeline
-    from omni_runtime.engine import orchestrator as orch
 
-    kwargs: dict[str, Any] = {}
-    if "backend" in inspect.signature(OmniPipeline).parameters:
-        kwargs["backend"] = backend
-    else:
-        # Until the orchestrator builds its engines with make_stage_engine.
-        def factory(spec: Any, stages: tuple[str, ...], options: EngineOptions) -> Any:
-            return make_stage_engine(spec, stages, dataclasses.replace(options, backend=backend))
+    prompts = [f"request {i}: say something about the number {i}" for i in range(n)]
+    pipelines: dict[str, Any] = {}
+    wall: dict[str, list[float]] = {b: [] for b in BACKENDS}
+    ttfa: dict[str, list[float]] = {b: [] for b in BACKENDS}
+    try:
+        for backend in BACKENDS:
+            p = OmniPipeline(async_scheduling=async_scheduling, backend=backend)
+            pipelines[backend] = p
+            p.generate(prompts[:2], max_text_tokens=2, max_codec_tokens=2)  # warm-up
 
-        monkeypatch.setattr(orch, "StageEngine", factory)
-    prompts = [f"request {i}: say something about the number {i}" for i in range(8)]
-    seconds: list[float] = []
-    with OmniPipeline(async_scheduling=async_scheduling, torch_threads=None, **kwargs) as p:
-        p.generate(prompts[:2], max_text_tokens=2, max_codec_tokens=2)  # warm-up
+        def one_round() -> None:
+            # Each backend in turn within a round: drift on the machine hits all of them.
+            for backend, p in pipelines.items():
+                t0 = time.perf_counter()
+                results = p.generate(prompts, max_text_tokens=16, max_codec_tokens=64)
+                wall[backend].append(time.perf_counter() - t0)
+                assert all(r.ok for r in results), [r.error for r in results if not r.ok]
+                firsts = [r.time_to_first_audio_chunk for r in results]
+                assert all(t is not None for t in firsts)
+                ttfa[backend].append(statistics.median(t for t in firsts if t is not None))
 
-        def run() -> None:
-            t0 = time.perf_counter()
-            results = p.generate(prompts, max_text_tokens=16, max_codec_tokens=64)
-            seconds.append(time.perf_counter() - t0)
-            assert all(r.ok for r in results)
-
-        benchmark.extra_info["backend"] = backend
-        benchmark.pedantic(run, rounds=ROUNDS, iterations=1, warmup_rounds=0)
-    _report(benchmark, ("pipeline", "async" if async_scheduling else "sync", 8), seconds)
+        benchmark.pedantic(one_round, rounds=ROUNDS, iterations=1, warmup_rounds=0)
+    finally:
+        for p in pipelines.values():
+            p.close()
+    scheduling = "async" if async_scheduling else "sync"
+    base_wall = statistics.median(wall["inprocess"])
+    base_ttfa = statistics.median(ttfa["inprocess"])
+    rows = {}
+    for backend in BACKENDS:
+        w, f = statistics.median(wall[backend]), statistics.median(ttfa[backend])
+        rows[backend] = {
+            "seconds": round(w, 3),
+            "requests_per_s": round(n / w, 2),
+            "ttfa_median_s": round(f, 3),
+            "throughput_vs_inprocess": round(base_wall / w, 2),
+            "ttfa_vs_inprocess": round(f / base_ttfa, 2),
+        }
+        print(
+            f"\npipeline {scheduling:5s} {n:3d} requests {backend:12s}: {w:.2f} s, "
+            f"{n / w:.1f} req/s ({base_wall / w:.2f}x in-process), time to first audio "
+            f"{f:.3f} s ({f / base_ttfa:.2f}x in-process)"
+        )
+    benchmark.extra_info.update(scheduling=scheduling, requests=n, backends=rows)

@@ -5,10 +5,15 @@ prefix caching on the second wave hits cached blocks) through ``OmniPipeline`` w
 switches on the given backend, checks that every engine is of the backend's class and that the
 pipeline is clean afterwards, and returns per request the text ids, codec ids and waveform
 bytes. Backend tests compare it against the in-process run.
+
+``fault_outcomes`` plants a model fault in a stage's worker wherever it runs (``call_worker``,
+vLLM's ``collective_rpc``) and returns every request's outcome, so a backend's fault handling can
+be compared with the in-process one's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -59,3 +64,64 @@ def assert_same_as_inprocess(ref: list[Any], other: list[Any]) -> None:
     assert other == ref
     assert ref[0] == ref[3]  # the same prompt twice (the second from the prefix cache)
     assert len({tuple(r[0]) for r in ref[:3]}) == 3  # different prompts differ
+
+
+# ---- worker faults, wherever the worker runs ------------------------------------------------
+
+POISON = 300  # a token id none of the backend tests' prompts use
+
+
+class InjectedStageFault(RuntimeError):
+    """Raised by the planted hook: a fault in the model's forward."""
+
+
+def plant_poison(worker: Any, poison: int, times: int | None) -> None:
+    """Runs on the worker (``call_worker``): its token embedding raises when its input holds
+    ``poison`` (at most ``times`` times; None: always). Replaces an earlier planting."""
+    import torch
+
+    embedding = worker.get_model().get_input_embeddings()
+    clear_poison(worker)
+    raised = [0]
+
+    def hook(module: torch.nn.Module, args: tuple[Any, ...]) -> None:
+        ids = args[0] if args else None
+        if not isinstance(ids, torch.Tensor) or not bool((ids == poison).any()):
+            return
+        if times is not None and raised[0] >= times:
+            return
+        raised[0] += 1
+        raise InjectedStageFault(f"poison token {poison} in the forward")
+
+    embedding._omni_test_poison = embedding.register_forward_pre_hook(hook)
+
+
+def clear_poison(worker: Any) -> None:
+    embedding = worker.get_model().get_input_embeddings()
+    handle = getattr(embedding, "_omni_test_poison", None)
+    if handle is not None:
+        handle.remove()
+        del embedding._omni_test_poison
+
+
+def fault_outcomes(engine: Any, items: list[Any], times: int | None) -> dict[str, Any]:
+    """Every request's (finish reason, error, sampled ids) with the poison planted in
+    ``engine``'s worker; the last item carries the poison token at the end of its prompt."""
+    items = [dataclasses.replace(i, sampling_params=i.sampling_params.clone()) for i in items]
+    items[-1].prompt_token_ids = [*items[-1].prompt_token_ids, POISON]
+    engine.call_worker(plant_poison, POISON, times)
+    try:
+        for item in items:
+            engine.add(item)
+        ids: dict[str, list[int]] = {}
+        outcome: dict[str, Any] = {}
+        deadline = time.monotonic() + 120
+        while engine.has_work():
+            assert time.monotonic() < deadline, "stage did not finish"
+            for out in engine.step().outputs:
+                ids.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finish_reason is not None:
+                    outcome[out.request_id] = (out.finish_reason, out.error)
+    finally:
+        engine.call_worker(clear_poison)
+    return {rid: (*outcome[rid], ids.get(rid, [])) for rid in sorted(outcome)}

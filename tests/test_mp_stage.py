@@ -47,7 +47,12 @@ from omni_runtime.engine.mp_stage import MPStageEngine
 from omni_runtime.engine.stage import StageEngine
 from omni_runtime.payload import StageChunk, StagePayload
 from omni_runtime.sched.transfer import OutboxSink
-from tests.backend_parity import SWITCHES, assert_same_as_inprocess, pipeline_signature
+from tests.backend_parity import (
+    SWITCHES,
+    assert_same_as_inprocess,
+    fault_outcomes,
+    pipeline_signature,
+)
 
 CONFIG = load_pipeline_config()
 THINKER = CONFIG.ar_stages[0]
@@ -362,3 +367,29 @@ def test_killed_process_fails_exactly_its_requests_then_serves_again(mp_thinker)
 def test_pipeline_is_bit_identical_with_every_stage_in_its_own_process(switches):
     ref = pipeline_signature(switches, "inprocess")
     assert_same_as_inprocess(ref, pipeline_signature(switches, "multiprocess"))
+
+
+# ---- worker faults ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("times", [None, 1], ids=["persistent", "one-off"])
+def test_worker_faults_are_contained_as_in_process(times, monkeypatch):
+    # vLLM pickles a callable for its collective_rpc only when allowed; the child inherits it.
+    monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    options = EngineOptions(async_scheduling=False)
+    ref_engine = StageEngine(THINKER, CONFIG.stage_ids, options)
+    try:
+        ref = fault_outcomes(ref_engine, _inputs(n=4), times)
+    finally:
+        ref_engine.shutdown()
+    engine = MPStageEngine(THINKER, CONFIG.stage_ids, options)
+    try:
+        got = fault_outcomes(engine, _inputs(n=4), times)
+        assert not any(_settled_clean(engine).values())
+    finally:
+        engine.shutdown()
+    assert got == ref
+    failed = {rid for rid, (reason, _, _) in got.items() if reason == "error"}
+    assert failed == ({"r3"} if times is None else set())
+    if times is None:
+        assert "thinker" in got["r3"][1] and "poison token" in got["r3"][1]

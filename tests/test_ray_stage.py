@@ -297,3 +297,27 @@ def test_run_writes_the_same_wav_bytes_on_every_backend(tmp_path: Path) -> None:
         wavs[backend] = [f.read_bytes() for f in files]
     assert wavs["multiprocess"] == wavs["inprocess"]
     assert wavs["ray"] == wavs["inprocess"]
+
+
+# ---- worker faults -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("times", [None, 1], ids=["persistent", "one-off"])
+def test_worker_faults_are_contained_as_in_process(
+    times: int | None, ray_thinker: RayStageEngine
+) -> None:
+    import tests.backend_parity as parity
+
+    # The actor's process imports nothing from this checkout's tests: ship the hook by value.
+    ray.cloudpickle.register_pickle_by_value(parity)
+    ref_engine = StageEngine(THINKER, CONFIG.stage_ids, EngineOptions(async_scheduling=False))
+    try:
+        ref = parity.fault_outcomes(ref_engine, _inputs(n=4), times)
+    finally:
+        ref_engine.shutdown()
+    ray_thinker.set_sink(OutboxSink())
+    got = parity.fault_outcomes(ray_thinker, _inputs(n=4), times)
+    assert got == ref
+    failed = {rid for rid, (reason, _, _) in got.items() if reason == "error"}
+    assert failed == ({"r3"} if times is None else set())
+    assert not any(_settled_clean(ray_thinker).values())

@@ -20,7 +20,7 @@ a dead stage process reports, and handing returned chunks to the stage's connect
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from omni_runtime.adapters.input import StageInput
@@ -95,6 +95,11 @@ class StageBackend(Protocol):
     def step(self) -> StageStep: ...
 
     def num_free_blocks(self) -> int: ...
+
+    def call_worker(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """``fn(worker, *args)`` on each of the stage's workers, wherever they run (vLLM's
+        ``collective_rpc``): inspection and fault injection. Out of process, ``fn`` and its
+        results are pickled (multiprocess: needs ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``)."""
 
     def leftovers(self) -> dict[str, Any]: ...
 

@@ -37,7 +37,7 @@ import threading
 import time
 import uuid
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from multiprocessing import resource_tracker
 from typing import Any
 
@@ -392,6 +392,11 @@ class MPStageEngine:
     def num_free_blocks(self) -> int:
         audit = self._audit()
         return int(audit["free_blocks"]) if audit is not None else 0
+
+    def call_worker(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """``fn(worker, *args)`` in the engine process, through vLLM's ``collective_rpc``
+        utility call (``StageBackend``)."""
+        return list(self.client.collective_rpc(fn, args=args))
 
     def leftovers(self) -> dict[str, Any]:
         """Everything that still holds a request, in the engine process and here."""

@@ -36,7 +36,7 @@ import os
 import threading
 import uuid
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -225,6 +225,9 @@ class StageActor:
     def num_free_blocks(self) -> int:
         return self.engine.num_free_blocks()
 
+    def call_worker(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> list[Any]:
+        return self.engine.call_worker(fn, *args)
+
     def close(self) -> None:
         self.engine.shutdown()
 
@@ -387,6 +390,11 @@ class RayStageEngine:
 
     def num_free_blocks(self) -> int:
         return int(self.ray.get(self._live_actor().num_free_blocks.remote()))
+
+    def call_worker(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """``fn(worker, *args)`` in the actor, through its engine's ``collective_rpc``
+        (``StageBackend``); ``fn`` travels by Ray's pickling."""
+        return list(self.ray.get(self._live_actor().call_worker.remote(fn, args)))
 
     def leftovers(self) -> dict[str, Any]:
         """Everything that still holds a request, in the actor and here."""

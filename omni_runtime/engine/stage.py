@@ -22,7 +22,7 @@ The code2wav stage lives in ``omni_runtime.engine.code2wav_stage``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,6 +178,10 @@ class StageEngine:
 
     def num_free_blocks(self) -> int:
         return compat.num_free_blocks(self.scheduler)
+
+    def call_worker(self, fn: Callable[..., Any], *args: Any) -> list[Any]:
+        """``fn(worker, *args)`` through vLLM's ``collective_rpc`` (``StageBackend``)."""
+        return list(self.core.collective_rpc(fn, args=args))
 
     def leftovers(self) -> dict[str, Any]:
         """Everything that still holds a request; all empty/zero once every request is gone."""
