@@ -104,12 +104,46 @@ def clear_poison(worker: Any) -> None:
         del embedding._omni_test_poison
 
 
-def fault_outcomes(engine: Any, items: list[Any], times: int | None) -> dict[str, Any]:
-    """Every request's (finish reason, error, sampled ids) with the poison planted in
-    ``engine``'s worker; the last item carries the poison token at the end of its prompt."""
+def plant_step_fault(wrapper: Any, request_id: str, times: int | None) -> None:
+    """Runs on the worker (``call_worker``): the worker's ``execute_model`` (outside the model
+    runner and its own recovery) raises for steps that schedule ``request_id`` (at most
+    ``times`` times; None: always)."""
+    worker = wrapper.worker
+    clear_step_fault(wrapper)
+    original = worker.execute_model
+    raised = [0]
+
+    def execute_model(scheduler_output: Any) -> Any:
+        if request_id in scheduler_output.num_scheduled_tokens and (
+            times is None or raised[0] < times
+        ):
+            raised[0] += 1
+            raise InjectedStageFault(f"step fault outside the runner with {request_id}")
+        return original(scheduler_output)
+
+    worker.execute_model = execute_model
+    worker._omni_test_step_fault = original
+
+
+def clear_step_fault(wrapper: Any) -> None:
+    worker = wrapper.worker
+    if worker.__dict__.pop("_omni_test_step_fault", None) is not None:
+        del worker.execute_model  # the class's method again
+
+
+def fault_outcomes(
+    engine: Any, items: list[Any], times: int | None, where: str = "model"
+) -> dict[str, Any]:
+    """Every request's (finish reason, error, sampled ids) with a fault planted in ``engine``'s
+    worker against the last item: ``where="model"`` poisons the token embedding (the runner
+    recovers), ``"step"`` makes the worker's ``execute_model`` raise (outside the runner)."""
     items = [dataclasses.replace(i, sampling_params=i.sampling_params.clone()) for i in items]
-    items[-1].prompt_token_ids = [*items[-1].prompt_token_ids, POISON]
-    engine.call_worker(plant_poison, POISON, times)
+    target = items[-1]
+    if where == "model":
+        target.prompt_token_ids = [*target.prompt_token_ids, POISON]
+        engine.call_worker(plant_poison, POISON, times)
+    else:
+        engine.call_worker(plant_step_fault, target.request_id, times)
     try:
         for item in items:
             engine.add(item)
@@ -123,5 +157,5 @@ def fault_outcomes(engine: Any, items: list[Any], times: int | None) -> dict[str
                 if out.finish_reason is not None:
                     outcome[out.request_id] = (out.finish_reason, out.error)
     finally:
-        engine.call_worker(clear_poison)
+        engine.call_worker(clear_poison if where == "model" else clear_step_fault)
     return {rid: (*outcome[rid], ids.get(rid, [])) for rid in sorted(outcome)}

@@ -372,24 +372,39 @@ def test_pipeline_is_bit_identical_with_every_stage_in_its_own_process(switches)
 # ---- worker faults ---------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("times", [None, 1], ids=["persistent", "one-off"])
-def test_worker_faults_are_contained_as_in_process(times, monkeypatch):
+@pytest.mark.parametrize("where", ["model", "step"])
+def test_worker_faults_are_contained_as_in_process(where, times, async_scheduling, monkeypatch):
+    """``model``: a fault the runner recovers from in the engine process. ``step``: a fault
+    outside the runner, which vLLM's engine loop would treat as fatal (the whole process and
+    every request it holds); ``FaultContainingExecutor`` fails just the step's requests, as in
+    process, and the process keeps serving."""
     # vLLM pickles a callable for its collective_rpc only when allowed; the child inherits it.
     monkeypatch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
-    options = EngineOptions(async_scheduling=False)
+    options = EngineOptions(async_scheduling=async_scheduling)
     ref_engine = StageEngine(THINKER, CONFIG.stage_ids, options)
     try:
-        ref = fault_outcomes(ref_engine, _inputs(n=4), times)
+        ref = fault_outcomes(ref_engine, _inputs(n=4), times, where)
+        ref_after = _run(ref_engine, _inputs(n=2))
     finally:
         ref_engine.shutdown()
     engine = MPStageEngine(THINKER, CONFIG.stage_ids, options)
     try:
-        got = fault_outcomes(engine, _inputs(n=4), times)
+        pid = engine.pid
+        got = fault_outcomes(engine, _inputs(n=4), times, where)
+        after = _run(engine, _inputs(n=2))
+        assert engine.pid == pid and engine.restarts == 0  # contained: no process died
         assert not any(_settled_clean(engine).values())
     finally:
         engine.shutdown()
     assert got == ref
+    assert (after["ids"], after["reasons"]) == (ref_after["ids"], ref_after["reasons"])
+    assert _by_request(after["chunks"]) == _by_request(ref_after["chunks"])
     failed = {rid for rid, (reason, _, _) in got.items() if reason == "error"}
-    assert failed == ({"r3"} if times is None else set())
-    if times is None:
-        assert "thinker" in got["r3"][1] and "poison token" in got["r3"][1]
+    if where == "model":
+        assert failed == ({"r3"} if times is None else set())
+    else:
+        assert "r3" in failed  # the step's requests, whichever shared it
+    for rid in failed:
+        assert "thinker" in got[rid][1] and "InjectedStageFault" in got[rid][1]

@@ -303,8 +303,9 @@ def test_run_writes_the_same_wav_bytes_on_every_backend(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("times", [None, 1], ids=["persistent", "one-off"])
+@pytest.mark.parametrize("where", ["model", "step"])
 def test_worker_faults_are_contained_as_in_process(
-    times: int | None, ray_thinker: RayStageEngine
+    where: str, times: int | None, ray_thinker: RayStageEngine
 ) -> None:
     import tests.backend_parity as parity
 
@@ -312,12 +313,16 @@ def test_worker_faults_are_contained_as_in_process(
     ray.cloudpickle.register_pickle_by_value(parity)
     ref_engine = StageEngine(THINKER, CONFIG.stage_ids, EngineOptions(async_scheduling=False))
     try:
-        ref = parity.fault_outcomes(ref_engine, _inputs(n=4), times)
+        ref = parity.fault_outcomes(ref_engine, _inputs(n=4), times, where)
     finally:
         ref_engine.shutdown()
     ray_thinker.set_sink(OutboxSink())
-    got = parity.fault_outcomes(ray_thinker, _inputs(n=4), times)
-    assert got == ref
+    restarts = ray_thinker.restarts
+    got = parity.fault_outcomes(ray_thinker, _inputs(n=4), times, where)
+    assert got == ref and ray_thinker.restarts == restarts
     failed = {rid for rid, (reason, _, _) in got.items() if reason == "error"}
-    assert failed == ({"r3"} if times is None else set())
+    if where == "model":
+        assert failed == ({"r3"} if times is None else set())
+    else:
+        assert "r3" in failed
     assert not any(_settled_clean(ray_thinker).values())

@@ -18,6 +18,10 @@ leftovers / is_clean / num_free_blocks / initial_free_blocks / shutdown):
 * aborts go to the engine process in order with everything else; outputs that were already on
   their way for an aborted request still arrive and are routed as usual (the orchestrator
   ignores anything of a request whose outcome is decided);
+* step faults: the runner recovers from model and payload-build faults inside the process as
+  it does in process (``worker.recovery``); a fault the worker raises out of a step fails that
+  step's requests (``vllm_compat.FaultContainingExecutor``), where vLLM's engine loop would end
+  the process and with it every request the stage holds;
 * death: when the engine process exits (killed, or vLLM's ``ENGINE_CORE_DEAD``), exactly the
   requests it held are finished with reason "error" and a message naming the stage, the
   segments it left are swept, and a fresh process is started, which serves new requests.

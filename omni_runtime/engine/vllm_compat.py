@@ -18,6 +18,7 @@ module per layer) because workers must not import engine code.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future
@@ -33,7 +34,10 @@ from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 from vllm.v1.serial_utils import MsgpackDecoder
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
+    "FaultContainingExecutor",
     "OmniSyncMPClient",
     "TrackedEngineCore",
     "add_request",
@@ -81,6 +85,108 @@ class _RecordingExecutor(UniProcExecutor):
     ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
         self.handed_out.append(scheduler_output)
         return super().execute_model(scheduler_output, non_block)
+
+
+class _ContainedFuture(Future):  # type: ignore[type-arg]
+    """A step's future whose fault becomes the step's failed output (``FaultContainingExecutor``).
+
+    vLLM only calls ``done`` and ``result`` on it; ``result`` is where a background build's
+    error surfaces (``AsyncModelRunnerOutput.get_output``), so that is where it is caught.
+    """
+
+    def __init__(self, inner: Future[Any], on_fault: Callable[[Exception], Any]) -> None:
+        super().__init__()
+        self._inner = inner
+        self._on_fault = on_fault
+
+    def done(self) -> bool:
+        return self._inner.done()
+
+    def result(self, timeout: float | None = None) -> Any:
+        try:
+            return self._inner.result(timeout)
+        except Exception as exc:
+            return self._on_fault(exc)
+
+
+def _done(value: Any) -> Future[Any]:
+    future: Future[Any] = Future()
+    future.set_result(value)
+    return future
+
+
+class FaultContainingExecutor(UniProcExecutor):
+    """vLLM's uni executor for a stage in its own process: a step the worker raises out of
+    fails that step's requests instead of the engine process.
+
+    vLLM's engine process treats an exception out of a step as fatal, which would fail every
+    request the stage holds; in process, ``StageEngine`` fails only the requests of the step
+    (C-61). This executor gives the process the in-process outcome: the step's output becomes
+    an ``OmniModelRunnerOutput`` whose ``omni_failed`` names every request of the step with the
+    cause, which the omni scheduler fails exactly as a fault the worker pinned on them. The
+    failed step's finished ids may never have reached the worker, so they go again with the
+    next step (an unknown id is a no-op for the runner). Without an omni stage there is nowhere
+    to report that, and the fault propagates as in vLLM.
+    """
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        from omni_runtime.config import OmniStageConfig
+
+        stage = OmniStageConfig.from_vllm_config(vllm_config)
+        self._stage_id = stage.stage_id if stage is not None else None
+        # The step whose ``sample_tokens`` comes next, and its failed output if it failed.
+        self._sampling: SchedulerOutput | None = None
+        self._sampling_failed: ModelRunnerOutput | None = None
+        self._resend: set[str] = set()
+        super().__init__(vllm_config)
+
+    def _failed_output(self, so: SchedulerOutput | None, exc: Exception) -> ModelRunnerOutput:
+        if self._stage_id is None or so is None:
+            raise exc
+        from omni_runtime.payload import OmniModelRunnerOutput
+
+        ids = list(so.num_scheduled_tokens)
+        cause = f"{self._stage_id}: {type(exc).__name__}: {exc}"
+        logger.warning("stage %s: step fault %r fails requests %s", self._stage_id, exc, ids)
+        self._resend |= set(so.finished_req_ids)
+        return OmniModelRunnerOutput(
+            req_ids=ids,
+            req_id_to_index={rid: i for i, rid in enumerate(ids)},
+            sampled_token_ids=[[] for _ in ids],
+            omni_failed=dict.fromkeys(ids, cause),
+        )
+
+    def execute_model(  # type: ignore[override]
+        self, scheduler_output: SchedulerOutput, non_block: bool = False
+    ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
+        if self._resend:
+            scheduler_output.finished_req_ids |= self._resend
+            self._resend = set()
+        self._sampling, self._sampling_failed = scheduler_output, None
+        try:
+            out = super().execute_model(scheduler_output, non_block)
+        except Exception as exc:
+            failed = self._sampling_failed = self._failed_output(scheduler_output, exc)
+            return _done(failed) if non_block else failed
+        if isinstance(out, Future):
+            return _ContainedFuture(out, lambda e: self._failed_output(scheduler_output, e))
+        return out
+
+    def sample_tokens(  # type: ignore[override]
+        self, grammar_output: Any, non_block: bool = False
+    ) -> ModelRunnerOutput | None | Future[ModelRunnerOutput | None]:
+        so, failed = self._sampling, self._sampling_failed
+        if failed is not None:
+            # The step already failed in execute_model (vLLM's batch queue still asks).
+            return _done(failed) if non_block else failed
+        try:
+            out = super().sample_tokens(grammar_output, non_block)
+        except Exception as exc:
+            failed = self._failed_output(so, exc)
+            return _done(failed) if non_block else failed
+        if isinstance(out, Future):
+            return _ContainedFuture(out, lambda e: self._failed_output(so, e))
+        return out
 
 
 class TrackedEngineCore(EngineCore):
@@ -252,7 +358,8 @@ class OmniSyncMPClient(SyncMPClient):
     trailing omni fields on that type. ``decoder`` is therefore a property here: vLLM's
     assignment is ignored and the thread gets a decoder of ``outputs_type`` (a trailing-field
     subclass of ``EngineCoreOutputs``) that also calls ``on_message`` after each decode (to
-    wake a waiting orchestrator without polling).
+    wake a waiting orchestrator without polling). Its engine process executes with
+    ``FaultContainingExecutor``.
     """
 
     def __init__(
@@ -262,7 +369,8 @@ class OmniSyncMPClient(SyncMPClient):
         on_message: Callable[[], None] | None = None,
     ) -> None:
         self._omni_decoder = _NotifyingDecoder(outputs_type, on_message)
-        super().__init__(vllm_config, UniProcExecutor, log_stats=False)
+        # The engine process runs vLLM's uni executor, containing step faults as in process.
+        super().__init__(vllm_config, FaultContainingExecutor, log_stats=False)
 
     @property  # type: ignore[override]
     def decoder(self) -> MsgpackDecoder:
