@@ -2,11 +2,12 @@
 
 The shipped ``omni_runtime/configs/two_hosts_pipeline.json`` pins the thinker to a node with
 the custom resource ``thinker_host`` (the head node, where the driver runs) and the talker to
-one with ``talker_host`` (the second node), as the README's two-machine recipe does, so its chunks come back to the driver through Ray's object store rather
-than shared memory, while the thinker's still use shared memory; the outputs must still be the
-in-process ones, bit for bit. The driver joins the cluster by address, as ``--ray-address``
-does, and closes its connection when the pipeline closes. A module of its own: it needs a Ray
-cluster of its own, which cannot coexist in one process with another module's local instance.
+one with ``talker_host`` (the second node), as the README's two-machine recipe does. The
+talker's chunks then come back to the driver through Ray's object store, the thinker's through
+shared memory, and the outputs must still be the in-process ones, bit for bit. The driver joins
+the cluster by address, as ``--ray-address`` does, and closes its connection when the pipeline
+closes. A module of its own: it needs a Ray cluster of its own, which cannot coexist in one
+process with another module's local instance.
 """
 
 from __future__ import annotations

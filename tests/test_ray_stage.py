@@ -22,9 +22,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -281,7 +283,10 @@ def test_pipeline_is_bit_identical_with_every_stage_in_a_ray_actor(
 @pytest.mark.slow
 def test_run_writes_the_same_wav_bytes_on_every_backend(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
-    env.update(HF_HUB_OFFLINE="1", PYTHONHASHSEED="0")
+    # Ray's own files (and its processes' command lines) under a folder of this test's: a
+    # short one, as Ray's socket paths must fit 107 bytes.
+    ray_tmp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")
+    env.update(HF_HUB_OFFLINE="1", PYTHONHASHSEED="0", RAY_TMPDIR=ray_tmp)
     wavs: dict[str, list[bytes]] = {}
     for backend in ("inprocess", "multiprocess", "ray"):
         out = tmp_path / backend / "out.wav"
@@ -297,6 +302,14 @@ def test_run_writes_the_same_wav_bytes_on_every_backend(tmp_path: Path) -> None:
         wavs[backend] = [f.read_bytes() for f in files]
     assert wavs["multiprocess"] == wavs["inprocess"]
     assert wavs["ray"] == wavs["inprocess"]
+    # The local Ray instance the command started went with it: no raylet, GCS or actor left.
+    left = [
+        p.pid
+        for p in psutil.process_iter(["cmdline"])
+        if any(ray_tmp in part for part in p.info["cmdline"] or ())
+    ]
+    assert not left, f"Ray processes outlived the command: {left}"
+    shutil.rmtree(ray_tmp, ignore_errors=True)
 
 
 # ---- worker faults -----------------------------------------------------------------------------
