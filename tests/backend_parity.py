@@ -159,3 +159,44 @@ def fault_outcomes(
     finally:
         engine.call_worker(clear_poison if where == "model" else clear_step_fault)
     return {rid: (*outcome[rid], ids.get(rid, [])) for rid in sorted(outcome)}
+
+
+def abort_signature(backend: str, **kwargs: Any) -> dict[str, Any]:
+    """Four requests; once every one has audio, two are aborted and the rest run to the end.
+    Returns each request's outcome, and for the survivors their text ids, codec ids and
+    waveform bytes; the pipeline must be clean afterwards."""
+    from omni_runtime.engine import OmniPipeline
+
+    prompts = [f"abort parity {i}: keep talking about {i}" for i in range(4)]
+    with OmniPipeline(async_scheduling=False, backend=backend, **kwargs) as p:  # type: ignore[arg-type]
+        ids = p.submit(prompts, max_text_tokens=8, max_codec_tokens=48)
+        victims = {ids[1], ids[2]}
+        heard: set[str] = set()
+        finished: dict[str, Any] = {}
+        deadline = time.monotonic() + 120
+        while heard < set(ids) and len(finished) < len(ids):
+            assert time.monotonic() < deadline, "no audio from every request"
+            for event in p.step():
+                if event.kind == "audio":
+                    heard.add(event.request_id)
+                elif event.kind == "finished":
+                    finished[event.request_id] = event.result
+        assert not finished, f"finished before the abort: {sorted(finished)}"
+        assert sorted(p.abort(sorted(victims))) == sorted(victims)
+        for event in p.drain():
+            if event.kind == "finished":
+                finished[event.request_id] = event.result
+        deadline = time.monotonic() + 10
+        while not p.orchestrator.is_clean() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert p.orchestrator.is_clean(), p.orchestrator.leftovers()
+    assert sorted(finished) == sorted(ids)
+    out: dict[str, Any] = {}
+    for rid, result in finished.items():
+        if rid in victims:
+            out[rid] = result.finish_reason
+        else:
+            assert result.ok, (rid, result.finish_reason, result.error)
+            wave = result.waveform.numpy().tobytes()
+            out[rid] = (result.text_token_ids, result.codec_token_ids, wave)
+    return out

@@ -49,6 +49,7 @@ from omni_runtime.payload import StageChunk, StagePayload
 from omni_runtime.sched.transfer import OutboxSink
 from tests.backend_parity import (
     SWITCHES,
+    abort_signature,
     assert_same_as_inprocess,
     fault_outcomes,
     pipeline_signature,
@@ -408,3 +409,12 @@ def test_worker_faults_are_contained_as_in_process(where, times, async_schedulin
         assert "r3" in failed  # the step's requests, whichever shared it
     for rid in failed:
         assert "thinker" in got[rid][1] and "InjectedStageFault" in got[rid][1]
+
+
+def test_pipeline_abort_mid_audio_leaves_survivors_as_in_process() -> None:
+    """Two of four requests aborted while their audio streams: they end "abort", the others
+    are byte-identical to in-process, and nothing is left in any stage."""
+    ref = abort_signature("inprocess")
+    got = abort_signature("multiprocess")
+    assert got == ref
+    assert sorted(v for v in got.values() if isinstance(v, str)) == ["abort", "abort"]

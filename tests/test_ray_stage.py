@@ -52,6 +52,7 @@ from omni_runtime.payload import StageChunk  # noqa: E402
 from omni_runtime.sched.transfer import OutboxSink  # noqa: E402
 from tests.backend_parity import (  # noqa: E402
     SWITCHES,
+    abort_signature,
     assert_same_as_inprocess,
     pipeline_signature,
 )
@@ -339,3 +340,12 @@ def test_worker_faults_are_contained_as_in_process(
     else:
         assert "r3" in failed
     assert not any(_settled_clean(ray_thinker).values())
+
+
+def test_pipeline_abort_mid_audio_leaves_survivors_as_in_process(local_ray: None) -> None:
+    """Two of four requests aborted while their audio streams: they end "abort", the others
+    are byte-identical to in-process, and nothing is left in any stage."""
+    ref = abort_signature("inprocess")
+    got = abort_signature("ray")
+    assert got == ref
+    assert sorted(v for v in got.values() if isinstance(v, str)) == ["abort", "abort"]
