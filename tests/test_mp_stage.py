@@ -23,16 +23,12 @@ from __future__ import annotations
 import dataclasses
 import multiprocessing
 import os
-import signal
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
-from vllm import SamplingParams
 
-from omni_runtime.adapters.input import RequestRejected, StageInput
 from omni_runtime.adapters.shm_wire import (
     ShmChunkWriter,
     ShmEngineCoreOutputs,
@@ -42,112 +38,32 @@ from omni_runtime.adapters.shm_wire import (
 )
 from omni_runtime.engine.backends import make_stage_engine
 from omni_runtime.engine.config import EngineOptions
-from omni_runtime.engine.graph import load_pipeline_config
 from omni_runtime.engine.mp_stage import MPStageEngine
 from omni_runtime.engine.stage import StageEngine
 from omni_runtime.payload import StageChunk, StagePayload
-from omni_runtime.sched.transfer import OutboxSink
 from tests.backend_parity import (
+    CONFIG,
+    PROMPTS,
     SWITCHES,
+    THINKER,
     abort_signature,
     assert_same_as_inprocess,
+    check_abort_mid_stream,
+    check_bad_input_refused,
+    check_killed_fails_held,
+    check_refused_chunk,
+    chunk_key,
+    chunks_by_request,
     fault_outcomes,
     pipeline_signature,
+    run_stage,
+    settled_clean,
+    stage_inputs,
 )
-
-CONFIG = load_pipeline_config()
-THINKER = CONFIG.ar_stages[0]
-PROMPTS = [[3 + i] * (5 + 7 * i) for i in range(4)] + [[9, 8, 7, 6, 5, 4, 3, 2, 1, 11]]
-
-
-def _inputs(max_tokens: int = 6, n: int = len(PROMPTS)) -> list[StageInput]:
-    # Alternate final stages: requests that end at the thinker make no chunks (C-42).
-    return [
-        StageInput(
-            request_id=f"r{i}",
-            sampling_params=SamplingParams(
-                max_tokens=max_tokens, temperature=0.0, stop_token_ids=[2], detokenize=False
-            ),
-            prompt_token_ids=PROMPTS[i % len(PROMPTS)],
-            final_stage_id="thinker" if i % 3 == 2 else "code2wav",
-        )
-        for i in range(n)
-    ]
-
-
-def _canon(value: Any) -> Any:
-    """A comparable form of chunk data: tensors as (dtype, shape, bytes)."""
-    if isinstance(value, torch.Tensor):
-        raw = value.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
-        return ("tensor", str(value.dtype), tuple(value.shape), raw)
-    if isinstance(value, StagePayload):
-        return (
-            "payload",
-            value.request_id,
-            value.start,
-            value.num_tokens,
-            _canon(value.hidden),
-            _canon(value.conditioning),
-            sorted((k, _canon(v)) for k, v in value.multimodal.items()),
-        )
-    if isinstance(value, dict):
-        return ("dict", sorted((k, _canon(v)) for k, v in value.items()))
-    if isinstance(value, list | tuple):
-        return (type(value).__name__, [_canon(v) for v in value])
-    return value
-
-
-def _chunk_key(c: StageChunk) -> tuple[Any, ...]:
-    return (
-        c.request_id,
-        c.source_stage,
-        c.seq,
-        c.token_ids,
-        c.is_final,
-        c.finish_reason,
-        _canon(c.payload),
-        _canon(c.data),
-    )
-
-
-def _run(engine: Any, items: list[StageInput], timeout: float = 60.0) -> dict[str, Any]:
-    sink = OutboxSink()
-    if engine.spec.downstream:
-        engine.set_sink(sink)
-    for item in items:
-        engine.add(item)
-    ids: dict[str, list[int]] = {}
-    reasons: dict[str, str] = {}
-    chunks: list[StageChunk] = []
-    deadline = time.monotonic() + timeout
-    while engine.has_work():
-        assert time.monotonic() < deadline, "stage did not finish"
-        for out in engine.step().outputs:
-            ids.setdefault(out.request_id, []).extend(out.new_token_ids)
-            if out.finish_reason is not None:
-                reasons[out.request_id] = out.finish_reason
-        chunks.extend(sink.drain())
-    return {"ids": ids, "reasons": reasons, "chunks": chunks}
-
-
-def _by_request(chunks: list[StageChunk]) -> dict[str, list[tuple[Any, ...]]]:
-    out: dict[str, list[tuple[Any, ...]]] = {}
-    for c in chunks:
-        out.setdefault(c.request_id, []).append(_chunk_key(c))
-    return out
 
 
 def _our_segments() -> list[str]:
     return live_segments(f"omni-{os.getpid()}-")
-
-
-def _settled_clean(engine: Any, timeout: float = 5.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    left = engine.leftovers()
-    while any(left.values()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-        left = engine.leftovers()
-    return left
 
 
 @pytest.fixture(autouse=True)
@@ -202,7 +118,7 @@ def test_shm_wire_round_trip_copies_once_and_releases():
     assert live_segments(writer.prefix)
     back = read_chunks(ShmEngineCoreOutputs(omni_chunks=descriptors).omni_chunks or [])
     assert not live_segments(writer.prefix)
-    assert [_chunk_key(c) for c in back] == [_chunk_key(c) for c in chunks]
+    assert [chunk_key(c) for c in back] == [chunk_key(c) for c in chunks]
     assert back[0].data is back[0].payload  # identity of "data is the payload" survives
     assert isinstance(back[1].data["x"], tuple)
 
@@ -233,15 +149,15 @@ def test_thinker_outputs_and_chunks_are_bit_identical(async_scheduling, include_
             spec, CONFIG.stage_ids, dataclasses.replace(options, backend=backend)
         )
         try:
-            results[backend] = _run(engine, _inputs())
-            assert not any(_settled_clean(engine).values()), engine.leftovers()
+            results[backend] = run_stage(engine, stage_inputs())
+            assert not any(settled_clean(engine).values()), engine.leftovers()
         finally:
             engine.shutdown()
     ref, mp = results["inprocess"], results["multiprocess"]
     assert isinstance(ref["ids"], dict) and len(ref["ids"]) == len(PROMPTS)
     assert mp["ids"] == ref["ids"]
     assert mp["reasons"] == ref["reasons"]
-    assert _by_request(mp["chunks"]) == _by_request(ref["chunks"])
+    assert chunks_by_request(mp["chunks"]) == chunks_by_request(ref["chunks"])
     # The comparison has teeth: payload tensors did cross (or, token-only, none did).
     with_rows = [
         c for c in ref["chunks"] if isinstance(c.data, dict) and c.data["hidden"] is not None
@@ -251,114 +167,22 @@ def test_thinker_outputs_and_chunks_are_bit_identical(async_scheduling, include_
 
 
 def test_bad_input_is_refused_before_it_crosses(mp_thinker):
-    bad = _inputs(n=1)[0]
-    bad.prompt_token_ids = [10**9]
-    with pytest.raises(RequestRejected, match="prompt_token_ids"):
-        mp_thinker.add(bad)
-    assert not mp_thinker.has_work()
-    assert not any(mp_thinker.leftovers().values())
+    check_bad_input_refused(mp_thinker)
 
 
 # ---- abort, connector fault, death -----------------------------------------------------------
 
 
 def test_abort_mid_stream_releases_everything(mp_thinker):
-    sink = OutboxSink()
-    mp_thinker.set_sink(sink)
-    items = _inputs(max_tokens=200, n=4)
-    for item in items:
-        item.sampling_params.stop_token_ids = []
-        mp_thinker.add(item)
-    seen: set[str] = set()
-    deadline = time.monotonic() + 30
-    while len({c.request_id for c in sink.drain()} | seen) < 2 or not seen:
-        assert time.monotonic() < deadline
-        seen |= {o.request_id for o in mp_thinker.step().outputs if o.new_token_ids}
-    assert mp_thinker.abort(["r0", "r3", "nope"]) == ["r0", "r3"]
-    reasons: dict[str, str] = {}
-    while mp_thinker.has_work():
-        assert time.monotonic() < deadline
-        for out in mp_thinker.step().outputs:
-            if out.finish_reason is not None:
-                reasons[out.request_id] = out.finish_reason
-        sink.drain()
-    assert reasons == {"r1": "length", "r2": "length"}
-    left = _settled_clean(mp_thinker)
-    assert not any(left.values()), left
-    assert not live_segments(mp_thinker.shm_prefix)
+    check_abort_mid_stream(mp_thinker)
 
 
 def test_a_refused_chunk_fails_only_its_request(mp_thinker):
-    class Refusing(OutboxSink):
-        def send(self, chunk: StageChunk) -> None:
-            if chunk.request_id == "r1":
-                raise OSError("connector down")
-            super().send(chunk)
-
-    sink = Refusing()
-    mp_thinker.set_sink(sink)
-    for item in _inputs(n=4):
-        mp_thinker.add(item)
-    outcome: dict[str, tuple[str, str | None]] = {}
-    while mp_thinker.has_work():
-        for out in mp_thinker.step().outputs:
-            if out.finish_reason is not None:
-                outcome.setdefault(out.request_id, (out.finish_reason, out.error))
-    assert outcome["r1"][0] == "error" and "thinker" in (outcome["r1"][1] or "")
-    assert {rid for rid, (reason, _) in outcome.items() if reason == "error"} == {"r1"}
-    assert {c.request_id for c in sink.drain()} == {"r0", "r3"}
-    assert not any(_settled_clean(mp_thinker).values())
+    check_refused_chunk(mp_thinker)
 
 
 def test_killed_process_fails_exactly_its_requests_then_serves_again(mp_thinker):
-    sink = OutboxSink()
-    mp_thinker.set_sink(sink)
-    items = _inputs(max_tokens=400, n=3)
-    for item in items:
-        item.sampling_params.stop_token_ids = []
-        mp_thinker.add(item)
-    short = _inputs(max_tokens=2, n=1)[0]
-    short.request_id = "short"
-    mp_thinker.add(short)
-    deadline = time.monotonic() + 30
-    done_before: set[str] = set()
-    while "short" not in done_before:
-        assert time.monotonic() < deadline
-        done_before |= {o.request_id for o in mp_thinker.step().outputs if o.finish_reason}
-    assert done_before == {"short"}
-    old_pid, old_prefix = mp_thinker.pid, mp_thinker.shm_prefix
-    assert old_pid is not None
-    os.kill(old_pid, signal.SIGKILL)
-    failed: dict[str, str | None] = {}
-    finished_ok: set[str] = set()
-    while mp_thinker.has_work():
-        assert time.monotonic() < deadline
-        for out in mp_thinker.step().outputs:
-            if out.finish_reason == "error":
-                failed[out.request_id] = out.error
-            elif out.finish_reason is not None:
-                finished_ok.add(out.request_id)
-    # Exactly the requests the process held: not the one that had finished before the kill.
-    assert sorted(failed) == ["r0", "r1", "r2"] and not finished_ok
-    assert all("thinker" in (e or "") and "died" in (e or "") for e in failed.values())
-    assert mp_thinker.restarts == 1 and mp_thinker.pid not in (None, old_pid)
-    assert not live_segments(old_prefix)
-    assert old_pid not in {p.pid for p in multiprocessing.active_children()}
-
-    # The restarted stage serves a new request, with the in-process result.
-    new = _inputs(n=1)[0]
-    new.request_id = "after"
-    again = _run(mp_thinker, [new])
-    ref_engine = StageEngine(THINKER, CONFIG.stage_ids, EngineOptions(async_scheduling=False))
-    try:
-        ref = _run(
-            ref_engine, [dataclasses.replace(new, sampling_params=new.sampling_params.clone())]
-        )
-    finally:
-        ref_engine.shutdown()
-    assert again["ids"] == ref["ids"] and again["reasons"] == ref["reasons"]
-    assert _by_request(again["chunks"]) == _by_request(ref["chunks"])
-    assert not any(_settled_clean(mp_thinker).values())
+    check_killed_fails_held(mp_thinker)
 
 
 # ---- the whole pipeline ----------------------------------------------------------------------
@@ -386,29 +210,30 @@ def test_worker_faults_are_contained_as_in_process(where, times, async_schedulin
     options = EngineOptions(async_scheduling=async_scheduling)
     ref_engine = StageEngine(THINKER, CONFIG.stage_ids, options)
     try:
-        ref = fault_outcomes(ref_engine, _inputs(n=4), times, where)
-        ref_after = _run(ref_engine, _inputs(n=2))
+        ref = fault_outcomes(ref_engine, stage_inputs(n=4), times, where)
+        ref_after = run_stage(ref_engine, stage_inputs(n=2))
     finally:
         ref_engine.shutdown()
     engine = MPStageEngine(THINKER, CONFIG.stage_ids, options)
     try:
         pid = engine.pid
-        got = fault_outcomes(engine, _inputs(n=4), times, where)
-        after = _run(engine, _inputs(n=2))
+        got = fault_outcomes(engine, stage_inputs(n=4), times, where)
+        after = run_stage(engine, stage_inputs(n=2))
         assert engine.pid == pid and engine.restarts == 0  # contained: no process died
-        assert not any(_settled_clean(engine).values())
+        assert not any(settled_clean(engine).values())
     finally:
         engine.shutdown()
     assert got == ref
     assert (after["ids"], after["reasons"]) == (ref_after["ids"], ref_after["reasons"])
-    assert _by_request(after["chunks"]) == _by_request(ref_after["chunks"])
+    assert chunks_by_request(after["chunks"]) == chunks_by_request(ref_after["chunks"])
     failed = {rid for rid, (reason, _, _) in got.items() if reason == "error"}
     if where == "model":
         assert failed == ({"r3"} if times is None else set())
     else:
         assert "r3" in failed  # the step's requests, whichever shared it
+    injected = "InjectedModelFault" if where == "model" else "InjectedStageFault"
     for rid in failed:
-        assert "thinker" in got[rid][1] and "InjectedStageFault" in got[rid][1]
+        assert "thinker" in got[rid][1] and injected in got[rid][1]
 
 
 def test_pipeline_abort_mid_audio_leaves_survivors_as_in_process() -> None:

@@ -20,6 +20,7 @@ a dead stage process reports, and handing returned chunks to the stage's connect
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
@@ -30,10 +31,13 @@ from omni_runtime.engine.stage import StageEngine, StageOutput, StageStep
 from omni_runtime.payload import StageChunk
 from omni_runtime.sched.transfer import ChunkSink
 
+logger = logging.getLogger(__name__)
+
 __all__ = [
     "BackendUnavailable",
     "StageBackend",
     "StageProcessDied",
+    "fail_held",
     "make_stage_engine",
     "refused_as_errors",
     "route_chunks",
@@ -67,6 +71,15 @@ def route_chunks(
         except Exception as exc:
             refused[chunk.request_id] = f"{stage_id}: {type(exc).__name__}: {exc}"
     return refused
+
+
+def fail_held(stage_id: str, held: set[str], cause: str) -> list[StageOutput]:
+    """One error outcome for every request a dead stage process held; ``held`` is emptied."""
+    failed = sorted(held)
+    held.clear()
+    logger.warning("stage %s: %s; failing %s and restarting", stage_id, cause, failed)
+    message = f"{stage_id}: {StageProcessDied.__name__}: {cause}"
+    return [StageOutput(rid, [], "error", message) for rid in failed]
 
 
 def refused_as_errors(outputs: list[StageOutput], refused: dict[str, str]) -> list[StageOutput]:

@@ -63,7 +63,12 @@ from omni_runtime.adapters.shm_wire import (
 )
 from omni_runtime.config import OmniStageConfig
 from omni_runtime.engine import vllm_compat as compat
-from omni_runtime.engine.backends import StageProcessDied, refused_as_errors, route_chunks
+from omni_runtime.engine.backends import (
+    StageProcessDied,
+    fail_held,
+    refused_as_errors,
+    route_chunks,
+)
 from omni_runtime.engine.config import EngineOptions, stage_vllm_config
 from omni_runtime.engine.graph import ARStageSpec
 from omni_runtime.engine.stage import StageOutput, StageStep
@@ -235,15 +240,12 @@ class MPStageEngine:
 
     def _restart(self, cause: str) -> list[StageOutput]:
         """Fail what the dead process held, clean up after it and start a fresh one."""
-        failed = sorted(self._held)
-        self._held.clear()
-        logger.warning("stage %s: %s; failing %s and restarting", self.stage_id, cause, failed)
+        failed = fail_held(self.stage_id, self._held, cause)
         self._stop()
         self._unreleased = False
         self._start()
         self.restarts += 1
-        message = f"{self.stage_id}: {StageProcessDied.__name__}: {cause}"
-        return [StageOutput(rid, [], "error", message) for rid in failed]
+        return failed
 
     def _dead(self) -> bool:
         return self._client is not None and compat.client_engine_dead(self._client)

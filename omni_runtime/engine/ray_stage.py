@@ -46,6 +46,7 @@ from omni_runtime.adapters.shm_wire import live_segments, read_chunks, sweep_seg
 from omni_runtime.engine.backends import (
     BackendUnavailable,
     StageProcessDied,
+    fail_held,
     refused_as_errors,
     route_chunks,
 )
@@ -318,14 +319,11 @@ class RayStageEngine:
 
     def _restart(self, cause: str) -> list[StageOutput]:
         """Fail what the dead actor held, clean up after it and start a fresh one."""
-        failed = sorted(self._held)
-        self._held.clear()
-        logger.warning("stage %s: %s; failing %s and restarting", self.stage_id, cause, failed)
+        failed = fail_held(self.stage_id, self._held, cause)
         self._kill()
         self._start()
         self.restarts += 1
-        message = f"{self.stage_id}: {StageProcessDied.__name__}: {cause}"
-        return [StageOutput(rid, [], "error", message) for rid in failed]
+        return failed
 
     # ---- wiring --------------------------------------------------------------------------------
 
