@@ -3,8 +3,14 @@
 One step is ``schedule()`` + ``update_from_output()`` with N running decode requests (8, 64 and
 1,024). Upstream and
 omni steps alternate round by round so drift on the machine hits both equally; the reported
-figure is the ratio of medians (targets: <= 1.10x with omni features off, <= 1.25x with chunk
-transfer on). Run with ``pytest benchmarks -o addopts="" --benchmark-enable -p no:cacheprovider``.
+figure is the ratio of medians (targets: <= 1.10x with omni features off, <= 1.05x with chunk
+transfer on, at 64 and 1,024 running requests; at 8 the omni pass's fixed cost per step, a few
+microseconds, is most of the difference). With chunk transfer on, the omni side's figure also
+holds two costs of the workload rather than of the transfer pass: its requests are the input
+adapter's ``OmniRequest`` objects, and upstream's own update runs slower over two request types
+in one process than over one (the omni side's by 2-3% of a step at 64, with transfer off); and
+every 8th step streams a codec chunk for every request at once, which moves the omni median up.
+Run with ``pytest benchmarks -o addopts="" --benchmark-enable -p no:cacheprovider``.
 """
 
 from __future__ import annotations
@@ -68,7 +74,7 @@ def _timed(sched) -> float:
 
 
 @pytest.mark.parametrize("n", [8, 64, 1024])
-@pytest.mark.parametrize("mode,target", [("omni-off", 1.10), ("chunk-transfer", 1.25)])
+@pytest.mark.parametrize("mode,target", [("omni-off", 1.10), ("chunk-transfer", 1.05)])
 def test_step_cost_vs_upstream(benchmark, n, mode, target):
     omni_on = mode == "chunk-transfer"
     up = _ready(Scheduler, n, omni=False)

@@ -4,8 +4,9 @@ Every upstream transition (queues, statuses, computed tokens, block allocation, 
 preemption, stop handling, async placeholders) is upstream's own code: these classes call
 ``super()`` for all of it and add only, after the fact (AR-INV-001):
 
-* the chunk-transfer decision per request after its update (``sched.transfer``), using omni
-  metadata captured before upstream frees the request (C-42);
+* the chunk-transfer decision for every request of a step, made after upstream's pass over the
+  step in one call to the transfer adapter (``sched.transfer``); the omni slot of a request
+  upstream frees during the pass is captured at the free (C-42);
 * the terminal (EOF) delivery of requests that leave outside a model step (abort, error) (C-43);
 * omni output fields on ``EngineCoreOutput`` for requests whose step sent a chunk, through the
   trailing-field subclasses in ``omni_runtime.payload``;
@@ -19,8 +20,9 @@ and ``update_from_output`` is upstream's call alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from collections.abc import Set as AbstractSet
+from operator import attrgetter
 from typing import Any
 
 import msgspec
@@ -41,6 +43,8 @@ from omni_runtime.payload import (
     omni_output_from,
 )
 from omni_runtime.sched.transfer import ChunkTransferAdapter, load_processor
+
+_request_id = attrgetter("request_id")
 
 
 class OmniARScheduler(Scheduler):
@@ -111,74 +115,51 @@ class OmniARScheduler(Scheduler):
             return super().update_from_output(scheduler_output, model_runner_output)
         self._last_failed = set()
 
-        # Capture omni metadata before upstream frees finished requests (C-42), and which
-        # steps upstream is about to drop as stale (their payload must be dropped too).
-        captured: dict[str, OmniRequestState] = {}
-        dropped: set[str] = set()
-        # Locals for the per-request loops: at 1,024 running requests they run 1,024 times a step.
+        # Steps upstream is about to drop as stale: their payload must be dropped too. Read
+        # before upstream's pass, which drains the stale counts. Everything else the decision
+        # needs is known after the pass: an emitted output means the request was live before
+        # it, and the slot of one upstream frees is captured at the free (C-42).
+        scheduled = scheduler_output.num_scheduled_tokens
         get_request = self.requests.get
-        for req_id in scheduler_output.num_scheduled_tokens:
-            request = get_request(req_id)
-            if request is None or request.is_finished():
-                continue
-            state = omni_state_of(request)
-            if state is None or not state.has_downstream:
-                continue
-            captured[req_id] = state
-            if request.num_stale_output_tokens > 0 and request.drop_stale_output:
-                dropped.add(req_id)
+        dropped = {
+            rid
+            for rid in scheduled
+            if (request := get_request(rid)) is not None
+            and request.num_stale_output_tokens > 0
+            and request.drop_stale_output
+        }
 
         self._in_update = True
         try:
             outputs = super().update_from_output(scheduler_output, model_runner_output)
         finally:
             self._in_update = False
-        if not captured and not self._freed_in_update:
+        freed = self._freed_in_update
+        if not scheduled and not freed:
             return outputs
 
-        by_id: dict[str, tuple[int, EngineCoreOutput]] = {
-            emitted.request_id: (client, emitted)
-            for client, eco in outputs.items()
-            for emitted in eco.outputs
-        }
-        payloads = payloads_by_request(model_runner_output)
-        freed = self._freed_in_update
-        sent: dict[str, StageChunk] = {}
-        on_step = transfer.on_step
-        get_entry = by_id.get
-        get_payload = payloads.get
-        for req_id, state in captured.items():
-            entry = get_entry(req_id)
-            if entry is None:
-                if req_id in dropped:
-                    continue
-                new_ids: list[int] = []
-                reason = None
-            else:
-                out = entry[1]
-                # Upstream's own list; the adapter copies before anything can keep it (C-44).
-                new_ids = out.new_token_ids
-                reason = None if out.finish_reason is None else str(out.finish_reason)
-            if freed:
-                if reason is None and req_id in freed:
-                    reason = freed[req_id][1]
-                freed.pop(req_id, None)
-            chunk = on_step(
-                req_id, state, new_ids, None if req_id in dropped else get_payload(req_id), reason
-            )
-            if chunk is not None:
-                sent[req_id] = chunk
-        # Requests freed in this update without a step of their own (errors).
-        for req_id, (state, reason) in freed.items():
-            transfer.on_terminated(req_id, state, reason)
+        sent = transfer.on_steps(
+            _with_outputs(scheduled, outputs),
+            payloads_by_request(model_runner_output),
+            freed,
+            dropped,
+            self._live_slot,
+        )
         freed.clear()
 
         failures = transfer.take_failures()
         if sent:
-            outputs = self._attach_chunk_refs(outputs, by_id, sent)
+            outputs = self._attach_chunk_refs(outputs, sent)
         if failures:
             self._fail_requests_of(failures, outputs)
         return outputs
+
+    def _live_slot(self, request_id: str) -> OmniRequestState | None:
+        """The omni slot of a request that is live (known and not finished), else None."""
+        request = self.requests.get(request_id)
+        if request is None or request.is_finished():
+            return None
+        return omni_state_of(request)
 
     def fail_unwritten(self, causes: dict[str, str]) -> list[tuple[Request, str]]:
         """Finish, with an error reason, live requests whose scheduled step never wrote its KV:
@@ -225,16 +206,15 @@ class OmniARScheduler(Scheduler):
             )
         return outputs
 
+    @staticmethod
     def _attach_chunk_refs(
-        self,
-        outputs: dict[int, EngineCoreOutputs],
-        by_id: dict[str, tuple[int, EngineCoreOutput]],
-        sent: dict[str, StageChunk],
+        outputs: dict[int, EngineCoreOutputs], sent: dict[str, StageChunk]
     ) -> dict[int, EngineCoreOutputs]:
+        """``outputs`` with each output of a request in ``sent`` in its omni form, carrying the
+        chunk's ref; a client's container is rebuilt only when one of its outputs changed."""
         rebuilt: dict[int, EngineCoreOutputs] = {}
-        touched = {by_id[rid][0] for rid in sent if rid in by_id}
         for client, eco in outputs.items():
-            if client not in touched:
+            if sent.keys().isdisjoint(map(_request_id, eco.outputs)):
                 rebuilt[client] = eco
                 continue
             new_outputs = []
@@ -297,6 +277,22 @@ class OmniARScheduler(Scheduler):
     def omni_request_ids(self) -> set[str]:
         """Ids that any omni per-request structure still holds (C-04: empty once all are gone)."""
         return self.transfer.live_request_ids() if self.transfer is not None else set()
+
+
+def _with_outputs(
+    scheduled: Mapping[str, int], outputs: dict[int, EngineCoreOutputs]
+) -> Iterable[tuple[str, EngineCoreOutput | None]]:
+    """Each scheduled request id, in scheduler order, with its output of the step (None when it
+    emitted none; the last one when it emitted two, a step and then an error)."""
+    if len(outputs) == 1:
+        # One client whose outputs are exactly the scheduled requests in order (a step in which
+        # every request emitted once, as in steady decode): pair them as they are, without a
+        # lookup per request.
+        (eco,) = outputs.values()
+        if list(map(_request_id, eco.outputs)) == list(scheduled):
+            return zip(scheduled, eco.outputs, strict=True)
+    emitted = {out.request_id: out for eco in outputs.values() for out in eco.outputs}
+    return zip(scheduled, map(emitted.get, scheduled), strict=True)
 
 
 def _omni_outputs(eco: EngineCoreOutputs, outputs: list[Any]) -> OmniEngineCoreOutputs:

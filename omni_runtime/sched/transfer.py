@@ -1,9 +1,10 @@
-"""Chunk transfer: deciding, after each request's update, what goes to the downstream stage.
+"""Chunk transfer: deciding, after each step's update, what goes to the downstream stage.
 
 The transfer adapter is owned by the scheduler (never by a worker, C-21). After
-``update_from_output`` has applied a request's step exactly as upstream does, the adapter gets
-the step's accepted token ids (after stop trimming), the request's payload for that step and its
-finish reason, and decides (C-40 to C-45):
+``update_from_output`` has applied a step exactly as upstream does, the scheduler hands the
+adapter the whole step in one call (``on_steps``): per scheduled request, the accepted token ids
+(after stop trimming), the request's payload for that step and its finish reason. The adapter
+decides (C-40 to C-45):
 
 * a request whose final stage is this stage never causes a send (C-42);
 * otherwise send when the step carries a tensor payload, or when it has nonempty accepted ids and
@@ -14,19 +15,29 @@ finish reason, and decides (C-40 to C-45):
 * hidden rows for positions already delivered are trimmed, so preemption and recompute never
   deliver a position twice (C-45).
 
+Chunks go to the sink in scheduler order, then the EOFs of requests freed in the update without
+a step of their own. The adapter owns the per-request delivery progress: a record exists only
+for a request with a downstream consumer, from its first step until its EOF (or a fault on its
+send path), which is what lets ``on_steps`` skip reading the omni slot of a request it has
+already seen.
+
 Chunk processors are plain callables ``processor(request_id, payload, is_final)`` with an optional
 ``requires_token_updates`` attribute; a processor whose signature accepts ``new_token_ids`` (by
 name, or through ``**kwargs``) also receives the step's ids as a fresh list. A processor that
 keeps per-request state may also have ``release(request_id)``: it is called when the processor
 raised on a request's final call, the one where it would have let go of that state itself.
+Change the processor with ``set_processor``: it derives from it whether ids alone trigger a call
+and whether the call passes them.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import types
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,6 +49,16 @@ from omni_runtime.payload import StageChunk, StagePayload
 ChunkProcessor = Callable[..., Any]
 
 logger = logging.getLogger(__name__)
+
+
+class StepOutput(Protocol):
+    """What the adapter reads of upstream's output for one request's step."""
+
+    @property
+    def new_token_ids(self) -> list[int]: ...
+
+    @property
+    def finish_reason(self) -> Any: ...
 
 
 class ChunkSink(Protocol):
@@ -94,6 +115,23 @@ def load_processor(spec: str | ChunkProcessor | None) -> ChunkProcessor | None:
     return obj
 
 
+def _direct_call(processor: ChunkProcessor | None) -> ChunkProcessor | None:
+    """What ``processor(...)`` runs, as a callable: for an instance whose class defines
+    ``__call__`` as a Python function, that function bound to the instance (calling the
+    instance itself goes through its type's call slot, which costs about as much again, once
+    per request per step); anything else, the processor itself. Looked up the way the call
+    slot looks it up: the first ``__call__`` along the class's MRO."""
+    if processor is None:
+        return None
+    for klass in type(processor).__mro__:
+        raw = klass.__dict__.get("__call__")
+        if isinstance(raw, types.FunctionType):
+            return types.MethodType(raw, processor)
+        if raw is not None:
+            break
+    return processor
+
+
 @dataclass
 class TransferProgress:
     """Per-request delivery state; dropped on the terminal delivery (C-04)."""
@@ -123,20 +161,138 @@ class ChunkTransferAdapter:
         self.token_updates = requires_token_updates(processor)
         self._pass_ids = processor is not None and accepts_new_token_ids(processor)
 
-    def on_step(
+    def on_steps(
+        self,
+        steps: Iterable[tuple[str, StepOutput | None]],
+        payloads: Mapping[str, StagePayload],
+        freed: Mapping[str, tuple[OmniRequestState, str]],
+        dropped: AbstractSet[str],
+        live_slot: Callable[[str], OmniRequestState | None],
+    ) -> dict[str, StageChunk]:
+        """Apply the transfer decision to every request of one step; returns the chunks sent by
+        request id.
+
+        ``steps``: the step's request ids in scheduler order, each with upstream's output of the
+        step (None for a request that emitted nothing). ``payloads``: the step's payloads by
+        request id. ``freed``: requests upstream freed during this update, with their omni slot
+        and finish reason; those without a step here get their EOF after the others.
+        ``dropped``: steps upstream discarded as stale (their payload goes too, and without an
+        output they are skipped). ``live_slot(request_id)``: the omni slot of a request still
+        live after the update, None for one that is gone or finished.
+        """
+        sent: dict[str, StageChunk] = {}
+        progress = self.progress
+        get_prog = progress.get
+        get_payload = payloads.get if payloads else None
+        # Freed and stale-dropped requests are rare: one membership test per request covers both,
+        # and none at all on a step that has neither.
+        special = freed.keys() | dropped if freed or dropped else None
+        consumed: set[str] = set()
+        decide = self._decide
+        # What the decision reduces to on a common step (below), fixed for the whole step.
+        token_updates = self.token_updates
+        call = _direct_call(self.processor)
+        pass_ids = self._pass_ids
+        for rid, out in steps:
+            if out is None or out.finish_reason is not None or special and rid in special:
+                chunk = self._edge_step(rid, out, payloads, freed, dropped, live_slot, consumed)
+                if chunk is not None:
+                    sent[rid] = chunk
+                continue
+            prog = get_prog(rid)
+            if prog is None:
+                # Upstream emitted for it, so it was live before the update; one with a
+                # downstream that upstream did not free still is. The slot is read on the
+                # request's first step only: from then on its progress record stands for it.
+                state = live_slot(rid)
+                if state is None or not state.has_downstream:
+                    continue
+                prog = progress[rid] = TransferProgress()
+            # Upstream's own list; copied before anything can keep it (C-44).
+            new_ids = out.new_token_ids
+            payload = None if get_payload is None else get_payload(rid)
+            if payload is not None:
+                chunk = decide(rid, prog, new_ids, payload, None)
+            # A common step: live, not the last, no payload. ``_decide`` reduces to this: only
+            # the ids can trigger a delivery, and then the processor's data decides whether
+            # anything is sent. Written out because it runs for every request of every step.
+            elif not (new_ids and token_updates):
+                continue
+            else:
+                assert call is not None  # token_updates implies a processor
+                try:
+                    if pass_ids:
+                        data = call(rid, None, False, new_token_ids=new_ids[:])  # C-44
+                    else:
+                        data = call(rid, None, False)
+                except Exception as exc:  # a processor fault fails only its own request (C-61)
+                    self.failures[rid] = exc
+                    progress.pop(rid, None)
+                    continue
+                if data is None:
+                    continue
+                chunk = self._send(rid, prog, new_ids, None, data, None)
+            if chunk is not None:
+                sent[rid] = chunk
+        # Requests freed in this update without a step of their own (errors).
+        for rid, (state, reason) in freed.items():
+            if rid not in consumed:
+                self.on_terminated(rid, state, reason)
+        return sent
+
+    def _edge_step(
         self,
         request_id: str,
-        state: OmniRequestState,
+        out: StepOutput | None,
+        payloads: Mapping[str, StagePayload],
+        freed: Mapping[str, tuple[OmniRequestState, str]],
+        dropped: AbstractSet[str],
+        live_slot: Callable[[str], OmniRequestState | None],
+        consumed: set[str],
+    ) -> StageChunk | None:
+        """The decision for a step that ends the request, emitted nothing, was freed or was
+        dropped as stale. Nothing is decided for a request final here, one that was gone
+        before the update, or a dropped step without output."""
+        in_freed = request_id in freed
+        if out is None and request_id in dropped:
+            return None
+        if in_freed:
+            # Freed during this update, so live before it; its slot was read at the free.
+            downstream = freed[request_id][0].has_downstream
+        elif out is not None and request_id in self.progress:
+            # Emitted, so live before the update; progress is only kept for a downstream.
+            downstream = True
+        else:
+            # Not freed here: live before the update if and only if it still is.
+            state = live_slot(request_id)
+            downstream = state is not None and state.has_downstream
+        if not downstream:
+            return None
+        if out is None:
+            new_ids: list[int] = []
+            reason = None
+        else:
+            new_ids = out.new_token_ids
+            reason = None if out.finish_reason is None else str(out.finish_reason)
+        if in_freed:
+            if reason is None:
+                reason = freed[request_id][1]
+            consumed.add(request_id)
+        prog = self.progress.get(request_id)
+        if prog is None:
+            prog = self.progress[request_id] = TransferProgress()
+        payload = None if request_id in dropped else payloads.get(request_id)
+        return self._decide(request_id, prog, new_ids, payload, reason)
+
+    def _decide(
+        self,
+        request_id: str,
+        prog: TransferProgress,
         new_token_ids: list[int],
         payload: StagePayload | None,
         finish_reason: str | None,
     ) -> StageChunk | None:
-        """Apply the transfer decision for one request's step; returns the chunk sent, if any."""
-        if not state.has_downstream:
-            return None
-        prog = self.progress.get(request_id)
-        if prog is None:
-            prog = self.progress[request_id] = TransferProgress()
+        """The transfer decision for one request's step (C-40 to C-45); the chunk sent, if any."""
         if payload is not None:
             payload = payload.trimmed_before(prog.delivered_positions)
         has_tensor = payload is not None and payload.has_tensors
@@ -187,6 +343,19 @@ class ChunkTransferAdapter:
             # carries (prefill conditioning, multimodal outputs) still cross (C-31).
             if data is None and not is_final and not (payload is not None and payload.has_tensors):
                 return None
+        return self._send(request_id, prog, new_token_ids, payload, data, finish_reason)
+
+    def _send(
+        self,
+        request_id: str,
+        prog: TransferProgress,
+        new_token_ids: list[int],
+        payload: StagePayload | None,
+        data: Any,
+        finish_reason: str | None,
+    ) -> StageChunk | None:
+        """Build the request's next chunk, advance its progress and hand the chunk to the sink."""
+        is_final = finish_reason is not None
         token_ids = tuple(new_token_ids)
         chunk = StageChunk(
             request_id=request_id,

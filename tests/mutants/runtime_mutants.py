@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import inspect
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -367,22 +368,29 @@ def _ids_not_copied():
     from omni_runtime.sched.transfer import ChunkTransferAdapter
 
     def make(orig: Any) -> Any:
-        def on_step(self: Any, request_id: str, state: Any, new_token_ids: list[int], *a, **kw):
+        signature = inspect.signature(orig)
+
+        def on_steps(self: Any, *a: Any, **kw: Any) -> Any:
             proc = self.processor
             if proc is not None and getattr(self, "_pass_ids", False):
+                bound = signature.bind(self, *a, **kw)
+                steps = bound.arguments["steps"] = list(bound.arguments["steps"])
+                own = {rid: out.new_token_ids for rid, out in steps if out is not None}
+
                 # The processor is handed upstream's own list instead of a copy.
-                def aliasing(rid, payload, is_final, new_token_ids=None, _own=new_token_ids):
-                    return proc(rid, payload, is_final, new_token_ids=_own)
+                def aliasing(rid, payload, is_final, new_token_ids=None):
+                    return proc(rid, payload, is_final, new_token_ids=own.get(rid, new_token_ids))
 
                 self.processor = aliasing
+                a, kw = bound.args[1:], bound.kwargs
             try:
-                return orig(self, request_id, state, new_token_ids, *a, **kw)
+                return orig(self, *a, **kw)
             finally:
                 self.processor = proc
 
-        return on_step
+        return on_steps
 
-    return _patch(ChunkTransferAdapter, "on_step", make)
+    return _patch(ChunkTransferAdapter, "on_steps", make)
 
 
 def _extra_request_attribute():
