@@ -3,7 +3,9 @@
 ``Lockstep`` owns two sides (the oracle — upstream vLLM — and the subject), each a scheduler,
 a driver and an executor built from the same ``HarnessConfig``. ``apply(op)`` applies one
 workload operation to both, snapshots both (``conformance.observe``) and compares them
-(``conformance.compare``) against the subject's registry. It also counts what the workload
+(``conformance.compare``) against the subject's registry; the snapshots are built only when an
+in-place check of both sides (``observe.same_state``) cannot show them equal, or when read
+(``_last_up``, ``last_sub``). It also counts what the workload
 actually exercised (preemptions, prefix hits, aborts per request state, stops, resets ...), so
 tests can assert that a situation really happened rather than trusting the generator.
 
@@ -28,7 +30,7 @@ from conformance.compare import Comparison, FieldDifference, compare
 from conformance.config import HarnessConfig
 from conformance.differences import Registry
 from conformance.driver import AsyncDriver, Executor, SyncDriver, WorkerExecutor, make_driver
-from conformance.observe import observe_outputs, observe_state
+from conformance.observe import Observation, same_state
 from conformance.pristine import oracle_placement
 from conformance.subjects import Subject, UpstreamSubject
 from conformance.tokens import DeterministicTokenSource
@@ -70,21 +72,35 @@ class Side:
     chunks: list[Any] = field(default_factory=list)
     # The state each id of the last ``Abort`` was in just before it applied (``abort_state``).
     last_abort_states: dict[str, str] = field(default_factory=dict)
+    # The observation of the last operation: expired when the next one runs (its snapshot, if
+    # never built, would read the later state).
+    last_observation: Observation | None = None
 
     @property
     def mode(self) -> str:
         return self.driver.mode
 
     def apply(self, op: Op, prompt: list[int] | None, cfg: HarnessConfig, arrival: float) -> dict:
+        """Run one operation; its snapshot."""
+        return self.observe(op, prompt, cfg, arrival).snapshot()
+
+    def observe(
+        self, op: Op, prompt: list[int] | None, cfg: HarnessConfig, arrival: float
+    ) -> Observation:
+        """Run one operation; its observation (the snapshot is built when asked for)."""
+        if self.last_observation is not None:
+            self.last_observation.expire()
         sched = self.scheduler
         extra: dict[str, Any] = {}
+        outputs = None
         if isinstance(op, Abort):
             self.last_abort_states = {rid: self.abort_state(rid) for rid in op.request_ids}
         try:
             if isinstance(op, Step):
                 obs = self.driver.step()
                 extra["sched_out"] = obs.scheduled
-                extra["outputs"] = observe_outputs(obs.outputs)
+                extra["outputs"] = None  # normalised from ``outputs`` with the snapshot
+                outputs = obs.outputs
                 extra["updated"] = obs.updated
             elif isinstance(op, AddRequest):
                 assert prompt is not None
@@ -104,9 +120,9 @@ class Side:
                 raise TypeError(f"unknown op {op!r}")
         except Exception as exc:  # a crash is an observable difference, not a harness error
             extra["exception"] = f"{type(exc).__name__}: {exc}"[:300]
-        snap = observe_state(sched, self.subject)
-        snap.update(extra)
-        return snap
+        observation = Observation(sched, self.subject, extra, outputs)
+        self.last_observation = observation
+        return observation
 
     def abort_state(self, rid: str) -> str:
         """Which state an abort of ``rid`` meets: waiting, running, in flight (async, a step
@@ -182,9 +198,11 @@ class Lockstep:
         self.failure: FieldDifference | None = None
         self._cfg_dict = config.to_dict()
         self._arrivals = 0
-        self._last_up: dict[str, Any] | None = None
-        # The subject's snapshot of the last operation: checks of the subject alone read it.
-        self.last_sub: dict[str, Any] | None = None
+        # The last operation's observations (``_last_up`` and ``last_sub`` are their snapshots).
+        self._up_obs: Observation | None = None
+        self._sub_obs: Observation | None = None
+        # Upstream's preemption count per request after the last operation (``_count``).
+        self._preemptions: tuple[list[str], list[int]] = ([], [])
         self.initial_free = self.up.free_blocks()
 
     @staticmethod
@@ -218,8 +236,8 @@ class Lockstep:
         if isinstance(op, AddRequest):
             self._arrivals += 1
             prompt = self.trace.prompt_of(op)
-        up = self.up.apply(op, prompt, self.config, arrival)
-        sub = self.sub.apply(op, prompt, self.config, arrival)
+        up = self.up.observe(op, prompt, self.config, arrival)
+        sub = self.sub.observe(op, prompt, self.config, arrival)
         if isinstance(op, Abort):
             self.stats.update(f"abort_{state}" for state in self.up.last_abort_states.values())
         if isinstance(op, AddRequest):
@@ -228,23 +246,38 @@ class Lockstep:
                 self.facts[op.request_id] = self.subject.request_facts(req)
         for rid, more in self.subject.scheduler_facts(self.sub.scheduler).items():
             self.facts.setdefault(rid, {}).update(more)
-        ctx = {
-            "config": self._cfg_dict,
-            "subject_state": self.facts,
-            "step": index,
-            "op": op.describe(),
-            "mode": self.mode,
-        }
-        result = compare(up, sub, self.registry, ctx)
-        self.tolerated.update(result.tolerated)
+        if same_state(up, sub):
+            # The snapshots would be equal: nothing to judge, nothing tolerated. Building and
+            # comparing them on every operation was most of the harness's own cost.
+            result = Comparison()
+        else:
+            ctx = {
+                "config": self._cfg_dict,
+                "subject_state": self.facts,
+                "step": index,
+                "op": op.describe(),
+                "mode": self.mode,
+            }
+            result = compare(up.snapshot(), sub.snapshot(), self.registry, ctx)
+            self.tolerated.update(result.tolerated)
         if isinstance(op, Step):
             self.steps_compared += 1
         self._count(op, up)
-        self._last_up = up
-        self.last_sub = sub
+        self._up_obs = up
+        self._sub_obs = sub
         if result.failure is not None:
             self.failure = result.failure
         return result
+
+    @property
+    def _last_up(self) -> dict[str, Any] | None:
+        """Upstream's snapshot of the last operation (built when first read)."""
+        return None if self._up_obs is None else self._up_obs.snapshot()
+
+    @property
+    def last_sub(self) -> dict[str, Any] | None:
+        """The subject's snapshot of the last operation: checks of the subject alone read it."""
+        return None if self._sub_obs is None else self._sub_obs.snapshot()
 
     def check(self, op: Op) -> Comparison:
         """``apply`` that raises ``SubjectBroken`` on the first untolerated difference."""
@@ -255,34 +288,32 @@ class Lockstep:
 
     # ---- what the workload exercised ------------------------------------------------------
 
-    def _count(self, op: Op, up: dict[str, Any]) -> None:
+    def _count(self, op: Op, up: Observation) -> None:
         if isinstance(op, ResetPrefixCache):
             form = "running" if op.reset_running_requests else "plain"
             form = "connector" if op.reset_connector else form
             self.stats[f"reset_{form}"] += 1
             if up.get("result"):
                 self.stats["reset_succeeded"] += 1
-        prev = self._last_up["requests"] if self._last_up else {}
-        for rid, fields in up["requests"].items():
-            before = prev.get(rid, {}).get("num_preemptions", 0)
-            if fields["num_preemptions"] > before:
-                self.stats["preemptions"] += fields["num_preemptions"] - before
+        ids, preemptions = up.preemption_counts()
+        prev_ids, prev_counts = self._preemptions
+        if preemptions != prev_counts or ids != prev_ids:
+            before = dict(zip(prev_ids, prev_counts, strict=True))
+            for rid, count in zip(ids, preemptions, strict=True):
+                if count > before.get(rid, 0):
+                    self.stats["preemptions"] += count - before.get(rid, 0)
+            self._preemptions = (ids, preemptions)
         sched_out = up.get("sched_out") or {}
         self.stats["resumed"] += len(sched_out.get("resumed", ()))
-        for out in (up.get("outputs") or {}).values():
-            ps = out.get("prefill_stats")
-            if ps and ps.get("num_cached_tokens", 0) > 0:
+        for prefill, reason, stop_reason in up.output_facts():
+            if prefill and prefill.get("num_cached_tokens", 0) > 0:
                 self.stats["prefix_hits"] += 1
-            reason = out.get("finish_reason")
             if reason == "stop":
-                self.stats[
-                    "stop_" + ("stop_token" if out.get("stop_reason") is not None else "eos")
-                ] += 1
+                self.stats["stop_" + ("stop_token" if stop_reason is not None else "eos")] += 1
             elif reason == "length":
                 self.stats["max_tokens"] += 1
-        if self.mode == "async" and up.get("requests"):
-            if any(f["num_stale_output_tokens"] for f in up["requests"].values()):
-                self.stats["stale_in_flight"] += 1
+        if self.mode == "async" and up.any_stale_tokens():
+            self.stats["stale_in_flight"] += 1
 
     # ---- conveniences ---------------------------------------------------------------------
 

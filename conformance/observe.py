@@ -27,6 +27,12 @@ dotted key paths are the *field paths* that comparisons, the differences registr
 Normalisation: no timestamps or event lists are read; sets are sorted; live lists are copied the
 moment they are read (``observe_schedule`` runs right after ``schedule()``, before anything can
 mutate the request lists the output aliases). All vLLM internals are read via ``vllm_compat``.
+
+Lock-step does not build both snapshots after every operation: an ``Observation`` holds one
+side's state where it lies, ``same_state`` checks both sides' state side by side in place
+(``vllm_compat.same_scheduler_state``, ``same_outputs``), and only when that cannot show them
+equal are the snapshots built and compared field by field. The check says equal only if the
+snapshots would be, so a difference is still reported from the snapshots, exactly as before.
 """
 
 from __future__ import annotations
@@ -34,6 +40,15 @@ from __future__ import annotations
 from typing import Any
 
 from conformance import vllm_compat as vc
+
+
+def leaked_omni_ids(scheduler: Any, subject: Any) -> list[str]:
+    """Ids the subject's own structures hold although the scheduler no longer does (C-04)."""
+    live = scheduler.requests
+    ids = subject.live_omni_ids(scheduler)
+    if isinstance(ids, set | frozenset):  # the protocol's type: one C-level difference
+        return sorted(ids.difference(live))
+    return sorted(i for i in ids if i not in live)
 
 
 def observe_state(scheduler: Any, subject: Any) -> dict[str, Any]:
@@ -46,8 +61,7 @@ def observe_state(scheduler: Any, subject: Any) -> dict[str, Any]:
         requests[rid] = fields
     pool = vc.block_pool(scheduler)
     refs, hashed = vc.block_table(pool)
-    live = scheduler.requests
-    leaked = sorted(i for i in subject.live_omni_ids(scheduler) if i not in live)
+    leaked = leaked_omni_ids(scheduler, subject)
     return {
         "requests": requests,
         "queues": vc.scheduler_queues(scheduler),
@@ -97,3 +111,107 @@ def observe_outputs(outputs: dict[int, Any] | None) -> dict[str, Any]:
                 n += 1
             result[key] = entry
     return result
+
+
+class Observation:
+    """One side's state right after one operation, held where it lies until it is needed.
+
+    ``snapshot()`` builds the snapshot above (``observe_state`` plus the operation's own
+    observations); lock-step needs it only when ``same_state`` cannot show the two sides equal,
+    or when a caller reads it (``Lockstep._last_up`` / ``last_sub``). It reads the scheduler as
+    it is, so it must be built before the side runs its next operation: the side calls
+    ``expire()`` then, and a later ``snapshot()`` raises instead of returning a later state.
+
+    ``extra`` holds the operation's observations in snapshot order (``sched_out``, ``outputs``,
+    ``updated``, ``result``, ``exception``); its ``outputs`` is a placeholder for the step's
+    output objects, ``outputs``, which ``observe_outputs`` normalises with the snapshot. An
+    observation made from a finished snapshot (another process's) has no scheduler.
+    """
+
+    __slots__ = ("scheduler", "subject", "extra", "outputs", "_snapshot", "_expired")
+
+    def __init__(
+        self, scheduler: Any, subject: Any, extra: dict[str, Any], outputs: dict[int, Any] | None
+    ) -> None:
+        self.scheduler = scheduler
+        self.subject = subject
+        self.extra = extra
+        self.outputs = outputs
+        self._snapshot: dict[str, Any] | None = None
+        self._expired = False
+
+    @classmethod
+    def of_snapshot(cls, snapshot: dict[str, Any]) -> Observation:
+        obs = cls(None, None, {}, None)
+        obs._snapshot = snapshot
+        return obs
+
+    def snapshot(self) -> dict[str, Any]:
+        snap = self._snapshot
+        if snap is None:
+            if self._expired:
+                raise RuntimeError(
+                    "the snapshot of an operation was asked for after the side ran the next one"
+                )
+            snap = observe_state(self.scheduler, self.subject)
+            snap.update(self.extra)
+            if "outputs" in snap:
+                try:
+                    snap["outputs"] = observe_outputs(self.outputs)
+                except Exception as exc:  # outputs that cannot be read: a crash of the step
+                    del snap["outputs"], snap["updated"]
+                    snap["exception"] = f"{type(exc).__name__}: {exc}"[:300]
+            self._snapshot = snap
+        return snap
+
+    def expire(self) -> None:
+        self._expired = True
+
+    def get(self, key: str) -> Any:
+        """One of the operation's own observations (``result``, ``sched_out``, ...)."""
+        if self.scheduler is None:
+            return self.snapshot().get(key)
+        return self.extra.get(key)
+
+    def preemption_counts(self) -> tuple[list[str], list[int]]:
+        """Ids of the requests held, and how often each was preempted."""
+        if self.scheduler is None:
+            requests = self.snapshot()["requests"]
+            return list(requests), [f["num_preemptions"] for f in requests.values()]
+        return vc.preemption_counts(self.scheduler)
+
+    def any_stale_tokens(self) -> bool:
+        """Whether some request held has stale output tokens (async scheduling)."""
+        if self.scheduler is None:
+            return any(f["num_stale_output_tokens"] for f in self.snapshot()["requests"].values())
+        return vc.has_stale_tokens(self.scheduler)
+
+    def output_facts(self) -> list[tuple[Any, Any, Any]]:
+        """(prefill stats, finish reason, stop reason) in snapshot form of each output that has
+        prefill stats or a finish reason."""
+        if self.scheduler is None:
+            outs = (self.snapshot().get("outputs") or {}).values()
+            return [
+                (o.get("prefill_stats"), o.get("finish_reason"), o.get("stop_reason"))
+                for o in outs
+                if o.get("prefill_stats") is not None or o.get("finish_reason") is not None
+            ]
+        return vc.output_facts(self.outputs)
+
+
+def same_state(a: Observation, b: Observation) -> bool:
+    """True only if ``a.snapshot() == b.snapshot()``, decided without building them.
+
+    False proves nothing (a snapshot from another process cannot be checked this way; two values
+    can differ as read and agree once normalised): the caller then compares the snapshots.
+    """
+    if a.scheduler is None or b.scheduler is None or a.extra != b.extra:
+        return False
+    try:
+        return (
+            vc.same_outputs(a.outputs, b.outputs)
+            and vc.same_scheduler_state(a.scheduler, b.scheduler)
+            and leaked_omni_ids(a.scheduler, a.subject) == leaked_omni_ids(b.scheduler, b.subject)
+        )
+    except Exception:  # state the check cannot read: the snapshots say what it is
+        return False

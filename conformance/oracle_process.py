@@ -32,6 +32,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from conformance.config import HarnessConfig
+from conformance.observe import Observation
 from conformance.workload import Op
 
 # How much of the child's log an error quotes.
@@ -181,6 +182,12 @@ class ProcessSide:
             "apply", self._id, op, prompt, arrival
         )
         return snap
+
+    def observe(
+        self, op: Op, prompt: list[int] | None, cfg: HarnessConfig, arrival: float
+    ) -> Observation:
+        """``apply``'s snapshot as an observation (the child sends finished snapshots)."""
+        return Observation.of_snapshot(self.apply(op, prompt, cfg, arrival))
 
     def live_ids(self) -> list[str]:
         return list(self._status["live_ids"])

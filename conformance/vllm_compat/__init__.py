@@ -2,7 +2,9 @@
 
 ``versions``  the supported vLLM releases, the version check, and ``ByRelease`` tables that key
               every per-release difference by the release that introduced it;
-``state``     scheduler state: block pool, KV coordinator, requests, admission queues, outputs;
+``state``     scheduler state: block pool, KV coordinator, requests, admission queues, outputs,
+              and the checks that two schedulers' (or two steps' outputs') snapshots would be
+              equal, made in place on both at once;
 ``scheduler_output``  what a ``SchedulerOutput`` says was scheduled, and from which position.
 
 Callers import this package (``from conformance import vllm_compat as vc``); the names below are
@@ -25,17 +27,22 @@ from conformance.vllm_compat.state import (
     finish_reason_name,
     finished_unreported,
     free_block_order,
+    has_stale_tokens,
     is_finished,
     live_request_ids,
     none_hash,
     num_cached_hashes,
     num_free_blocks,
     output_extra_fields,
+    output_facts,
     output_type_name,
+    preemption_counts,
     prefill_stats_fields,
     queue_ids,
     request_block_ids,
     request_fields,
+    same_outputs,
+    same_scheduler_state,
     scheduler_queues,
     set_none_hash,
     status_name,
@@ -75,6 +82,7 @@ __all__ = [
     "finish_reason_name",
     "finished_unreported",
     "free_block_order",
+    "has_stale_tokens",
     "installed_release",
     "is_finished",
     "is_untested",
@@ -83,12 +91,16 @@ __all__ = [
     "num_cached_hashes",
     "num_free_blocks",
     "output_extra_fields",
+    "output_facts",
     "output_type_name",
+    "preemption_counts",
     "prefill_stats_fields",
     "queue_ids",
     "release",
     "request_block_ids",
     "request_fields",
+    "same_outputs",
+    "same_scheduler_state",
     "scheduler_queues",
     "set_none_hash",
     "status_name",
