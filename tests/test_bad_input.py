@@ -48,6 +48,8 @@ PIPELINES = {
     "wrong field type": (_set(0, "max_num_seqs", "sixteen"), "stages[0].max_num_seqs"),
     "boolean as a count": (_set(1, "block_size", True), "stages[1].block_size"),
     "token id as text": (_set(0, "stop_token_ids", ["2"]), "stages[0].stop_token_ids"),
+    "ray resources not an object": (_set(1, "ray_resources", 2), "stages[1].ray_resources"),
+    "ray resources, unknown key": (_set(0, "ray_resources", {"cpus": 1}), "unknown keys"),
 }
 
 
@@ -90,6 +92,21 @@ def test_a_usage_mistake_is_one_line(capsys):
         gate_cli.main(["check", "--profile", "nope"])
     assert info.value.code == 2
     assert "invalid choice: 'nope'" in _one_line(capsys)
+
+
+def test_a_ray_address_without_the_ray_backend_is_one_line(capsys):
+    rc = runtime_cli.main(["run", "--prompt", "hi", "--ray-address", "127.0.0.1:6379"])
+    line = _one_line(capsys)
+    assert rc == 2 and "--ray-address needs --backend ray" in line, line
+
+
+def test_a_ray_address_nobody_answers_is_one_line_not_a_hang(capsys):
+    pytest.importorskip("ray")
+    # A port nothing listens on: refused at once (Ray itself would retry it for minutes).
+    argv = ["run", "--prompt", "hi", "--backend", "ray", "--ray-address", "127.0.0.1:1"]
+    rc = runtime_cli.main(argv)
+    line = _one_line(capsys)
+    assert rc == 2 and "--ray-address 127.0.0.1:1: no Ray cluster answers there" in line, line
 
 
 @pytest.mark.parametrize("value", ["-3", "0", "many"])

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 import uuid
 import weakref
@@ -82,6 +83,23 @@ def actor_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith(_ENV_PREFIXES) or k in _ENV_NAMES}
 
 
+# How long joining a cluster may take to open a connection before it is refused (seconds).
+_CONNECT_TIMEOUT = 10.0
+
+
+def _reachable(address: str) -> None:
+    """Refuse an address nothing listens on, before Ray retries it for minutes."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or "://" in address:
+        return  # "auto", a client URL or a bare host: Ray's own resolution applies
+    try:
+        socket.create_connection((host or "127.0.0.1", int(port)), _CONNECT_TIMEOUT).close()
+    except OSError as exc:
+        raise BackendUnavailable(
+            f"--ray-address {address}: no Ray cluster answers there ({exc})"
+        ) from exc
+
+
 class RaySession:
     """This process's connection to Ray, shared by its stage engines.
 
@@ -111,6 +129,7 @@ class RaySession:
                     cpus = max(os.cpu_count() or 1, int(num_cpus + 0.999))
                     kwargs.update(num_cpus=cpus, object_store_memory=_LOCAL_OBJECT_STORE_BYTES)
                 else:
+                    _reachable(address)
                     kwargs["address"] = address
                 try:
                     ray.init(**kwargs)
