@@ -279,6 +279,14 @@ class Lockstep:
         """The subject's snapshot of the last operation: checks of the subject alone read it."""
         return None if self._sub_obs is None else self._sub_obs.snapshot()
 
+    @property
+    def last_outputs(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Upstream's and the subject's normalised outputs of the last operation (the
+        snapshots' ``outputs``), without building the rest of either snapshot."""
+        up = {} if self._up_obs is None else self._up_obs.step_outputs()
+        sub = {} if self._sub_obs is None else self._sub_obs.step_outputs()
+        return up, sub
+
     def check(self, op: Op) -> Comparison:
         """``apply`` that raises ``SubjectBroken`` on the first untolerated difference."""
         result = self.apply(op)

@@ -167,6 +167,23 @@ class Observation:
     def expire(self) -> None:
         self._expired = True
 
+    def step_outputs(self) -> dict[str, Any]:
+        """The snapshot's ``outputs`` (empty when the operation had none or they could not be
+        read), without building the rest of the snapshot: checks that follow each request's
+        outputs read only these."""
+        if self._snapshot is not None or self.scheduler is None:
+            return self.snapshot().get("outputs") or {}
+        if "outputs" not in self.extra:
+            return {}
+        if self._expired:
+            raise RuntimeError(
+                "the outputs of an operation were asked for after the side ran the next one"
+            )
+        try:
+            return observe_outputs(self.outputs)
+        except Exception:  # the snapshot records these as the step's exception, not outputs
+            return {}
+
     def get(self, key: str) -> Any:
         """One of the operation's own observations (``result``, ``sched_out``, ...)."""
         if self.scheduler is None:

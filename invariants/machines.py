@@ -107,15 +107,17 @@ class AuditedLockstep(Lockstep):
                 if rid in live_before and rid in self.ledger:
                     self.ledger[rid].aborted = True
                 self.terminal.aborted(rid, self.sub.last_abort_states.get(rid, "unknown"))
-        if isinstance(op, Step) and self.last_sub is not None:
+        # Only the outputs: the rest of the snapshots is built only when the sides differ.
+        up_outputs, sub_outputs = self.last_outputs if isinstance(op, Step) else ({}, {})
+        if isinstance(op, Step):
             where = f"step {len(self.trace.ops) - 1} ({op.describe()})"
-            self.terminal.emitted(self.last_sub.get("outputs") or {}, where)
+            self.terminal.emitted(sub_outputs, where)
         # C-62 is read from the subject's own outputs, so it is recorded even when this operation
         # also differs from upstream: a duplicated outcome is then named by its own clause
         # (``audits_hold`` runs before the difference check).
         self.problems.extend(self.terminal.take())
-        if isinstance(op, Step) and self._last_up is not None:
-            for key, out in (self._last_up.get("outputs") or {}).items():
+        if isinstance(op, Step):
+            for key, out in up_outputs.items():
                 entry = self.ledger.get(key.split("#", 1)[0])
                 if entry is None:
                     continue
