@@ -8,8 +8,9 @@ with the reason.
 command-line options; when the entry point already loaded it, nothing happens.
 
 A pytest process that hashes strings at random (no ``PYTHONHASHSEED`` when it started: plain
-``pytest -m invariants`` without ``-n``) starts itself again with ``PYTHONHASHSEED=0``, as
-``omni-conformance check`` does, before anything runs: vLLM frees the blocks of a multi-id abort
+``pytest -m invariants`` without ``-n``, or the README's test command in a shell without it)
+starts itself again with ``PYTHONHASHSEED=0``, as ``omni-conformance check`` does, when pytest
+configures, before anything runs: vLLM frees the blocks of a multi-id abort
 in ``set`` order, so without it the examples the suite runs are not the ones the gate runs.
 """
 
@@ -17,11 +18,15 @@ import os
 import sys
 
 
-def _restart_with_pinned_hash_seed() -> None:
+def _restart_with_pinned_hash_seed(config: object) -> None:
     """``exec`` this pytest command again with ``PYTHONHASHSEED=0`` when this interpreter hashes
     at random. Not inside a running test (an in-process ``pytest.main`` must not replace its
     host), not in an xdist worker (it inherits the controller's seed), and never over a seed
-    the caller chose (the root conftest sets ``0`` only where none was given)."""
+    the caller chose (the root conftest sets ``0`` only where none was given).
+
+    pytest captures file descriptors 1 and 2 while it loads conftest files, and an exec'd
+    process keeps the descriptors it inherits: the capture is stopped first, or the new run
+    would write its whole output into the old run's capture files and show nothing."""
     if sys.flags.hash_randomization == 0:
         return
     if os.environ.get("PYTEST_CURRENT_TEST") or os.environ.get("PYTEST_XDIST_WORKER"):
@@ -31,12 +36,12 @@ def _restart_with_pinned_hash_seed() -> None:
     argv = list(getattr(sys, "orig_argv", ()))[1:]
     if not argv:
         return
+    capture = config.pluginmanager.getplugin("capturemanager")  # type: ignore[attr-defined]
+    if capture is not None:
+        capture.stop_global_capturing()
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *argv], {**os.environ, "PYTHONHASHSEED": "0"})
-
-
-_restart_with_pinned_hash_seed()
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -83,7 +88,10 @@ def pytest_generate_tests(metafunc):
         metafunc.parametrize("feature", found, ids=[f.name for f in found])
 
 
+@pytest.hookimpl(tryfirst=True)
 def pytest_configure(config):
+    # Before anything runs (and before pytest-xdist starts workers, in the session start).
+    _restart_with_pinned_hash_seed(config)
     config.addinivalue_line(
         "markers", "features(worker=None): parametrize `feature` with the subject's features"
     )
