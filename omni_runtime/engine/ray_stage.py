@@ -43,7 +43,12 @@ from typing import Any
 import torch
 
 from omni_runtime.adapters.input import InputAdapter, RequestRejected, StageInput
-from omni_runtime.adapters.shm_wire import live_segments, read_chunks, sweep_segments
+from omni_runtime.adapters.shm_wire import (
+    ShmChunkWriter,
+    live_segments,
+    read_chunks,
+    sweep_segments,
+)
 from omni_runtime.engine.backends import (
     BackendUnavailable,
     StageProcessDied,
@@ -53,8 +58,8 @@ from omni_runtime.engine.backends import (
 )
 from omni_runtime.engine.config import EngineOptions
 from omni_runtime.engine.graph import ARStageSpec
-from omni_runtime.engine.stage import StageOutput, StageStep
-from omni_runtime.sched.transfer import ChunkSink
+from omni_runtime.engine.stage import StageEngine, StageOutput, StageStep
+from omni_runtime.sched.transfer import ChunkSink, OutboxSink
 
 __all__ = ["RaySession", "RayStageEngine", "StageActor", "actor_env"]
 
@@ -66,6 +71,8 @@ _ENV_NAMES = ("PYTHONHASHSEED",)
 # A local Ray instance's object store: chunks are small; Ray's default (30% of RAM) would
 # reserve gigabytes of /dev/shm on a shared host for nothing.
 _LOCAL_OBJECT_STORE_BYTES = 256 * 1024 * 1024
+# A local Ray instance's logical CPUs: room for every stage's ``ray_resources.num_cpus``.
+_LOCAL_LOGICAL_CPUS = 64
 
 
 def _ray() -> Any:
@@ -114,7 +121,7 @@ class RaySession:
     _owned = False
 
     @classmethod
-    def acquire(cls, address: str | None, num_cpus: float) -> Any:
+    def acquire(cls, address: str | None) -> Any:
         ray = _ray()
         with cls._lock:
             if not ray.is_initialized():
@@ -124,9 +131,10 @@ class RaySession:
                     "include_dashboard": False,
                 }
                 if address is None:
-                    # Enough CPUs for every stage's reservation even on a small host: the
-                    # stages share the cores either way, and an unplaceable actor would hang.
-                    cpus = max(os.cpu_count() or 1, int(num_cpus + 0.999))
+                    # Ray's CPUs are bookkeeping, not a thread limit. Sized from the first stage
+                    # alone, a later stage's reservation could find nothing left and its actor
+                    # would wait for ever; the stages share the host's cores either way.
+                    cpus = max(os.cpu_count() or 1, _LOCAL_LOGICAL_CPUS)
                     kwargs.update(num_cpus=cpus, object_store_memory=_LOCAL_OBJECT_STORE_BYTES)
                 else:
                     _reachable(address)
@@ -166,10 +174,6 @@ class StageActor:
         torch_threads: int,
     ) -> None:
         import ray
-
-        from omni_runtime.adapters.shm_wire import ShmChunkWriter
-        from omni_runtime.engine.stage import StageEngine
-        from omni_runtime.sched.transfer import OutboxSink
 
         # Ray sets OMP_NUM_THREADS from the reserved CPUs; the stage computes with the driver's
         # thread count instead, so its results do not depend on where it was placed.
@@ -262,7 +266,7 @@ class RayStageEngine:
         self.options = options
         self.steps = 0
         self.restarts = 0
-        self.ray = RaySession.acquire(options.ray_address, spec.ray_resources.num_cpus)
+        self.ray = RaySession.acquire(options.ray_address)
         self._released = False
         self._actor_cls = self.ray.remote(max_restarts=0, max_task_retries=0)(StageActor)
         # Ids sent to the actor whose terminal output has not come back and that were not
