@@ -1,0 +1,452 @@
+"""Recordings of upstream vLLM's own schedulers on a fixed corpus (``omni-conformance record``).
+
+A recording is what one vLLM release's ``Scheduler`` (sync) and ``AsyncScheduler`` (async) do on
+a corpus of workloads, observation by observation, written so that a recording made on another
+release can be compared with it (``conformance.release_diff``). This module owns the corpus, the
+recording schema and the writer/reader.
+
+**Corpus.** ``generate_corpus(seed, size)`` draws ``size`` workloads from ``random.Random`` seeded
+with a string (Python hashes a string seed with SHA-512, so the corpus depends neither on
+``PYTHONHASHSEED`` nor on the vLLM release). Each workload uses the operation mix of the
+invariant suite's state machine (``conformance.machine``: requests with or without a shared
+prefix, stop ids and EOS, bursts of 1-4 steps, aborts of 1-3 known ids whatever their state, the
+three forms of ``reset_prefix_cache``) on its tight configuration (``machine.TIGHT``), where
+preemption and eviction happen. Saved traces (``--traces DIR``: every ``*.json`` trace in the
+folder, sorted by name) join the corpus as they are. Every workload runs in both modes (sync,
+then async scheduling), and after its operations is drained: steps until the scheduler holds
+nothing and has no step in flight (at most ``MAX_DRAIN`` steps); the drain steps are part of the
+recorded run.
+
+**Schema** (``SCHEMA``, JSON lines). Line 1 is the header::
+
+    {"schema": "omni-conformance-recording/1", "vllm", "torch", "python", "pythonhashseed",
+     "corpus": {"seed", "size", "traces": [{"name", "sha256"}], "digest"},
+     "config": HarnessConfig.to_dict(), "modes": ["sync", "async"], "max_drain",
+     "absent_fields": [...], "seconds", "mode_seconds": {...}, "recorded_at"}
+
+then one line per workload::
+
+    {"workload": NAME, "source": "generated" | "trace:FILE", "trace": Trace.to_dict(),
+     "modes": {"sync": {"ops": [op descriptions as executed], "drain": N,
+                         "steps": [snapshot after op 0, after op 1, ...]}, "async": {...}}}
+
+A snapshot is ``conformance.observe``'s (field paths ``requests.<id>.status``,
+``queues.running``, ``block_pool.free_order``, ``sched_out.*``, ``outputs.<id>.*`` ...) made
+plain JSON. **A field the release lacks is a missing key** and is named in the header's
+``absent_fields`` (today: the admission queues other releases have, e.g. ``skipped_waiting``
+before 0.31 and ``kv_holding_waiting`` / ``deferred_waiting`` from 0.31); it is never an error.
+
+**What is not recorded**, because it changes between two runs of one release or between
+releases without a change of behaviour: block hashes (they chain from vLLM's per-process
+``NONE_HASH`` and depend on the release's hash serialisation) are replaced by labels ``#0``,
+``#1``... numbered in order of first appearance in the run, which keeps which blocks share a
+hash; memory addresses in exception texts become ``0x?``; no wall time is read. Recording one
+corpus twice on one release gives byte-identical workload lines (only the header's times differ).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import re
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from conformance.config import HarnessConfig
+from conformance.workload import AddRequest, Op, ResetPrefixCache, Step, Trace
+
+SCHEMA = "omni-conformance-recording/1"
+MODES = ("sync", "async")
+# Drain bound: a workload whose scheduler still has work after this many extra steps is cut
+# there (in both recordings alike, since the bound is part of the header that must match).
+MAX_DRAIN = 300
+DEFAULT_SEED = 0
+DEFAULT_SIZE = 60
+
+_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
+
+
+class RecordingError(ValueError):
+    """A recording (or a trace folder) that cannot be used; the message is one line naming the
+    file and the field."""
+
+
+# ---- the corpus ---------------------------------------------------------------------------
+
+
+def corpus_config() -> HarnessConfig:
+    """The configuration of generated workloads: the suite's tight budget, sync mode."""
+    from conformance.machine import TIGHT
+
+    return TIGHT
+
+
+def generate_workload(seed: int, index: int) -> Trace:
+    """Workload ``index`` of the corpus of ``seed``: a pure function of the two numbers."""
+    from conformance.machine import PREFIXES, STOP_IDS
+
+    rng = random.Random(f"omni-conformance-corpus:{seed}:{index}")
+    ops: list[Op] = []
+    count = 0
+    for _ in range(rng.randint(4, 22)):
+        roll = rng.random()
+        if roll < 0.36 or count == 0:
+            length = rng.randint(1, 40)
+            salt = rng.randint(0, 3)
+            ops.append(
+                AddRequest(
+                    f"r{count}",
+                    tuple(100 + (salt * 37 + i) % 200 for i in range(length)),
+                    prefix=rng.choice([None, "sys", "doc"]),
+                    max_tokens=rng.randint(1, 20),
+                    stop_token_ids=STOP_IDS if rng.random() < 0.5 else (),
+                    ignore_eos=rng.random() < 0.5,
+                )
+            )
+            count += 1
+        elif roll < 0.76:
+            ops.extend(Step() for _ in range(rng.randint(1, 4)))
+        elif roll < 0.92:
+            from conformance.workload import Abort
+
+            known = [f"r{i}" for i in range(count)]
+            ops.append(Abort(tuple(rng.sample(known, rng.randint(1, min(3, len(known)))))))
+        else:
+            form = rng.choice(["plain", "running", "connector"])
+            ops.append(
+                ResetPrefixCache(
+                    reset_running_requests=form == "running", reset_connector=form == "connector"
+                )
+            )
+    return Trace(config=corpus_config(), ops=ops, prefixes=dict(PREFIXES))
+
+
+@dataclass
+class Workload:
+    name: str
+    source: str  # "generated" or "trace:<file name>"
+    trace: Trace
+
+
+def load_trace_folder(folder: str | Path) -> list[Workload]:
+    """Every saved trace (``*.json``) in ``folder``, sorted by file name."""
+    from conformance.replay import TraceError, load_trace
+
+    path = Path(folder)
+    if not path.is_dir():
+        raise RecordingError(f"--traces {folder}: not a folder")
+    out = []
+    for file in sorted(path.glob("*.json")):
+        try:
+            trace = load_trace(file)
+        except TraceError as exc:
+            raise RecordingError(str(exc)) from None
+        out.append(Workload(f"trace:{file.stem}", f"trace:{file.name}", trace))
+    return out
+
+
+def build_corpus(seed: int, size: int, traces: str | Path | None = None) -> list[Workload]:
+    corpus = [
+        Workload(f"gen-{i:04d}", "generated", generate_workload(seed, i)) for i in range(size)
+    ]
+    if traces is not None:
+        corpus += load_trace_folder(traces)
+    return corpus
+
+
+def _canonical(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), default=str)
+
+
+def corpus_identity(seed: int, size: int, corpus: Sequence[Workload]) -> dict[str, Any]:
+    """What two recordings must share to be compared: seed, size, saved traces, and a digest of
+    every workload's operations."""
+    digest = hashlib.sha256()
+    traces = []
+    for w in corpus:
+        text = _canonical({"name": w.name, "trace": _trace_identity(w.trace)})
+        digest.update(text.encode())
+        if w.source != "generated":
+            traces.append({"name": w.name, "sha256": hashlib.sha256(text.encode()).hexdigest()})
+    return {"seed": seed, "size": size, "traces": traces, "digest": digest.hexdigest()}
+
+
+def _trace_identity(trace: Trace) -> dict[str, Any]:
+    d = trace.to_dict()
+    d.pop("meta", None)  # provenance (versions, times) of a saved trace is not its workload
+    return d
+
+
+# ---- running one workload -----------------------------------------------------------------
+
+
+def absent_fields() -> list[str]:
+    """Field paths some supported release records that this one lacks."""
+    from conformance import vllm_compat as vc
+
+    table = vc.ADMISSION_QUEUES
+    known = {name for name, _ in table.base}
+    for change in table.changes:
+        known.update(name for name, _ in change.value)
+    have = {name for name, _ in table.value()}
+    return sorted(f"queues.{name}" for name in known - have)
+
+
+class _Hashes:
+    """Block hashes as labels numbered in order of first appearance within one run."""
+
+    def __init__(self) -> None:
+        self.labels: dict[Any, str] = {}
+
+    def label(self, value: Any) -> str:
+        key = bytes(value) if isinstance(value, bytes | bytearray | memoryview) else value
+        got = self.labels.get(key)
+        if got is None:
+            got = self.labels[key] = f"#{len(self.labels)}"
+        return got
+
+
+def _plain(value: Any) -> Any:
+    """A snapshot value as plain JSON (tuples as lists, keys as strings)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, set | frozenset):
+        return [_plain(v) for v in sorted(value, key=repr)]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, bytes):
+        return value.hex()
+    return _ADDRESS.sub("0x?", repr(value))
+
+
+def normalise(snapshot: dict[str, Any], hashes: _Hashes) -> dict[str, Any]:
+    """A snapshot with what varies between runs replaced (see the module docstring)."""
+    snap = dict(snapshot)
+    pool = snap.get("block_pool")
+    if isinstance(pool, dict) and "hashed_blocks" in pool:
+        pool = dict(pool)
+        pool["hashed_blocks"] = [[bid, hashes.label(h)] for bid, h in pool["hashed_blocks"]]
+        snap["block_pool"] = pool
+    if isinstance(snap.get("exception"), str):
+        snap["exception"] = _ADDRESS.sub("0x?", snap["exception"])
+    plain = _plain(snap)
+    assert isinstance(plain, dict)
+    return plain
+
+
+def run_workload(trace: Trace, mode: str, max_drain: int = MAX_DRAIN) -> dict[str, Any]:
+    """Run ``trace`` on the installed vLLM's own scheduler in ``mode``; the recorded run."""
+    from conformance.lockstep import make_side
+    from conformance.subjects import UpstreamSubject
+
+    cfg = trace.config.with_(async_scheduling=mode == "async")
+    side = make_side(UpstreamSubject(), cfg, None)
+    hashes = _Hashes()
+    ops: list[str] = []
+    steps: list[dict[str, Any]] = []
+    arrivals = 0
+
+    def apply(op: Op) -> None:
+        nonlocal arrivals
+        prompt = None
+        arrival = float(arrivals)
+        if isinstance(op, AddRequest):
+            prompt = trace.prompt_of(op)
+            arrivals += 1
+        snap = side.apply(op, prompt, cfg, arrival)
+        ops.append(op.describe())
+        steps.append(normalise(snap, hashes))
+
+    for op in trace.ops:
+        apply(op)
+    drain = 0
+    while drain < max_drain and side.busy():
+        apply(Step())
+        drain += 1
+    return {"ops": ops, "drain": drain, "steps": steps}
+
+
+# ---- writing and reading ------------------------------------------------------------------
+
+
+def _versions() -> dict[str, str]:
+    from conformance.vllm_compat import environment_versions
+
+    v = environment_versions()
+    return {k: v.get(k, "missing") for k in ("vllm", "torch", "python")}
+
+
+def hash_seed() -> str:
+    return os.environ.get("PYTHONHASHSEED", "random")
+
+
+def record(
+    out: str | Path,
+    *,
+    seed: int = DEFAULT_SEED,
+    size: int = DEFAULT_SIZE,
+    traces: str | Path | None = None,
+    modes: Sequence[str] = MODES,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Record the corpus on the installed vLLM into ``out``; returns the header."""
+    if hash_seed() in ("", "random"):
+        # vLLM frees a multi-id abort's blocks in set order: unpinned, two runs differ.
+        raise RecordingError("recording needs a fixed PYTHONHASHSEED (run with PYTHONHASHSEED=0)")
+    corpus = build_corpus(seed, size, traces)
+    started = time.monotonic()
+    mode_seconds = dict.fromkeys(modes, 0.0)
+    out_path = Path(out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile("w+", dir=out_path.parent) as body:
+        for n, w in enumerate(corpus, 1):
+            runs = {}
+            for mode in modes:
+                t0 = time.monotonic()
+                runs[mode] = run_workload(w.trace, mode)
+                mode_seconds[mode] += time.monotonic() - t0
+            line = {"workload": w.name, "source": w.source, "trace": _trace_identity(w.trace)}
+            line["modes"] = runs
+            body.write(_canonical(line) + "\n")
+            if progress is not None and (n % 20 == 0 or n == len(corpus)):
+                progress(
+                    f"record: {n}/{len(corpus)} workloads ({time.monotonic() - started:.0f} s)"
+                )
+        header = {
+            "schema": SCHEMA,
+            **_versions(),
+            "pythonhashseed": hash_seed(),
+            "corpus": corpus_identity(seed, size, corpus),
+            "config": corpus_config().to_dict(),
+            "modes": list(modes),
+            "max_drain": MAX_DRAIN,
+            "absent_fields": absent_fields(),
+            "seconds": round(time.monotonic() - started, 1),
+            "mode_seconds": {m: round(s, 1) for m, s in mode_seconds.items()},
+            "recorded_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        }
+        body.seek(0)
+        tmp = out_path.with_name(out_path.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.write(_canonical(header) + "\n")
+            for chunk in iter(lambda: body.read(1 << 20), ""):
+                f.write(chunk)
+        tmp.replace(out_path)  # a reader never sees half a recording
+    return header
+
+
+# The header fields a reader requires, with their JSON types.
+HEADER_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "schema": str,
+    "vllm": str,
+    "torch": str,
+    "python": str,
+    "pythonhashseed": str,
+    "corpus": dict,
+    "config": dict,
+    "modes": list,
+    "max_drain": int,
+    "absent_fields": list,
+    "seconds": (int, float),
+}
+CORPUS_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "seed": int,
+    "size": int,
+    "traces": list,
+    "digest": str,
+}
+
+
+@dataclass
+class Recording:
+    path: Path
+    header: dict[str, Any]
+    workloads: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @property
+    def vllm(self) -> str:
+        return str(self.header["vllm"])
+
+
+def _need(obj: Any, key: str, kind: type | tuple[type, ...], where: str, path: Path) -> Any:
+    if not isinstance(obj, dict) or key not in obj:
+        raise RecordingError(f"{path}: {where}: field {key!r} is missing")
+    value = obj[key]
+    bad_bool = isinstance(value, bool) and kind in (int, (int, float))
+    if not isinstance(value, kind) or bad_bool:
+        names = kind.__name__ if isinstance(kind, type) else "/".join(k.__name__ for k in kind)
+        raise RecordingError(
+            f"{path}: {where}: field {key!r} should be {names}, got {type(value).__name__}"
+        )
+    return value
+
+
+def _lines(path: Path) -> Iterator[tuple[int, Any]]:
+    try:
+        f = open(path)
+    except OSError as exc:
+        raise RecordingError(f"cannot read recording {path}: {exc.strerror or exc}") from None
+    with f:
+        for n, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            try:
+                yield n, json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise RecordingError(
+                    f"{path}: line {n} is not JSON ({exc.msg}; truncated file?)"
+                ) from None
+            except UnicodeDecodeError:
+                raise RecordingError(f"{path}: line {n} is not text") from None
+
+
+def load_recording(path: str | Path) -> Recording:
+    """A recording checked field by field; ``RecordingError`` names the file and the field."""
+    p = Path(path)
+    lines = _lines(p)
+    try:
+        first = next(lines)
+    except StopIteration:
+        raise RecordingError(f"{p}: empty file, not a recording") from None
+    n, header = first
+    schema = _need(header, "schema", str, "header (line 1)", p)
+    if schema != SCHEMA:
+        raise RecordingError(
+            f"{p}: header (line 1): field 'schema' is {schema!r}, expected {SCHEMA!r}"
+        )
+    for key, kind in HEADER_FIELDS.items():
+        _need(header, key, kind, "header (line 1)", p)
+    for key, kind in CORPUS_FIELDS.items():
+        _need(header["corpus"], key, kind, "header (line 1): corpus", p)
+    rec = Recording(p, header)
+    for n, line in lines:
+        where = f"line {n}"
+        name = _need(line, "workload", str, where, p)
+        where = f"line {n} (workload {name})"
+        _need(line, "trace", dict, where, p)
+        modes = _need(line, "modes", dict, where, p)
+        for mode in header["modes"]:
+            run = _need(modes, mode, dict, f"{where}: modes", p)
+            ops = _need(run, "ops", list, f"{where}: modes.{mode}", p)
+            steps = _need(run, "steps", list, f"{where}: modes.{mode}", p)
+            if len(ops) != len(steps):
+                raise RecordingError(
+                    f"{p}: {where}: modes.{mode}: {len(ops)} ops but {len(steps)} steps"
+                )
+            for i, step in enumerate(steps):
+                if not isinstance(step, dict):
+                    raise RecordingError(
+                        f"{p}: {where}: field 'modes.{mode}.steps[{i}]' should be an object"
+                    )
+        if name in rec.workloads:
+            raise RecordingError(f"{p}: {where}: workload {name!r} appears twice")
+        rec.workloads[name] = line
+    return rec
