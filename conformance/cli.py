@@ -27,6 +27,15 @@
               2  the trace file is unreadable, or an environment problem (below).
               A one-line note comes first when the subject or the vLLM version differ from the
               ones the trace recorded.
+``record``    runs a corpus of workloads (generated under a fixed seed, plus every saved trace in
+              ``--traces``) on the installed vLLM's own schedulers, sync and async, and writes
+              each step's normalised observation (``conformance.record``). Exit 0 written, 2 bad
+              input (an unreadable trace, an unwritable ``--out``) or an environment problem.
+``release-diff``  compares two recordings of one corpus from two releases: per workload,
+              identical or the first difference, grouped into behaviour changes, each with its
+              shortest workload as a trace (``conformance.release_diff``). Exit 0 identical, 1
+              differences found, 2 bad input (a malformed recording, recordings of different
+              corpora: one line naming the file and the field).
 ``report``    re-renders Markdown and JUnit from a report's JSON.
 ``subjects``  lists the subjects this installation can check.
 
@@ -625,6 +634,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("subjects", help="list available subjects")
     s.set_defaults(func=cmd_subjects)
+
+    from conformance.record import add_parser as add_record_parser
+    from conformance.release_diff import add_parser as add_release_diff_parser
+
+    add_record_parser(sub)  # the installed release's own schedulers on a corpus
+    add_release_diff_parser(sub)  # two recordings of one corpus from two releases
 
     from conformance.upstream_tests import add_subparser as add_upstream_tests
 

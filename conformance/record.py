@@ -11,7 +11,8 @@ with a string (Python hashes a string seed with SHA-512, so the corpus depends n
 invariant suite's state machine (``conformance.machine``: requests with or without a shared
 prefix, stop ids and EOS, bursts of 1-4 steps, aborts of 1-3 known ids whatever their state, the
 three forms of ``reset_prefix_cache``) on its tight configuration (``machine.TIGHT``), where
-preemption and eviction happen. Saved traces (``--traces DIR``: every ``*.json`` trace in the
+preemption and eviction happen, or on one of a few variants of it (``VARIANTS``: no prefix
+cache, no chunked prefill, a long-prefill cap, two sequences, a roomy cache). Saved traces (``--traces DIR``: every ``*.json`` trace in the
 folder, sorted by name) join the corpus as they are. Every workload runs in both modes (sync,
 then async scheduling), and after its operations is drained: steps until the scheduler holds
 nothing and has no step in flight (at most ``MAX_DRAIN`` steps); the drain steps are part of the
@@ -21,12 +22,14 @@ recorded run.
 
     {"schema": "omni-conformance-recording/1", "vllm", "torch", "python", "pythonhashseed",
      "corpus": {"seed", "size", "traces": [{"name", "sha256"}], "digest"},
-     "config": HarnessConfig.to_dict(), "modes": ["sync", "async"], "max_drain",
+     "config": HarnessConfig.to_dict() (the base), "variants": {name: changes}, "modes":
+     ["sync", "async"], "max_drain",
      "absent_fields": [...], "seconds", "mode_seconds": {...}, "recorded_at"}
 
 then one line per workload::
 
-    {"workload": NAME, "source": "generated" | "trace:FILE", "trace": Trace.to_dict(),
+    {"workload": NAME, "source": "generated" | "trace:FILE", "variant": NAME (generated only),
+     "trace": Trace.to_dict() without its meta,
      "modes": {"sync": {"ops": [op descriptions as executed], "drain": N,
                          "steps": [snapshot after op 0, after op 1, ...]}, "async": {...}}}
 
@@ -81,10 +84,23 @@ class RecordingError(ValueError):
 
 
 def corpus_config() -> HarnessConfig:
-    """The configuration of generated workloads: the suite's tight budget, sync mode."""
+    """The base configuration of generated workloads: the suite's tight budget, sync mode."""
     from conformance.machine import TIGHT
 
     return TIGHT
+
+
+# Variants of the base configuration a generated workload runs with (each workload draws one):
+# scheduler paths the base alone never takes (no prefix cache, whole-prompt prefill, a cap on
+# long prefills, few sequences, a roomy cache where batches grow instead of preempting).
+VARIANTS: dict[str, dict[str, Any]] = {
+    "tight": {},
+    "no-prefix-cache": {"enable_prefix_caching": False},
+    "no-chunked-prefill": {"enable_chunked_prefill": False, "max_num_batched_tokens": 128},
+    "long-prefill-cap": {"long_prefill_token_threshold": 8},
+    "two-seqs": {"max_num_seqs": 2},
+    "roomy": {"num_blocks": 64, "max_num_batched_tokens": 256},
+}
 
 
 def generate_workload(seed: int, index: int) -> Trace:
@@ -92,6 +108,7 @@ def generate_workload(seed: int, index: int) -> Trace:
     from conformance.machine import PREFIXES, STOP_IDS
 
     rng = random.Random(f"omni-conformance-corpus:{seed}:{index}")
+    variant = rng.choice(sorted(VARIANTS))
     ops: list[Op] = []
     count = 0
     for _ in range(rng.randint(4, 22)):
@@ -124,7 +141,8 @@ def generate_workload(seed: int, index: int) -> Trace:
                     reset_running_requests=form == "running", reset_connector=form == "connector"
                 )
             )
-    return Trace(config=corpus_config(), ops=ops, prefixes=dict(PREFIXES))
+    config = corpus_config().with_(**VARIANTS[variant])
+    return Trace(config=config, ops=ops, prefixes=dict(PREFIXES), meta={"variant": variant})
 
 
 @dataclass
@@ -314,6 +332,8 @@ def record(
                 runs[mode] = run_workload(w.trace, mode)
                 mode_seconds[mode] += time.monotonic() - t0
             line = {"workload": w.name, "source": w.source, "trace": _trace_identity(w.trace)}
+            if "variant" in w.trace.meta and w.source == "generated":
+                line["variant"] = w.trace.meta["variant"]
             line["modes"] = runs
             body.write(_canonical(line) + "\n")
             if progress is not None and (n % 20 == 0 or n == len(corpus)):
@@ -326,6 +346,7 @@ def record(
             "pythonhashseed": hash_seed(),
             "corpus": corpus_identity(seed, size, corpus),
             "config": corpus_config().to_dict(),
+            "variants": VARIANTS,
             "modes": list(modes),
             "max_drain": MAX_DRAIN,
             "absent_fields": absent_fields(),
@@ -450,3 +471,59 @@ def load_recording(path: str | Path) -> Recording:
             raise RecordingError(f"{p}: {where}: workload {name!r} appears twice")
         rec.workloads[name] = line
     return rec
+
+
+# ---- the command --------------------------------------------------------------------------
+
+
+def cmd_record(args: Any) -> int:
+    import sys
+
+    from conformance.cli import _check_environment, _fail_env, folder_problem
+
+    problem = _check_environment(None)
+    if problem:
+        return _fail_env(problem)
+    if args.size < 0:
+        return _fail_env(f"--size {args.size}: must be 0 or more")
+    if args.size == 0 and args.traces is None:
+        return _fail_env("--size 0 without --traces: the corpus would be empty")
+    out = Path(args.out)
+    problem = folder_problem(out.parent if str(out.parent) else ".")
+    if problem:
+        return _fail_env(f"--out {out}: {problem}")
+    modes = tuple(args.modes)
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    try:
+        header = record(
+            out, seed=args.seed, size=args.size, traces=args.traces, modes=modes, progress=say
+        )
+    except RecordingError as exc:
+        return _fail_env(str(exc))
+    corpus = header["corpus"]
+    print(
+        f"record: vLLM {header['vllm']}: {corpus['size']} generated workloads"
+        + (f" + {len(corpus['traces'])} saved traces" if corpus["traces"] else "")
+        + f" x {', '.join(modes)} in {header['seconds']} s -> {out}"
+    )
+    return 0
+
+
+def add_parser(sub: Any) -> None:
+    r = sub.add_parser(
+        "record",
+        help="record the installed vLLM's own schedulers on a corpus (for release-diff)",
+    )
+    r.add_argument("--out", required=True, help="recording file to write (JSON lines)")
+    r.add_argument("--seed", type=int, default=DEFAULT_SEED, help="corpus seed")
+    r.add_argument("--size", type=int, default=DEFAULT_SIZE, help="number of generated workloads")
+    r.add_argument(
+        "--traces", default=None, help="folder of saved traces (*.json) added to the corpus"
+    )
+    r.add_argument(
+        "--modes", nargs="+", choices=MODES, default=list(MODES), help="scheduling modes"
+    )
+    r.set_defaults(func=cmd_record)

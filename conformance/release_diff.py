@@ -1,0 +1,625 @@
+"""``omni-conformance release-diff A B``: how two vLLM releases schedule one corpus differently.
+
+This module owns the comparison of two recordings (``conformance.record``) of the same corpus
+made on two releases, the grouping of first differences into behaviour changes, the shortest
+workload that shows each change (written as a trace), and the report (Markdown and JSON).
+
+* **Same corpus or nothing.** Both headers must agree on the corpus (seed, size, saved traces,
+  digest of every workload's operations), the harness configuration, the modes, the drain bound
+  and ``PYTHONHASHSEED``; each workload's trace must be the same in both. Otherwise the diff
+  refuses with one line naming the file and the field (``CorpusMismatch``, exit 2).
+* **First difference per workload and mode**: the first recorded observation (operation index,
+  counting the drain steps) at which the two runs differ, and in it the first field, walked in a
+  fixed order (``SECTION_ORDER``: what was scheduled, then what the client got, then request
+  state, queues, block pool), request ids in natural order. A field one release does not have
+  (named in that recording's ``absent_fields``) is not compared; the report lists those fields.
+  A field that one release has and whose value is missing in the other (a request one release
+  still holds) is a difference, shown as ``<absent>``. A run that ends earlier on one release
+  differs at ``__end__``.
+* **Behaviour changes**: first differences grouped by the field path with request ids replaced
+  by ``*`` (``requests.*.status``) and the kind of operation the observation followed (``step``,
+  ``abort``, ``add``, ``reset_prefix_cache``); sync and async runs group together. For each
+  change, the run whose first difference comes earliest is its shortest workload: its operations
+  up to and including the differing one, written as a trace (``traces/`` next to the report)
+  that ``conformance.workload.Trace.load`` / ``omni-conformance replay`` tooling reads and that
+  runs on either release (it is a workload, not a diff). Recording that folder on each release
+  (``omni-conformance record --size 0 --traces DIR``) and diffing shows the change alone.
+
+Exit codes of the command: 0 every run identical, 1 differences found, 2 bad input.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import sys
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from conformance.record import MODES, Recording, RecordingError, load_recording
+
+REPORT_SCHEMA = "omni-conformance-release-diff/1"
+EXIT_IDENTICAL = 0
+EXIT_DIFFERENT = 1
+EXIT_INPUT = 2
+
+# The order fields are walked in within one observation: what the scheduler decided, what the
+# client received, then the state behind it. "First field" means first in this order.
+SECTION_ORDER = (
+    "exception",
+    "sched_out",
+    "outputs",
+    "updated",
+    "result",
+    "requests",
+    "queues",
+    "block_pool",
+    "audit",
+)
+# Within a section, the fields that say most come first (what was scheduled before which
+# blocks it got; a request's status before its blocks); fields not named follow, sorted.
+FIELD_ORDER: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("sched_out",): (
+        "num_scheduled_tokens",
+        "scheduled_new",
+        "scheduled_cached",
+        "preempted",
+        "resumed",
+        "finished",
+        "total_tokens",
+        "num_computed_tokens",
+        "num_output_tokens",
+        "block_ids",
+    ),
+    ("outputs", "*"): ("new_token_ids", "finish_reason", "stop_reason", "prefill_stats"),
+    ("requests", "*"): (
+        "status",
+        "num_computed_tokens",
+        "output_token_ids",
+        "num_output_placeholders",
+        "num_in_flight_tokens",
+        "num_stale_output_tokens",
+        "drop_stale_output",
+        "num_preemptions",
+        "stop_reason",
+        "block_ids",
+    ),
+    ("queues",): ("waiting", "running"),
+    ("block_pool",): ("num_free", "ref_counts", "free_order", "num_cached_hashes"),
+}
+# How many further differing fields of the shortest run's differing step a change lists.
+OTHER_FIELDS = 12
+ABSENT_MARK = "<absent>"
+# Header fields two recordings of one corpus must share (dotted paths into the header).
+IDENTITY = (
+    "corpus.seed",
+    "corpus.size",
+    "corpus.traces",
+    "corpus.digest",
+    "config",
+    "modes",
+    "max_drain",
+    "pythonhashseed",
+)
+
+_ABSENT: Any = object()
+_REQUEST_KEYED = ("requests", "outputs")
+
+
+class CorpusMismatch(ValueError):
+    """The two recordings are not of the same corpus; one line naming the file and the field."""
+
+
+@dataclass
+class FirstDifference:
+    workload: str
+    mode: str
+    step: int  # index of the operation (drain steps included) after which the runs differ
+    op: str  # that operation, as described in the recording
+    op_kind: str
+    path: str
+    pattern: str
+    a: Any
+    b: Any
+    # The further fields that differ after the same operation (at most ``OTHER_FIELDS``).
+    also: list[str] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        """Operations in the shortest prefix of the run that shows this difference."""
+        return self.step + 1
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class Change:
+    id: str
+    pattern: str
+    op_kind: str
+    differences: list[FirstDifference]
+    shortest: FirstDifference
+    trace: str | None = None  # the written trace, relative to the report folder
+
+    @property
+    def summary(self) -> str:
+        s = self.shortest
+        runs = len(self.differences)
+        workloads = len({d.workload for d in self.differences})
+        modes = "/".join(m for m in MODES if any(d.mode == m for d in self.differences))
+        return (
+            f"{self.pattern} after {self.op_kind}: {workloads} workload(s), {runs} run(s) "
+            f"[{modes}]; shortest {s.length} ops ({s.workload} {s.mode}, {s.path}: "
+            f"{_short(s.a)} -> {_short(s.b)})" + (f"; trace {self.trace}" if self.trace else "")
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        modes = sorted({d.mode for d in self.differences}, key=MODES.index)
+        return {
+            "id": self.id,
+            "pattern": self.pattern,
+            "op_kind": self.op_kind,
+            "workloads": sorted({d.workload for d in self.differences}),
+            "runs": len(self.differences),
+            "modes": modes,
+            "shortest": {**self.shortest.to_dict(), "length": self.shortest.length},
+            "trace": self.trace,
+            "summary": self.summary,
+        }
+
+
+@dataclass
+class DiffResult:
+    a: Recording
+    b: Recording
+    runs: list[tuple[str, str, FirstDifference | None]] = field(default_factory=list)
+    changes: list[Change] = field(default_factory=list)
+
+    @property
+    def differences(self) -> list[FirstDifference]:
+        return [d for _, _, d in self.runs if d is not None]
+
+    @property
+    def identical(self) -> bool:
+        return not self.differences
+
+
+# ---- comparing ----------------------------------------------------------------------------
+
+
+def _get(header: Mapping[str, Any], dotted: str) -> Any:
+    value: Any = header
+    for part in dotted.split("."):
+        value = value.get(part, _ABSENT) if isinstance(value, Mapping) else _ABSENT
+    return value
+
+
+def check_same_corpus(a: Recording, b: Recording) -> None:
+    for key in IDENTITY:
+        va, vb = _get(a.header, key), _get(b.header, key)
+        if va != vb:
+            raise CorpusMismatch(
+                f"{b.path}: header field {key!r} is {_short(vb)} but {a.path} has {_short(va)}: "
+                "not recordings of the same corpus"
+            )
+    if list(a.workloads) != list(b.workloads):
+        only = sorted(set(a.workloads) ^ set(b.workloads))
+        detail = f"workload {only[0]!r} is in one only" if only else "workloads in another order"
+        raise CorpusMismatch(f"{b.path}: {detail} (compared with {a.path})")
+    for name, line in a.workloads.items():
+        if line["trace"] != b.workloads[name]["trace"]:
+            raise CorpusMismatch(
+                f"{b.path}: workload {name!r}: field 'trace' differs from {a.path}'s"
+            )
+
+
+def _natural(key: str) -> tuple[Any, ...]:
+    return tuple(int(t) if t.isdigit() else t for t in re.split(r"(\d+)", key))
+
+
+def _ordered_keys(keys: set[str], segs: tuple[str, ...]) -> list[str]:
+    if not segs:
+        first: Sequence[str] = SECTION_ORDER
+    else:
+        first = FIELD_ORDER.get(tuple(pattern_of(segs).split(".")), ())
+    known = [k for k in first if k in keys]
+    return known + sorted(keys - set(known), key=_natural)
+
+
+def iter_field_differences(
+    a: Any,
+    b: Any,
+    absent_a: frozenset[str] = frozenset(),
+    absent_b: frozenset[str] = frozenset(),
+    segs: tuple[str, ...] = (),
+) -> Iterator[tuple[tuple[str, ...], Any, Any]]:
+    """(path segments, value in A, value in B) of every differing leaf, in walk order; a field
+    a recording's release lacks (its ``absent_fields``) is skipped."""
+    if a == b:
+        return
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in _ordered_keys(set(a) | set(b), segs):
+            path = (*segs, k)
+            va, vb = a.get(k, _ABSENT), b.get(k, _ABSENT)
+            dotted = ".".join(path)
+            if (va is _ABSENT and dotted in absent_a) or (vb is _ABSENT and dotted in absent_b):
+                continue
+            yield from iter_field_differences(va, vb, absent_a, absent_b, path)
+        return
+    yield segs, (ABSENT_MARK if a is _ABSENT else a), (ABSENT_MARK if b is _ABSENT else b)
+
+
+def pattern_of(segs: Sequence[str]) -> str:
+    """The field path with request ids replaced by ``*``."""
+    out = list(segs)
+    if len(out) >= 2 and out[0] in _REQUEST_KEYED:
+        out[1] = "*"
+    elif len(out) >= 3 and out[0] == "sched_out":
+        out[2] = "*"
+    return ".".join(out)
+
+
+def op_kind(description: str) -> str:
+    m = re.match(r"[a-z_]+", description)
+    return m.group(0) if m else description
+
+
+def first_difference(
+    name: str,
+    mode: str,
+    run_a: Mapping[str, Any],
+    run_b: Mapping[str, Any],
+    absent_a: frozenset[str],
+    absent_b: frozenset[str],
+) -> FirstDifference | None:
+    ops_a, ops_b = run_a["ops"], run_b["ops"]
+    steps_a, steps_b = run_a["steps"], run_b["steps"]
+    for i in range(max(len(steps_a), len(steps_b))):
+        if i >= len(steps_a) or i >= len(steps_b):
+            op = ops_b[i] if i >= len(steps_a) else ops_a[i]
+            a_val = "ended" if i >= len(steps_a) else "continues"
+            b_val = "ended" if i >= len(steps_b) else "continues"
+            return FirstDifference(
+                name, mode, i, op, op_kind(op), "__end__", "__end__", a_val, b_val
+            )
+        if ops_a[i] != ops_b[i]:
+            return FirstDifference(
+                name, mode, i, ops_a[i], op_kind(ops_a[i]), "__op__", "__op__", ops_a[i], ops_b[i]
+            )
+        found = iter_field_differences(steps_a[i], steps_b[i], absent_a, absent_b)
+        for segs, va, vb in found:
+            also = [".".join(p) for p, _, _ in itertools.islice(found, OTHER_FIELDS)]
+            return FirstDifference(
+                name,
+                mode,
+                i,
+                ops_a[i],
+                op_kind(ops_a[i]),
+                ".".join(segs),
+                pattern_of(segs),
+                va,
+                vb,
+                also,
+            )
+    return None
+
+
+def group_changes(differences: Sequence[FirstDifference]) -> list[Change]:
+    """One change per (field pattern, operation kind); most runs first."""
+    groups: dict[tuple[str, str], list[FirstDifference]] = {}
+    for d in differences:
+        groups.setdefault((d.pattern, d.op_kind), []).append(d)
+    ordered = sorted(groups.items(), key=lambda kv: (-len(kv[1]), kv[0]))
+    changes = []
+    for n, ((pattern, kind), diffs) in enumerate(ordered, 1):
+        shortest = min(diffs, key=lambda d: (d.length, MODES.index(d.mode), _natural(d.workload)))
+        changes.append(Change(f"C{n}", pattern, kind, diffs, shortest))
+    return changes
+
+
+def diff_recordings(a: Recording, b: Recording) -> DiffResult:
+    """Compare two loaded recordings (``CorpusMismatch`` if they are of different corpora)."""
+    check_same_corpus(a, b)
+    absent_a = frozenset(a.header["absent_fields"])
+    absent_b = frozenset(b.header["absent_fields"])
+    result = DiffResult(a, b)
+    for name, line in a.workloads.items():
+        other = b.workloads[name]
+        for mode in a.header["modes"]:
+            d = first_difference(
+                name, mode, line["modes"][mode], other["modes"][mode], absent_a, absent_b
+            )
+            result.runs.append((name, mode, d))
+    result.changes = group_changes(result.differences)
+    return result
+
+
+# ---- traces of the shortest workloads -----------------------------------------------------
+
+
+def shortest_trace(result: DiffResult, change: Change) -> Any:
+    """The shortest workload of ``change`` as a ``Trace``: its operations up to the differing
+    one (drain steps as explicit steps), in the mode it differed in."""
+    from conformance.workload import Step, Trace
+
+    d = change.shortest
+    line = result.a.workloads[d.workload]
+    base = Trace.from_dict(line["trace"])
+    ops = list(base.ops)
+    run = line["modes"][d.mode]
+    ops += [Step() for _ in range(max(0, len(run["ops"]) - len(ops)))]
+    if d.length > len(ops):  # the run continued on B only: its extra steps are steps too
+        ops += [Step() for _ in range(d.length - len(ops))]
+    ops = ops[: d.length]
+    meta = {
+        "kind": "release-diff",
+        "subject": "upstream",
+        "mode": d.mode,
+        "workload": d.workload,
+        "release_diff": {
+            "change": change.id,
+            "pattern": change.pattern,
+            "op_kind": change.op_kind,
+            "vllm_a": result.a.vllm,
+            "vllm_b": result.b.vllm,
+            "step": d.step,
+            "op": d.op,
+            "path": d.path,
+            "value_a": d.a,
+            "value_b": d.b,
+        },
+        "how": (
+            "a workload, not a diff: record its folder on each release "
+            "(omni-conformance record --size 0 --traces DIR --out X.jsonl) and run "
+            "omni-conformance release-diff on the two recordings"
+        ),
+    }
+    return Trace(
+        config=base.config.with_(async_scheduling=d.mode == "async"),
+        ops=ops,
+        prefixes=dict(base.prefixes),
+        meta=meta,
+    )
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")[:80]
+
+
+def write_traces(result: DiffResult, out_dir: Path) -> None:
+    folder = out_dir / "traces"
+    for old in folder.glob("change-*.json") if folder.is_dir() else ():
+        old.unlink()  # a trace of an earlier diff into this folder must not pass for this one's
+    for change in result.changes:
+        what = f"{change.op_kind}-{change.pattern.replace('*', 'each')}"
+        name = f"change-{change.id[1:]}-{_slug(what)}.json"
+        shortest_trace(result, change).save(folder / name)
+        change.trace = f"traces/{name}"
+
+
+# ---- the report ---------------------------------------------------------------------------
+
+
+def _short(value: Any, limit: int = 90) -> str:
+    text = value if isinstance(value, str) else json.dumps(value, sort_keys=True)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _side(rec: Recording) -> dict[str, Any]:
+    h = rec.header
+    return {
+        "path": str(rec.path),
+        "vllm": h["vllm"],
+        "torch": h["torch"],
+        "python": h["python"],
+        "seconds": h["seconds"],
+        "mode_seconds": h.get("mode_seconds", {}),
+        "absent_fields": h["absent_fields"],
+    }
+
+
+def build_report(result: DiffResult) -> dict[str, Any]:
+    a, b = result.a, result.b
+    workloads = len(a.workloads)
+    differing = {name for name, _, d in result.runs if d is not None}
+    return {
+        "schema": REPORT_SCHEMA,
+        "status": "identical" if result.identical else "different",
+        "a": _side(a),
+        "b": _side(b),
+        "corpus": a.header["corpus"],
+        "modes": a.header["modes"],
+        "workloads": workloads,
+        "runs": len(result.runs),
+        "identical_runs": sum(d is None for _, _, d in result.runs),
+        "identical_workloads": workloads - len(differing),
+        "not_compared": {
+            "only_in_a": sorted(set(b.header["absent_fields"]) - set(a.header["absent_fields"])),
+            "only_in_b": sorted(set(a.header["absent_fields"]) - set(b.header["absent_fields"])),
+        },
+        "changes": [c.to_dict() for c in result.changes],
+        "first_differences": [d.to_dict() for d in result.differences],
+    }
+
+
+def render_markdown(report: Mapping[str, Any]) -> str:
+    a, b = report["a"], report["b"]
+    corpus = report["corpus"]
+    lines = [
+        f"# release-diff: vLLM {a['vllm']} → vLLM {b['vllm']}",
+        "",
+        f"Corpus: seed {corpus['seed']}, {corpus['size']} generated workloads"
+        + (f" + {len(corpus['traces'])} saved traces" if corpus["traces"] else "")
+        + f", modes {', '.join(report['modes'])} (digest `{corpus['digest'][:12]}`).",
+        f"Recordings: A `{a['path']}` ({a['seconds']} s), B `{b['path']}` ({b['seconds']} s).",
+        "",
+    ]
+    if report["status"] == "identical":
+        lines.append(f"**Identical on {report['workloads']} workloads** ({report['runs']} runs).")
+    else:
+        lines.append(
+            f"**{report['workloads'] - report['identical_workloads']} of {report['workloads']} "
+            f"workloads differ** ({report['runs'] - report['identical_runs']} of "
+            f"{report['runs']} runs), in {len(report['changes'])} behaviour change(s)."
+        )
+    nc = report["not_compared"]
+    if nc["only_in_a"] or nc["only_in_b"]:
+        lines += [
+            "",
+            "Not compared (a field only one release has): "
+            + "; ".join(
+                f"only {label}: " + ", ".join(f"`{f}`" for f in fields)
+                for label, fields in (("A", nc["only_in_a"]), ("B", nc["only_in_b"]))
+                if fields
+            )
+            + ".",
+        ]
+    if report["changes"]:
+        lines += [
+            "",
+            "## Behaviour changes",
+            "",
+            "| change | after | first differing field | workloads | runs | modes "
+            "| shortest (ops) | A | B | trace |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for c in report["changes"]:
+            s = c["shortest"]
+            lines.append(
+                f"| {c['id']} | {c['op_kind']} | `{c['pattern']}` | {len(c['workloads'])} "
+                f"| {c['runs']} | {'/'.join(c['modes'])} | {s['length']} ({s['workload']} "
+                f"{s['mode']}, step {s['step']}) | `{_md(_short(s['a'], 60))}` "
+                f"| `{_md(_short(s['b'], 60))}` | {c['trace'] or '-'} |"
+            )
+        for c in report["changes"]:
+            s = c["shortest"]
+            lines += [
+                "",
+                f"**{c['id']}** `{c['pattern']}` after {c['op_kind']}: first at `{s['path']}` "
+                f"in {s['workload']} ({s['mode']}), operation {s['step']} `{_md(s['op'])}`: "
+                f"A `{_md(_short(s['a'], 200))}`, B `{_md(_short(s['b'], 200))}`.",
+            ]
+            if s.get("also"):
+                lines.append(
+                    "Also differing after that operation: "
+                    + ", ".join(f"`{p}`" for p in s["also"])
+                    + "."
+                )
+            lines.append(f"Workloads: {', '.join(c['workloads'])}.")
+        lines += [
+            "",
+            "Each trace is the shortest workload of its change, cut after the operation where "
+            "the two releases first differ; it runs on either release. To see the change alone: "
+            "`omni-conformance record --size 0 --traces TRACES_DIR --out X.jsonl` on each "
+            "release, then `omni-conformance release-diff A.jsonl B.jsonl`.",
+            "",
+            "## First difference of each differing run",
+            "",
+            "| workload | mode | step | operation | field | A | B |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for d in report["first_differences"]:
+            lines.append(
+                f"| {d['workload']} | {d['mode']} | {d['step']} | {_md(_short(d['op'], 50))} "
+                f"| `{d['path']}` | `{_md(_short(d['a'], 50))}` | `{_md(_short(d['b'], 50))}` |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def _md(text: str) -> str:
+    return " ".join(text.split()).replace("|", "\\|").replace("`", "'")
+
+
+def summary_entry(report: Mapping[str, Any], where: str | None = None) -> dict[str, Any]:
+    """The report as an item of the matrix report's "upstream changes between releases"."""
+    if report["status"] == "identical":
+        changes: list[Any] = [f"identical on {report['workloads']} workloads"]
+    else:
+        changes = [
+            {"id": c["id"], "summary": f"{c['id']}: {c['summary']}", "trace": c["trace"]}
+            for c in report["changes"]
+        ]
+    return {
+        "from": report["a"]["vllm"],
+        "to": report["b"]["vllm"],
+        "workloads": report["workloads"],
+        "identical_workloads": report["identical_workloads"],
+        "report": where,
+        "changes": changes,
+    }
+
+
+def write_report(result: DiffResult, out_dir: str | Path) -> dict[str, Any]:
+    """Write traces, ``release-diff.json`` and ``release-diff.md`` into ``out_dir``."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    write_traces(result, out)
+    report = build_report(result)
+    (out / "release-diff.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
+    (out / "release-diff.md").write_text(render_markdown(report))
+    return report
+
+
+def release_diff(a: str | Path, b: str | Path, out_dir: str | Path) -> dict[str, Any]:
+    """Load, compare and report; ``RecordingError`` / ``CorpusMismatch`` for bad input."""
+    result = diff_recordings(load_recording(a), load_recording(b))
+    return write_report(result, out_dir)
+
+
+# ---- the command --------------------------------------------------------------------------
+
+
+def _error(message: str) -> int:
+    print(f"omni-conformance: error: {message}", file=sys.stderr)
+    return EXIT_INPUT
+
+
+def cmd_release_diff(args: argparse.Namespace) -> int:
+    from conformance.cli import folder_problem
+
+    for p in (args.a, args.b):
+        if not Path(p).is_file():
+            return _error(f"no such recording: {p}")
+    out = (
+        Path(args.out)
+        if args.out
+        else Path(f"release-diff-{Path(args.a).stem}-{Path(args.b).stem}")
+    )
+    problem = folder_problem(out)
+    if problem:
+        return _error(f"--out {out}: {problem}")
+    try:
+        report = release_diff(args.a, args.b, out)
+    except (RecordingError, CorpusMismatch) as exc:
+        return _error(str(exc))
+    if report["status"] == "identical":
+        print(
+            f"release-diff: vLLM {report['a']['vllm']} -> {report['b']['vllm']}: identical on "
+            f"{report['workloads']} workloads ({report['runs']} runs)"
+        )
+    else:
+        print(
+            f"release-diff: vLLM {report['a']['vllm']} -> {report['b']['vllm']}: "
+            f"{report['workloads'] - report['identical_workloads']} of {report['workloads']} "
+            f"workloads differ, {len(report['changes'])} behaviour change(s)"
+        )
+        for c in report["changes"]:
+            print(f"  {c['id']}: {c['summary']}")
+    print(f"report: {out / 'release-diff.md'} (+ release-diff.json, traces/)")
+    return EXIT_IDENTICAL if report["status"] == "identical" else EXIT_DIFFERENT
+
+
+def add_parser(sub: Any) -> None:
+    d = sub.add_parser(
+        "release-diff",
+        help="compare two recordings of one corpus made on two vLLM releases",
+    )
+    d.add_argument("a", help="recording of the older release (omni-conformance record)")
+    d.add_argument("b", help="recording of the newer release")
+    d.add_argument("--out", default=None, help="report folder (default: release-diff-<A>-<B>)")
+    d.set_defaults(func=cmd_release_diff)
