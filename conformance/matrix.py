@@ -15,6 +15,13 @@ is replaced by the cell's vLLM release). A subject that does not support a relea
 raising ``conformance.subjects.SubjectUnsupported`` (from that hook or when it loads); the cell
 is then "unsupported", which is a statement of the subject's support, not a failure.
 
+``--release-diff`` also records upstream's own schedulers on a fixed corpus in every release's
+environment (``omni-conformance record``, into ``<out>/release-diff/recordings/``) and diffs
+consecutive releases (``conformance.release_diff``, one folder per pair under
+``<out>/release-diff/``); ``--release-diff only`` does that without the gate's cells. The pairs'
+changes (or "identical on N workloads") are ``<out>/release-diff/release-diff.json``, which the
+merged report shows as "upstream changes between releases".
+
 Cell status: the check's report status (pass, fail, not_applicable, incomplete); "unsupported"
 (check exit 4, or the requirements hook refused); "error" (the environment could not be built,
 the check could not start, or it ended without a report), with one line saying why.
@@ -225,6 +232,10 @@ class MatrixOptions:
     reuse_current: bool = True
     timeout_s: float = 3600.0
     python: str | None = None
+    release_diff: str | None = None  # "also" (after the cells) or "only"; None: no release-diff
+    corpus_seed: int = 0
+    corpus_size: int = 200
+    corpus_traces: str | None = None
 
 
 def run_cell(
@@ -432,6 +443,82 @@ def run_matrix(cells: Sequence[Cell], opts: MatrixOptions, say: Callable[[str], 
     return len(done)
 
 
+RELEASE_DIFF_DIR = "release-diff"
+RELEASE_DIFF_FILE = "release-diff.json"
+RELEASE_DIFF_SCHEMA = "omni-conformance-release-diffs/1"
+
+
+def run_release_diff(
+    versions: Sequence[str], opts: MatrixOptions, say: Callable[[str], None]
+) -> list[dict[str, Any]]:
+    """Record the corpus in each release's environment, diff consecutive releases; the pairs as
+    items of the report's "upstream changes between releases" (also written to
+    ``<out>/release-diff/release-diff.json``)."""
+    from conformance.record import RecordingError
+    from conformance.release_diff import CorpusMismatch, release_diff, summary_entry
+
+    folder = opts.out / RELEASE_DIFF_DIR
+    recordings = folder / "recordings"
+    recordings.mkdir(parents=True, exist_ok=True)
+    ordered = sorted(dict.fromkeys(versions), key=release)
+    made: dict[str, Path] = {}
+    problems: dict[str, str] = {}
+    for i, v in enumerate(ordered, 1):
+        env, error = _environment_for(EnvSpec(v), opts, say, i, len(ordered))
+        if env is None:
+            problems[v] = error or "no environment"
+            continue
+        target = recordings / f"vllm-{v}.jsonl"
+        target.unlink(missing_ok=True)
+        log_path = recordings / f"vllm-{v}.log"
+        log_path.write_text("")
+        cmd = [*env.script("omni-conformance"), "record", "--out", str(target)]
+        cmd += ["--seed", str(opts.corpus_seed), "--size", str(opts.corpus_size)]
+        if opts.corpus_traces:
+            cmd += ["--traces", str(opts.corpus_traces)]
+        say(f"[release-diff {i}/{len(ordered)}] recording vLLM {v} ...")
+        started = time.monotonic()
+        rc = _run_logged(cmd, log_path, _child_env(), opts.timeout_s)
+        if rc != 0 or not target.exists():
+            problems[v] = f"record exit {rc}: {_last_error_line(log_path)}"
+            say(f"    vLLM {v}: {problems[v]}")
+            continue
+        made[v] = target
+        say(f"    vLLM {v}: recorded in {_fmt(time.monotonic() - started)}")
+    pairs: list[dict[str, Any]] = []
+    for a, b in zip(ordered, ordered[1:], strict=False):
+        if a not in made or b not in made:
+            why = "; ".join(f"vLLM {v}: {problems.get(v, 'not recorded')}" for v in (a, b))
+            pairs.append({"from": a, "to": b, "changes": [f"not compared ({why})"]})
+            continue
+        where = folder / f"{a}--{b}"
+        try:
+            report = release_diff(made[a], made[b], where)
+        except (RecordingError, CorpusMismatch) as exc:
+            pairs.append({"from": a, "to": b, "changes": [f"not compared ({exc})"]})
+            continue
+        pairs.append(summary_entry(report, f"{RELEASE_DIFF_DIR}/{where.name}/release-diff.md"))
+        say(f"release-diff vLLM {a} -> {b}: " + "; ".join(_texts(pairs[-1])))
+    tmp = folder / (RELEASE_DIFF_FILE + ".tmp")
+    tmp.write_text(json.dumps({"schema": RELEASE_DIFF_SCHEMA, "pairs": pairs}, indent=1))
+    tmp.replace(folder / RELEASE_DIFF_FILE)
+    return pairs
+
+
+def _texts(pair: dict[str, Any]) -> list[str]:
+    return [c if isinstance(c, str) else str(c.get("summary")) for c in pair["changes"]]
+
+
+def release_changes_of(out: Path) -> list[dict[str, Any]]:
+    """The pairs ``run_release_diff`` wrote under ``out`` (none if it did not run there)."""
+    try:
+        data = json.loads((out / RELEASE_DIFF_DIR / RELEASE_DIFF_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return []
+    pairs = data.get("pairs") if isinstance(data, dict) else None
+    return [p for p in pairs if isinstance(p, dict)] if isinstance(pairs, list) else []
+
+
 def merge_into(out: Path, say: Callable[[str], None]) -> int:
     """Merge every cell under ``out`` into the four report files; the merge's exit code."""
     from conformance.matrix_report import (
@@ -448,7 +535,7 @@ def merge_into(out: Path, say: Callable[[str], None]) -> int:
     except CellError as exc:
         print(f"omni-conformance: error: {exc}", file=sys.stderr)
         return 2
-    report = build_matrix_report(cells)
+    report = build_matrix_report(cells, release_changes=release_changes_of(out))
     paths = write_matrix_report(report, out)
     say(summary_text(report))
     say("report: " + ", ".join(str(p) for p in paths.values()))
@@ -486,7 +573,23 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         reuse_current=not args.no_reuse_current,
         timeout_s=args.cell_timeout,
         python=args.python,
+        release_diff=args.release_diff,
+        corpus_seed=args.corpus_seed,
+        corpus_size=args.corpus_size,
+        corpus_traces=args.corpus_traces,
     )
+    if args.corpus_size < 0:
+        print(
+            f"omni-conformance: error: --corpus-size {args.corpus_size}: must be 0 or more",
+            file=sys.stderr,
+        )
+        return 2
+    if args.corpus_traces is not None and not Path(args.corpus_traces).is_dir():
+        print(
+            f"omni-conformance: error: --corpus-traces {args.corpus_traces}: not a folder",
+            file=sys.stderr,
+        )
+        return 2
     try:
         opts.out.mkdir(parents=True, exist_ok=True)
         probe = opts.out / ".write-test"
@@ -495,16 +598,19 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"omni-conformance: error: cannot write to --out {opts.out}: {exc}", file=sys.stderr)
         return 2
-    cells = plan_cells(args.subject, args.vllm, with_)
+    cells = [] if opts.release_diff == "only" else plan_cells(args.subject, args.vllm, with_)
     say(
         f"omni-conformance matrix: {len(cells)} cell(s): subjects {', '.join(args.subject)} x "
         f"vLLM {', '.join(sorted(args.vllm, key=release))}; environments in {opts.envs_dir}"
+        + (f"; release-diff of {len(args.vllm)} releases" if opts.release_diff else "")
     )
     interrupted = False
     started = time.monotonic()
     with _terminate_as_interrupt():
         try:
             run_matrix(cells, opts, say)
+            if opts.release_diff:
+                run_release_diff(args.vllm, opts, say)
         except KeyboardInterrupt:
             interrupted = True
             say("matrix interrupted: merging the cells finished so far")
@@ -513,7 +619,16 @@ def cmd_matrix(args: argparse.Namespace) -> int:
         gib = disk_usage(envs) / 2**30
         say(f"environments: {len(envs)} in {opts.envs_dir}, {gib:.1f} GiB on disk")
     say(f"matrix wall time: {_fmt(time.monotonic() - started)}")
-    rc = merge_into(opts.out, say) if (opts.out / "cells").is_dir() else 1
+    if (opts.out / "cells").is_dir():
+        rc = merge_into(opts.out, say)
+    elif opts.release_diff == "only":
+        # No cells to merge: the release-diff alone, which succeeded if every pair was compared
+        # (a behaviour change between releases is a finding, not a failure of the matrix).
+        pairs = release_changes_of(opts.out)
+        rc = 0 if pairs and all("report" in p for p in pairs) else 1
+        say(f"release-diff: {opts.out / RELEASE_DIFF_DIR / RELEASE_DIFF_FILE}")
+    else:
+        rc = 1
     return 130 if interrupted else rc
 
 
@@ -570,5 +685,19 @@ def add_parser(sub: Any) -> None:
     )
     m.add_argument(
         "--cell-timeout", type=float, default=3600.0, help="seconds per check / upstream-tests"
+    )
+    m.add_argument(
+        "--release-diff",
+        nargs="?",
+        const="also",
+        choices=("also", "only"),
+        default=None,
+        help="record upstream's schedulers on a corpus in each release's environment and diff "
+        "consecutive releases (after the cells; 'only': without the cells)",
+    )
+    m.add_argument("--corpus-seed", type=int, default=0, help="release-diff corpus seed")
+    m.add_argument("--corpus-size", type=int, default=200, help="release-diff generated workloads")
+    m.add_argument(
+        "--corpus-traces", default=None, help="release-diff: saved traces added to the corpus"
     )
     m.set_defaults(func=cmd_matrix)
