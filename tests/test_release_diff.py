@@ -1,0 +1,339 @@
+"""``omni-conformance record`` and ``release-diff``: recordings of the installed vLLM's own
+schedulers, their determinism, and a diff that finds exactly what differs (and only that).
+
+One small corpus is recorded once per module (5 generated workloads plus one saved trace, sync and
+async); the other tests edit copies of it, so the file stays fast. A test that runs another vLLM
+release's environment is ``slow``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from conformance.cli import main
+from conformance.machine import PREFIXES, TIGHT
+from conformance.record import (
+    SCHEMA,
+    generate_workload,
+    load_recording,
+    record,
+)
+from conformance.release_diff import diff_recordings
+from conformance.workload import AddRequest, Step, Trace
+
+SIZE = 5
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(t) for t in path.read_text().splitlines()]
+
+
+def _write(path: Path, lines: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(x, sort_keys=True) + "\n" for x in lines))
+    return path
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("release-diff")
+    traces = root / "traces"
+    saved = Trace(
+        config=TIGHT,
+        ops=[
+            AddRequest("a", tuple(range(100, 130)), prefix="sys", max_tokens=4),
+            AddRequest("b", tuple(range(100, 110)), prefix="sys", max_tokens=3),
+            Step(),
+            Step(),
+        ],
+        prefixes=dict(PREFIXES),
+    )
+    saved.save(traces / "two-requests.json")
+    first = root / "first.jsonl"
+    second = root / "second.jsonl"
+    record(first, seed=3, size=SIZE, traces=traces)
+    record(second, seed=3, size=SIZE, traces=traces)
+    return {"root": root, "first": first, "second": second, "traces": traces}
+
+
+def test_record_writes_both_modes_of_every_workload(corpus: dict[str, Path]) -> None:
+    from conformance import vllm_compat as vc
+
+    lines = _lines(corpus["first"])
+    header = lines[0]
+    assert header["schema"] == SCHEMA
+    assert header["vllm"] == vc.vllm_version()
+    assert header["corpus"]["seed"] == 3 and header["corpus"]["size"] == SIZE
+    assert [t["name"] for t in header["corpus"]["traces"]] == ["trace:two-requests"]
+    assert header["modes"] == ["sync", "async"] and header["seconds"] >= 0
+    names = [line["workload"] for line in lines[1:]]
+    assert names == [f"gen-{i:04d}" for i in range(SIZE)] + ["trace:two-requests"]
+    present = set(lines[1]["modes"]["sync"]["steps"][0]["queues"])
+    for field in header["absent_fields"]:
+        assert field.startswith("queues.") and field.split(".", 1)[1] not in present
+    for line in lines[1:]:
+        trace = Trace.from_dict(line["trace"])
+        for mode in ("sync", "async"):
+            run = line["modes"][mode]
+            assert len(run["ops"]) == len(run["steps"]) == len(trace.ops) + run["drain"]
+            last = run["steps"][-1]
+            assert last["requests"] == {}, "drained: nothing held at the end"
+            for step in run["steps"]:
+                # Hashes are first-seen labels, never a process's NONE_HASH-chained bytes.
+                assert all(h.startswith("#") for _, h in step["block_pool"]["hashed_blocks"])
+
+
+def test_two_recordings_of_one_release_are_byte_identical(corpus: dict[str, Path]) -> None:
+    first = corpus["first"].read_text().splitlines()
+    second = corpus["second"].read_text().splitlines()
+    assert first[1:] == second[1:]
+    a, b = json.loads(first[0]), json.loads(second[0])
+    for timing in ("seconds", "mode_seconds", "recorded_at"):
+        a.pop(timing), b.pop(timing)
+    assert a == b
+
+
+def test_corpus_is_a_function_of_the_seed() -> None:
+    assert generate_workload(3, 1).to_dict() == generate_workload(3, 1).to_dict()
+    assert generate_workload(3, 1).to_dict() != generate_workload(4, 1).to_dict()
+
+
+def test_diff_of_a_recording_with_itself_is_identical(
+    corpus: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rc = main(["release-diff", str(corpus["first"]), str(corpus["second"]), "--out", str(tmp_path)])
+    assert rc == 0
+    assert "identical on 6 workloads (12 runs)" in capsys.readouterr().out
+    report = json.loads((tmp_path / "release-diff.json").read_text())
+    assert report["status"] == "identical" and report["changes"] == []
+    assert "Identical on 6 workloads" in (tmp_path / "release-diff.md").read_text()
+
+
+def _first_step_with_a_request(line: dict[str, Any], mode: str) -> tuple[int, str] | None:
+    run = line["modes"][mode]
+    for i, (op, step) in enumerate(zip(run["ops"], run["steps"], strict=True)):
+        if op == "step" and step["requests"]:
+            return i, sorted(step["requests"])[0]
+    return None
+
+
+def _with_requests(lines: list[dict[str, Any]], mode: str) -> list[tuple[int, int, str]]:
+    """(line index, step, request id) of each workload that holds a request after some step."""
+    out = []
+    for n, line in enumerate(lines[1:], 1):
+        found = _first_step_with_a_request(line, mode)
+        if found is not None:
+            out.append((n, *found))
+    assert len(out) >= 2, "the corpus has too few workloads that hold a request after a step"
+    return out
+
+
+def test_an_edited_step_is_found_grouped_and_its_shortest_trace_replays(
+    corpus: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Positive control: two edits of one field after a step, in two workloads, are found at
+    exactly their step and field, make one change, and its trace is the shorter workload's."""
+    from conformance.lockstep import run_trace
+    from conformance.replay import load_trace
+    from conformance.subjects import UpstreamSubject
+
+    lines = _lines(corpus["first"])
+    (n1, s1, r1), (n2, s2, r2) = _with_requests(lines, "sync")[:2]
+    edits = [(lines[n1]["workload"], s1, r1), (lines[n2]["workload"], s2, r2)]
+    # The later-differing edit goes in first, so "shortest" is not just "first seen".
+    edits.sort(key=lambda e: -e[1])
+    edited = copy.deepcopy(lines)
+    originals = {}
+    for name, step, rid in edits:
+        line = next(x for x in edited if x.get("workload") == name)
+        fields = line["modes"]["sync"]["steps"][step]["requests"][rid]
+        originals[name] = fields["num_computed_tokens"]
+        fields["num_computed_tokens"] += 1000
+    b = _write(tmp_path / "edited.jsonl", edited)
+
+    out = tmp_path / "diff"
+    rc = main(["release-diff", str(corpus["first"]), str(b), "--out", str(out)])
+    assert rc == 1
+    report = json.loads((out / "release-diff.json").read_text())
+    found = {
+        (d["workload"], d["mode"], d["step"], d["path"]): (d["a"], d["b"])
+        for d in report["first_differences"]
+    }
+    assert found == {
+        (name, "sync", step, f"requests.{rid}.num_computed_tokens"): (
+            originals[name],
+            originals[name] + 1000,
+        )
+        for name, step, rid in edits
+    }
+    assert len(report["changes"]) == 1
+    change = report["changes"][0]
+    assert change["pattern"] == "requests.*.num_computed_tokens" and change["op_kind"] == "step"
+    name, step, rid = min(edits, key=lambda e: e[1])
+    assert change["shortest"]["workload"] == name and change["shortest"]["length"] == step + 1
+    assert "C1: requests.*.num_computed_tokens after step" in capsys.readouterr().out
+
+    # The trace is a workload: it loads, runs on the installed vLLM, and recording it shows the
+    # recorded value at the step where the edit was.
+    trace_path = out / change["trace"]
+    trace = load_trace(trace_path)
+    assert len(trace.ops) == step + 1 and trace.config.async_scheduling is False
+    assert run_trace(trace, UpstreamSubject()).failure is None
+    folder = tmp_path / "change-traces"
+    folder.mkdir()
+    shutil.copy(trace_path, folder)
+    again = tmp_path / "again.jsonl"
+    record(again, seed=0, size=0, traces=folder)
+    (line,) = _lines(again)[1:]
+    assert (
+        line["modes"]["sync"]["steps"][step]["requests"][rid]["num_computed_tokens"]
+        == (originals[name])
+    )
+
+
+def test_a_field_one_release_lacks_is_not_compared(corpus: dict[str, Path], tmp_path: Path) -> None:
+    """An older release's queues (``skipped_waiting``) against this one's: absent fields, not a
+    difference; a request missing where the release has the field is a difference."""
+    lines = _lines(corpus["first"])
+    older = copy.deepcopy(lines)
+    mine = set(older[0]["absent_fields"])
+    every = {"queues.skipped_waiting", "queues.kv_holding_waiting", "queues.deferred_waiting"}
+    older[0]["absent_fields"] = sorted(every - mine)
+    for line in older[1:]:
+        for run in line["modes"].values():
+            for step in run["steps"]:
+                queues = step["queues"]
+                for f in every - mine:
+                    queues.pop(f.split(".", 1)[1], None)
+                for f in mine:
+                    queues[f.split(".", 1)[1]] = []
+    a = _write(tmp_path / "older.jsonl", older)
+    result = diff_recordings(load_recording(a), load_recording(corpus["first"]))
+    assert result.identical
+
+    n, step, rid = _with_requests(lines, "async")[0]
+    name = lines[n]["workload"]
+    del older[n]["modes"]["async"]["steps"][step]["requests"][rid]
+    _write(a, older)
+    result = diff_recordings(load_recording(a), load_recording(corpus["first"]))
+    (d,) = result.differences
+    assert (d.workload, d.mode, d.step, d.path, d.a) == (
+        name,
+        "async",
+        step,
+        f"requests.{rid}",
+        "<absent>",
+    )
+
+
+def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+def test_recordings_of_different_corpora_are_refused(
+    corpus: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = _lines(corpus["first"])
+    other = copy.deepcopy(lines)
+    other[0]["corpus"]["seed"] = 4
+    b = _write(tmp_path / "seed4.jsonl", other)
+    assert main(["release-diff", str(corpus["first"]), str(b), "--out", str(tmp_path / "o")]) == 2
+    line = _one_error_line(capsys)
+    assert str(b) in line and "'corpus.seed'" in line and "same corpus" in line
+
+    other = copy.deepcopy(lines)
+    other[2]["trace"]["ops"].append({"op": "step"})
+    b = _write(tmp_path / "trace.jsonl", other)
+    assert main(["release-diff", str(corpus["first"]), str(b), "--out", str(tmp_path / "o")]) == 2
+    line = _one_error_line(capsys)
+    assert str(b) in line and lines[2]["workload"] in line and "'trace'" in line
+
+
+@pytest.mark.parametrize(
+    ("breakage", "expected"),
+    [
+        ("truncated", "line 3 is not JSON"),
+        ("no_modes", "field 'modes' is missing"),
+        ("bad_step", "field 'modes.async.steps[0]' should be an object"),
+        ("empty", "empty file"),
+    ],
+)
+def test_a_malformed_recording_is_one_line_naming_file_and_field(
+    corpus: dict[str, Path],
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    breakage: str,
+    expected: str,
+) -> None:
+    text = corpus["first"].read_text()
+    lines = text.splitlines(keepends=True)
+    bad = tmp_path / "bad.jsonl"
+    if breakage == "truncated":
+        bad.write_text("".join(lines[:2]) + lines[2][: len(lines[2]) // 2])
+    elif breakage == "empty":
+        bad.write_text("")
+    else:
+        parsed = _lines(corpus["first"])
+        if breakage == "no_modes":
+            del parsed[0]["modes"]
+        else:
+            parsed[1]["modes"]["async"]["steps"][0] = [1, 2]
+        _write(bad, parsed)
+    rc = main(["release-diff", str(corpus["first"]), str(bad), "--out", str(tmp_path / "o")])
+    assert rc == 2
+    line = _one_error_line(capsys)
+    assert str(bad) in line and expected in line
+
+
+def test_matrix_report_shows_the_pairs(corpus: dict[str, Path], tmp_path: Path) -> None:
+    """The merged report's section lists an identical pair as such and a differing pair's
+    changes (the matrix's release-diff output read back, without running environments)."""
+    from conformance.matrix import RELEASE_DIFF_DIR, RELEASE_DIFF_FILE, release_changes_of
+    from conformance.matrix_report import build_matrix_report, render_markdown
+    from conformance.release_diff import release_diff, summary_entry
+
+    lines = _lines(corpus["first"])
+    n, step, rid = _with_requests(lines, "sync")[0]
+    lines[n]["modes"]["sync"]["steps"][step]["requests"][rid]["status"] = "PREEMPTED"
+    b = _write(tmp_path / "b.jsonl", lines)
+    same = release_diff(corpus["first"], corpus["second"], tmp_path / "same")
+    other = release_diff(corpus["first"], b, tmp_path / "other")
+    folder = tmp_path / RELEASE_DIFF_DIR
+    folder.mkdir()
+    pairs = [summary_entry(same, "same"), summary_entry(other, "other")]
+    (folder / RELEASE_DIFF_FILE).write_text(json.dumps({"pairs": pairs}))
+    changes = release_changes_of(tmp_path)
+    md = render_markdown(build_matrix_report([], release_changes=changes))
+    assert "Upstream changes between releases" in md
+    assert "identical on 6 workloads" in md
+    assert "requests.*.status after step" in md
+
+
+@pytest.mark.slow
+def test_a_recording_of_another_release_diffs_against_this_one(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """The 0.32.0 environment (built by the matrix) records the same corpus; the diff runs."""
+    from conformance.envs import default_envs_dir, env_python
+
+    python = env_python(default_envs_dir() / "vllm-0.32.0")
+    if not python.exists():
+        pytest.skip("no vllm-0.32.0 environment (omni-conformance matrix builds it)")
+    out = tmp_path / "old.jsonl"
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONHASHSEED": "0", "HF_HUB_OFFLINE": "1"}
+    cmd = [str(python), "-m", "conformance.cli", "record", "--out", str(out), "--seed", "3"]
+    cmd += ["--size", str(SIZE), "--traces", str(corpus["traces"])]
+    subprocess.run(cmd, cwd=root, env=env, check=True, capture_output=True, timeout=600)
+    assert json.loads(out.read_text().splitlines()[0])["vllm"] == "0.32.0"
+    result = diff_recordings(load_recording(out), load_recording(corpus["first"]))
+    assert len(result.runs) == 2 * (SIZE + 1)
