@@ -497,7 +497,10 @@ def run_release_diff(
         except (RecordingError, CorpusMismatch) as exc:
             pairs.append({"from": a, "to": b, "changes": [f"not compared ({exc})"]})
             continue
-        pairs.append(summary_entry(report, f"{RELEASE_DIFF_DIR}/{where.name}/release-diff.md"))
+        entry = summary_entry(report, f"{RELEASE_DIFF_DIR}/{where.name}/release-diff.md")
+        pairs.append(
+            {**entry, "from": a, "to": b}
+        )  # the releases asked for, as the grid names them
         say(f"release-diff vLLM {a} -> {b}: " + "; ".join(_texts(pairs[-1])))
     tmp = folder / (RELEASE_DIFF_FILE + ".tmp")
     tmp.write_text(json.dumps({"schema": RELEASE_DIFF_SCHEMA, "pairs": pairs}, indent=1))

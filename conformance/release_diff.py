@@ -413,7 +413,8 @@ def _short(value: Any, limit: int = 90) -> str:
 def _side(rec: Recording) -> dict[str, Any]:
     h = rec.header
     return {
-        "path": str(rec.path),
+        # The file's name only: a report committed or copied elsewhere names no local folder.
+        "file": rec.path.name,
         "vllm": h["vllm"],
         "torch": h["torch"],
         "python": h["python"],
@@ -456,7 +457,9 @@ def render_markdown(report: Mapping[str, Any]) -> str:
         f"Corpus: seed {corpus['seed']}, {corpus['size']} generated workloads"
         + (f" + {len(corpus['traces'])} saved traces" if corpus["traces"] else "")
         + f", modes {', '.join(report['modes'])} (digest `{corpus['digest'][:12]}`).",
-        f"Recordings: A `{a['path']}` ({a['seconds']} s), B `{b['path']}` ({b['seconds']} s).",
+        f"Recordings: A `{a['file']}` (vLLM {a['vllm']}, torch {a['torch']}, recorded in "
+        f"{a['seconds']} s), B `{b['file']}` (vLLM {b['vllm']}, torch {b['torch']}, recorded in "
+        f"{b['seconds']} s).",
         "",
     ]
     if report["status"] == "identical":

@@ -337,3 +337,41 @@ def test_a_recording_of_another_release_diffs_against_this_one(
     assert json.loads(out.read_text().splitlines()[0])["vllm"] == "0.32.0"
     result = diff_recordings(load_recording(out), load_recording(corpus["first"]))
     assert len(result.runs) == 2 * (SIZE + 1)
+
+
+def test_matrix_release_diff_records_each_release_and_diffs_the_pair(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``matrix --release-diff``: one recording per release (here both in this interpreter's
+    environment, standing in for two), the pair diffed, the pair in the merged section."""
+    import sys
+
+    from conformance import matrix
+    from conformance.envs import Environment, EnvSpec
+    from conformance.matrix_report import build_matrix_report, render_markdown
+
+    def here(spec: EnvSpec, *args: Any) -> tuple[Environment, None]:
+        env = Environment(spec, Path(sys.prefix), Path(sys.executable), "current", current=True)
+        return env, None
+
+    def in_process(cmd: list[str], log_path: Path, env: dict[str, str], timeout: float) -> int:
+        # The command the matrix runs in an environment, run here (a child interpreter would
+        # spend most of this test importing vLLM).
+        assert cmd[:3] == [sys.executable, "-m", "conformance.cli"]
+        return main(cmd[3:])
+
+    monkeypatch.setattr(matrix, "_environment_for", here)
+    monkeypatch.setattr(matrix, "_run_logged", in_process)
+    opts = matrix.MatrixOptions(
+        out=tmp_path, envs_dir=tmp_path / "envs", release_diff="only", corpus_size=2
+    )
+    said: list[str] = []
+    pairs = matrix.run_release_diff(["0.33.0", "0.32.0"], opts, said.append)
+    assert [(p["from"], p["to"]) for p in pairs] == [("0.32.0", "0.33.0")]
+    assert pairs[0]["changes"] == ["identical on 2 workloads"]
+    folder = tmp_path / matrix.RELEASE_DIFF_DIR
+    assert (folder / "recordings" / "vllm-0.32.0.jsonl").is_file()
+    assert (folder / "0.32.0--0.33.0" / "release-diff.md").is_file()
+    assert matrix.release_changes_of(tmp_path) == pairs
+    md = render_markdown(build_matrix_report([], release_changes=pairs))
+    assert "vLLM 0.32.0 → 0.33.0" in md and "identical on 2 workloads" in md
