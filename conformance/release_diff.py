@@ -424,6 +424,16 @@ def _side(rec: Recording) -> dict[str, Any]:
     }
 
 
+def _variants(rec: Recording, change: Change) -> dict[str, int]:
+    """How many of the change's workloads ran each configuration variant (saved traces:
+    ``saved trace``): a change that only one variant shows usually comes from that setting."""
+    counts: dict[str, int] = {}
+    for name in sorted({d.workload for d in change.differences}):
+        variant = str(rec.workloads[name].get("variant") or "saved trace")
+        counts[variant] = counts.get(variant, 0) + 1
+    return counts
+
+
 def build_report(result: DiffResult) -> dict[str, Any]:
     a, b = result.a, result.b
     workloads = len(a.workloads)
@@ -443,7 +453,7 @@ def build_report(result: DiffResult) -> dict[str, Any]:
             "only_in_a": sorted(set(b.header["absent_fields"]) - set(a.header["absent_fields"])),
             "only_in_b": sorted(set(a.header["absent_fields"]) - set(b.header["absent_fields"])),
         },
-        "changes": [c.to_dict() for c in result.changes],
+        "changes": [{**c.to_dict(), "variants": _variants(a, c)} for c in result.changes],
         "first_differences": [d.to_dict() for d in result.differences],
     }
 
@@ -513,6 +523,8 @@ def render_markdown(report: Mapping[str, Any]) -> str:
                     + ", ".join(f"`{p}`" for p in s["also"])
                     + "."
                 )
+            variants = ", ".join(f"{k} x{v}" for k, v in sorted(c.get("variants", {}).items()))
+            lines.append(f"Configuration variants of these workloads: {variants}.")
             lines.append(f"Workloads: {', '.join(c['workloads'])}.")
         lines += [
             "",
