@@ -497,6 +497,13 @@ def cmd_record(args: Any) -> int:
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    import logging
+
+    # vLLM warns each time a reset of the prefix cache is refused while blocks are held; in a
+    # recording that is an outcome it records (the reset's result), and the warnings would bury
+    # the progress lines. Errors still show.
+    logging.getLogger("vllm").setLevel(logging.ERROR)
+
     try:
         header = record(
             out, seed=args.seed, size=args.size, traces=args.traces, modes=modes, progress=say
