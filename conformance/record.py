@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from conformance.config import HarnessConfig
-from conformance.workload import AddRequest, Op, ResetPrefixCache, Step, Trace
+from conformance.workload import Abort, AddRequest, Op, ResetPrefixCache, Step, Trace
 
 SCHEMA = "omni-conformance-recording/1"
 MODES = ("sync", "async")
@@ -130,8 +130,6 @@ def generate_workload(seed: int, index: int) -> Trace:
         elif roll < 0.76:
             ops.extend(Step() for _ in range(rng.randint(1, 4)))
         elif roll < 0.92:
-            from conformance.workload import Abort
-
             known = [f"r{i}" for i in range(count)]
             ops.append(Abort(tuple(rng.sample(known, rng.randint(1, min(3, len(known)))))))
         else:
@@ -489,7 +487,9 @@ def cmd_record(args: Any) -> int:
     if args.size == 0 and args.traces is None:
         return _fail_env("--size 0 without --traces: the corpus would be empty")
     out = Path(args.out)
-    problem = folder_problem(out.parent if str(out.parent) else ".")
+    if out.is_dir():
+        return _fail_env(f"--out {out}: is a folder; give the recording's file name")
+    problem = folder_problem(out.parent)
     if problem:
         return _fail_env(f"--out {out}: {problem}")
     modes = tuple(args.modes)

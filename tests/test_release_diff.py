@@ -375,3 +375,20 @@ def test_matrix_release_diff_records_each_release_and_diffs_the_pair(
     assert matrix.release_changes_of(tmp_path) == pairs
     md = render_markdown(build_matrix_report([], release_changes=pairs))
     assert "vLLM 0.32.0 → 0.33.0" in md and "identical on 2 workloads" in md
+
+
+def test_record_refuses_bad_input_in_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    (traces / "broken.json").write_text('{"format": "omni-conformance-trace/1", "ops": [')
+    out = str(tmp_path / "r.jsonl")
+    assert main(["record", "--out", out, "--size", "1", "--traces", str(traces)]) == 2
+    line = _one_error_line(capsys)
+    assert str(traces / "broken.json") in line and "not a valid trace" in line
+    assert main(["record", "--out", out, "--size", "0"]) == 2
+    assert "--size 0 without --traces" in _one_error_line(capsys)
+    assert main(["record", "--out", str(tmp_path), "--size", "1"]) == 2
+    assert "is a folder" in _one_error_line(capsys)
+    assert not Path(out).exists()
