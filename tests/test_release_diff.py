@@ -298,7 +298,7 @@ def test_matrix_report_shows_the_pairs(corpus: dict[str, Path], tmp_path: Path) 
     """The merged report's section lists an identical pair as such and a differing pair's
     changes (the matrix's release-diff output read back, without running environments)."""
     from conformance.matrix import RELEASE_DIFF_DIR, RELEASE_DIFF_FILE, release_changes_of
-    from conformance.matrix_report import build_matrix_report, render_markdown
+    from conformance.matrix_report import build_matrix_report, render_markdown, validate
     from conformance.release_diff import release_diff, summary_entry
 
     lines = _lines(corpus["first"])
@@ -312,7 +312,9 @@ def test_matrix_report_shows_the_pairs(corpus: dict[str, Path], tmp_path: Path) 
     pairs = [summary_entry(same, "same"), summary_entry(other, "other")]
     (folder / RELEASE_DIFF_FILE).write_text(json.dumps({"pairs": pairs}))
     changes = release_changes_of(tmp_path)
-    md = render_markdown(build_matrix_report([], release_changes=changes))
+    report = build_matrix_report([], release_changes=changes)
+    validate(report)  # the pairs fit the merged report's schema
+    md = render_markdown(report)
     assert "Upstream changes between releases" in md
     assert "identical on 6 workloads" in md
     assert "requests.*.status after step" in md
