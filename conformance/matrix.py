@@ -514,12 +514,9 @@ def _texts(pair: dict[str, Any]) -> list[str]:
 
 def release_changes_of(out: Path) -> list[dict[str, Any]]:
     """The pairs ``run_release_diff`` wrote under ``out`` (none if it did not run there)."""
-    try:
-        data = json.loads((out / RELEASE_DIFF_DIR / RELEASE_DIFF_FILE).read_text())
-    except (OSError, json.JSONDecodeError):
-        return []
-    pairs = data.get("pairs") if isinstance(data, dict) else None
-    return [p for p in pairs if isinstance(p, dict)] if isinstance(pairs, list) else []
+    from conformance.matrix_report import release_changes_in
+
+    return release_changes_in(out)
 
 
 def merge_into(out: Path, say: Callable[[str], None]) -> int:

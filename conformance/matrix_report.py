@@ -1441,12 +1441,34 @@ def summary_text(report: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+# Where ``matrix --release-diff`` leaves its list of compared release pairs, under its --out.
+RELEASE_DIFF_PAIRS = Path("release-diff") / "release-diff.json"
+
+
+def release_changes_in(folder: str | Path) -> list[dict[str, Any]]:
+    """The release pairs ``matrix --release-diff`` wrote under ``folder`` (none if it did not
+    run there, or the file is unreadable: the section is optional)."""
+    try:
+        data = json.loads((Path(folder) / RELEASE_DIFF_PAIRS).read_text())
+    except (OSError, ValueError):
+        return []
+    pairs = data.get("pairs") if isinstance(data, dict) else None
+    return [p for p in pairs if isinstance(p, dict)] if isinstance(pairs, list) else []
+
+
 def merge(
     paths: Sequence[str | Path], out_dir: str | Path = DEFAULT_OUT
 ) -> tuple[dict[str, Any], dict[str, Path]]:
-    """Load the cells under ``paths`` and write the merged report into ``out_dir``."""
+    """Load the cells under ``paths`` and write the merged report into ``out_dir``; release
+    pairs found in those folders (``matrix --release-diff``) fill "upstream changes between
+    releases", one entry per pair (the last folder named wins)."""
     cells = load_cells(paths)
-    report = build_matrix_report(cells, out_dir=out_dir)
+    pairs: dict[tuple[Any, Any], dict[str, Any]] = {}
+    for path in paths:
+        for pair in release_changes_in(path):
+            pairs[(pair.get("from"), pair.get("to"))] = pair
+    ordered = sorted(pairs.values(), key=lambda p: version_key(str(p.get("from", ""))))
+    report = build_matrix_report(cells, out_dir=out_dir, release_changes=ordered)
     return report, write_matrix_report(report, out_dir)
 
 

@@ -309,7 +309,11 @@ def test_matrix_report_shows_the_pairs(corpus: dict[str, Path], tmp_path: Path) 
     other = release_diff(corpus["first"], b, tmp_path / "other")
     folder = tmp_path / RELEASE_DIFF_DIR
     folder.mkdir()
-    pairs = [summary_entry(same, "same"), summary_entry(other, "other")]
+    # Labelled by the releases a matrix would have asked for (both recordings are this one's).
+    pairs = [
+        {**summary_entry(same, "same"), "from": "0.31.0", "to": "0.32.0"},
+        {**summary_entry(other, "other"), "from": "0.32.0", "to": "0.33.0"},
+    ]
     (folder / RELEASE_DIFF_FILE).write_text(json.dumps({"pairs": pairs}))
     changes = release_changes_of(tmp_path)
     report = build_matrix_report([], release_changes=changes)
@@ -318,6 +322,16 @@ def test_matrix_report_shows_the_pairs(corpus: dict[str, Path], tmp_path: Path) 
     assert "Upstream changes between releases" in md
     assert "identical on 6 workloads" in md
     assert "requests.*.status after step" in md
+
+    # ``omni-conformance merge`` of that folder (one cell in it) keeps the section.
+    from conformance import matrix
+    from conformance.matrix_report import merge
+
+    opts = matrix.MatrixOptions(out=tmp_path, envs_dir=tmp_path / "envs")
+    matrix.run_cell(matrix.Cell("picky", "0.33.0", unsupported="no"), None, None, opts)
+    merged, paths = merge([tmp_path], tmp_path / "merged")
+    assert merged["release_changes"] == changes
+    assert "identical on 6 workloads" in paths["markdown"].read_text()
 
 
 @pytest.mark.slow
