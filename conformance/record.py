@@ -427,15 +427,16 @@ def _lines(path: Path) -> Iterator[tuple[int, Any]]:
                 raise RecordingError(f"{path}: line {n} is not text") from None
 
 
-def load_recording(path: str | Path) -> Recording:
-    """A recording checked field by field; ``RecordingError`` names the file and the field."""
+def open_recording(path: str | Path) -> tuple[Recording, Iterator[dict[str, Any]]]:
+    """A recording's checked header (``workloads`` left empty) and its workload lines, read
+    and checked one at a time as they are iterated (a recording of a large corpus is never
+    held whole). ``RecordingError`` names the file and the field."""
     p = Path(path)
     lines = _lines(p)
     try:
-        first = next(lines)
+        _, header = next(lines)
     except StopIteration:
         raise RecordingError(f"{p}: empty file, not a recording") from None
-    n, header = first
     schema = _need(header, "schema", str, "header (line 1)", p)
     if schema != SCHEMA:
         raise RecordingError(
@@ -445,15 +446,21 @@ def load_recording(path: str | Path) -> Recording:
         _need(header, key, kind, "header (line 1)", p)
     for key, kind in CORPUS_FIELDS.items():
         _need(header["corpus"], key, kind, "header (line 1): corpus", p)
-    rec = Recording(p, header)
+    return Recording(p, header), _checked_lines(p, header["modes"], lines)
+
+
+def _checked_lines(
+    p: Path, modes: list[str], lines: Iterator[tuple[int, Any]]
+) -> Iterator[dict[str, Any]]:
+    seen: set[str] = set()
     for n, line in lines:
         where = f"line {n}"
         name = _need(line, "workload", str, where, p)
         where = f"line {n} (workload {name})"
         _need(line, "trace", dict, where, p)
-        modes = _need(line, "modes", dict, where, p)
-        for mode in header["modes"]:
-            run = _need(modes, mode, dict, f"{where}: modes", p)
+        runs = _need(line, "modes", dict, where, p)
+        for mode in modes:
+            run = _need(runs, mode, dict, f"{where}: modes", p)
             ops = _need(run, "ops", list, f"{where}: modes.{mode}", p)
             steps = _need(run, "steps", list, f"{where}: modes.{mode}", p)
             if len(ops) != len(steps):
@@ -465,9 +472,17 @@ def load_recording(path: str | Path) -> Recording:
                     raise RecordingError(
                         f"{p}: {where}: field 'modes.{mode}.steps[{i}]' should be an object"
                     )
-        if name in rec.workloads:
+        if name in seen:
             raise RecordingError(f"{p}: {where}: workload {name!r} appears twice")
-        rec.workloads[name] = line
+        seen.add(name)
+        yield line
+
+
+def load_recording(path: str | Path) -> Recording:
+    """A whole recording, checked field by field (``open_recording`` reads it lazily)."""
+    rec, lines = open_recording(path)
+    for line in lines:
+        rec.workloads[line["workload"]] = line
     return rec
 
 

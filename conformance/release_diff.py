@@ -35,12 +35,12 @@ import itertools
 import json
 import re
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conformance.record import MODES, Recording, RecordingError, load_recording
+from conformance.record import MODES, Recording, RecordingError, open_recording
 
 REPORT_SCHEMA = "omni-conformance-release-diff/1"
 EXIT_IDENTICAL = 0
@@ -175,10 +175,14 @@ class Change:
 
 @dataclass
 class DiffResult:
+    """The comparison. ``a`` and ``b`` carry the headers; their ``workloads`` hold only the
+    workloads that differ, without their observations (what the traces and report need)."""
+
     a: Recording
     b: Recording
     runs: list[tuple[str, str, FirstDifference | None]] = field(default_factory=list)
     changes: list[Change] = field(default_factory=list)
+    workloads: int = 0
 
     @property
     def differences(self) -> list[FirstDifference]:
@@ -200,6 +204,8 @@ def _get(header: Mapping[str, Any], dotted: str) -> Any:
 
 
 def check_same_corpus(a: Recording, b: Recording) -> None:
+    """The headers' corpus identity (``IDENTITY``); workload by workload, ``diff_streams``
+    checks the names and traces."""
     for key in IDENTITY:
         va, vb = _get(a.header, key), _get(b.header, key)
         if va != vb:
@@ -207,15 +213,26 @@ def check_same_corpus(a: Recording, b: Recording) -> None:
                 f"{b.path}: header field {key!r} is {_short(vb)} but {a.path} has {_short(va)}: "
                 "not recordings of the same corpus"
             )
-    if list(a.workloads) != list(b.workloads):
-        only = sorted(set(a.workloads) ^ set(b.workloads))
-        detail = f"workload {only[0]!r} is in one only" if only else "workloads in another order"
-        raise CorpusMismatch(f"{b.path}: {detail} (compared with {a.path})")
-    for name, line in a.workloads.items():
-        if line["trace"] != b.workloads[name]["trace"]:
-            raise CorpusMismatch(
-                f"{b.path}: workload {name!r}: field 'trace' differs from {a.path}'s"
-            )
+
+
+def _same_workload(a: Recording, la: Any, b: Recording, lb: Any) -> None:
+    if la is None or lb is None:
+        more = "more" if la is None else "fewer"
+        raise CorpusMismatch(f"{b.path}: {more} workloads than {a.path}")
+    name = la["workload"]
+    if lb["workload"] != name:
+        raise CorpusMismatch(
+            f"{b.path}: workload {lb['workload']!r} where {a.path} has {name!r} "
+            "(different corpora, or workloads in another order)"
+        )
+    if la["trace"] != lb["trace"]:
+        raise CorpusMismatch(f"{b.path}: workload {name!r}: field 'trace' differs from {a.path}'s")
+
+
+def _slim(line: Mapping[str, Any]) -> dict[str, Any]:
+    """A workload line without its observations."""
+    runs = {mode: {"ops": run["ops"]} for mode, run in line["modes"].items()}
+    return {**{k: v for k, v in line.items() if k != "modes"}, "modes": runs}
 
 
 def _natural(key: str) -> tuple[Any, ...]:
@@ -322,21 +339,39 @@ def group_changes(differences: Sequence[FirstDifference]) -> list[Change]:
     return changes
 
 
-def diff_recordings(a: Recording, b: Recording) -> DiffResult:
-    """Compare two loaded recordings (``CorpusMismatch`` if they are of different corpora)."""
+def diff_streams(
+    a: Recording,
+    lines_a: Iterable[dict[str, Any]],
+    b: Recording,
+    lines_b: Iterable[dict[str, Any]],
+) -> DiffResult:
+    """Compare two recordings workload by workload as their lines come (``CorpusMismatch`` if
+    they are of different corpora, ``RecordingError`` for a malformed line)."""
     check_same_corpus(a, b)
     absent_a = frozenset(a.header["absent_fields"])
     absent_b = frozenset(b.header["absent_fields"])
-    result = DiffResult(a, b)
-    for name, line in a.workloads.items():
-        other = b.workloads[name]
+    result = DiffResult(Recording(a.path, a.header), Recording(b.path, b.header))
+    for la, lb in itertools.zip_longest(lines_a, lines_b):
+        _same_workload(a, la, b, lb)
+        name = la["workload"]
+        result.workloads += 1
+        differs = False
         for mode in a.header["modes"]:
             d = first_difference(
-                name, mode, line["modes"][mode], other["modes"][mode], absent_a, absent_b
+                name, mode, la["modes"][mode], lb["modes"][mode], absent_a, absent_b
             )
             result.runs.append((name, mode, d))
+            differs = differs or d is not None
+        if differs:
+            result.a.workloads[name] = _slim(la)
+            result.b.workloads[name] = _slim(lb)
     result.changes = group_changes(result.differences)
     return result
+
+
+def diff_recordings(a: Recording, b: Recording) -> DiffResult:
+    """Compare two loaded recordings (``load_recording``)."""
+    return diff_streams(a, a.workloads.values(), b, b.workloads.values())
 
 
 # ---- traces of the shortest workloads -----------------------------------------------------
@@ -436,7 +471,7 @@ def _variants(rec: Recording, change: Change) -> dict[str, int]:
 
 def build_report(result: DiffResult) -> dict[str, Any]:
     a, b = result.a, result.b
-    workloads = len(a.workloads)
+    workloads = result.workloads
     differing = {name for name, _, d in result.runs if d is not None}
     return {
         "schema": REPORT_SCHEMA,
@@ -582,8 +617,9 @@ def write_report(result: DiffResult, out_dir: str | Path) -> dict[str, Any]:
 
 def release_diff(a: str | Path, b: str | Path, out_dir: str | Path) -> dict[str, Any]:
     """Load, compare and report; ``RecordingError`` / ``CorpusMismatch`` for bad input."""
-    result = diff_recordings(load_recording(a), load_recording(b))
-    return write_report(result, out_dir)
+    rec_a, lines_a = open_recording(a)
+    rec_b, lines_b = open_recording(b)
+    return write_report(diff_streams(rec_a, lines_a, rec_b, lines_b), out_dir)
 
 
 # ---- the command --------------------------------------------------------------------------

@@ -250,6 +250,11 @@ def test_recordings_of_different_corpora_are_refused(
     line = _one_error_line(capsys)
     assert str(b) in line and "'corpus.seed'" in line and "same corpus" in line
 
+    b = _write(tmp_path / "short.jsonl", lines[:-1])
+    assert main(["release-diff", str(corpus["first"]), str(b), "--out", str(tmp_path / "o")]) == 2
+    line = _one_error_line(capsys)
+    assert str(b) in line and "fewer workloads" in line
+
     other = copy.deepcopy(lines)
     other[2]["trace"]["ops"].append({"op": "step"})
     b = _write(tmp_path / "trace.jsonl", other)
