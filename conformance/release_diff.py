@@ -10,7 +10,7 @@ workload that shows each change (written as a trace), and the report (Markdown a
   refuses with one line naming the file and the field (``CorpusMismatch``, exit 2).
 * **First difference per workload and mode**: the first recorded observation (operation index,
   counting the drain steps) at which the two runs differ, and in it the first field, walked in a
-  fixed order (``SECTION_ORDER``: what was scheduled, then what the client got, then request
+  fixed order (``SECTION_ORDER``, ``FIELD_ORDER``: what was scheduled, then what the client got, then request
   state, queues, block pool), request ids in natural order. A field one release does not have
   (named in that recording's ``absent_fields``) is not compared; the report lists those fields.
   A field that one release has and whose value is missing in the other (a request one release
@@ -22,8 +22,13 @@ workload that shows each change (written as a trace), and the report (Markdown a
   change, the run whose first difference comes earliest is its shortest workload: its operations
   up to and including the differing one, written as a trace (``traces/`` next to the report)
   that ``conformance.workload.Trace.load`` / ``omni-conformance replay`` tooling reads and that
-  runs on either release (it is a workload, not a diff). Recording that folder on each release
-  (``omni-conformance record --size 0 --traces DIR``) and diffing shows the change alone.
+  runs on either release (it is a workload, not a diff): ``omni-conformance replay TRACE
+  --subject NAME`` checks a subject against upstream on exactly that workload, and recording the
+  folder on each release (``omni-conformance record --size 0 --traces DIR``) and diffing shows
+  the change alone.
+
+Both recordings are read a workload at a time (``diff_streams``), and only the workloads that
+differ are kept, so a large corpus costs time, not memory.
 
 Exit codes of the command: 0 every run identical, 1 differences found, 2 bad input.
 """
