@@ -28,6 +28,21 @@ keeps per-request state may also have ``release(request_id)``: it is called when
 raised on a request's final call, the one where it would have let go of that state itself.
 Change the processor with ``set_processor``: it derives from it whether ids alone trigger a call
 and whether the call passes them.
+
+A processor that declares ``requires_token_updates`` may also define, in its class,
+``on_token_batch(request_ids, token_ids, counts)``. The adapter then replaces the calls
+``processor(request_id, None, False, new_token_ids=ids)`` of each run of consecutive requests
+(in scheduler order) that would get exactly that call on a step (live, not final, no payload,
+nonempty ids) by one batch call: ``request_ids`` is a tuple of the run's ids, ``token_ids`` a
+fresh list of their ids concatenated in that order (the processor may keep or mutate it, C-44),
+``counts`` the number of ids of each request, or None when each has exactly one. It returns a
+mapping from request id to that request's data (a request absent, or mapped to None, has nothing
+this step), or None when no request has any. It must leave the processor as those per-request
+calls would have. If it raises, every request of the run fails with that exception, as if each
+call had raised it (C-61). Every other call stays a per-request call, so a step with an edge
+(a payload, a final step) splits the run: calls and chunks keep scheduler order. A class that
+redefines ``__call__`` below the class defining ``on_token_batch`` (a subclass changing the
+per-request call only) is called per request.
 """
 
 from __future__ import annotations
@@ -39,6 +54,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from itertools import chain
 from typing import Any, Protocol
 
 from vllm.utils.import_utils import resolve_obj_by_qualname
@@ -132,6 +148,26 @@ def _direct_call(processor: ChunkProcessor | None) -> ChunkProcessor | None:
     return processor
 
 
+def _batch_method(processor: ChunkProcessor | None) -> Callable[..., Any] | None:
+    """The processor's ``on_token_batch``, bound, when its class defines one at or below the
+    ``__call__`` it runs (looked up along the MRO, as the call slot is); else None. Only the
+    class counts: a wrapper that forwards attribute reads to an inner processor must not route
+    the inner one's batch past its own per-request call."""
+    if processor is None:
+        return None
+    batch_at = call_at = None
+    for i, klass in enumerate(type(processor).__mro__):
+        found = klass.__dict__
+        if batch_at is None and "on_token_batch" in found:
+            batch_at = i
+        if call_at is None and "__call__" in found:
+            call_at = i
+    if batch_at is None or call_at is None or batch_at > call_at:
+        return None
+    method = getattr(processor, "on_token_batch", None)
+    return method if callable(method) else None
+
+
 @dataclass
 class TransferProgress:
     """Per-request delivery state; dropped on the terminal delivery (C-04)."""
@@ -160,6 +196,17 @@ class ChunkTransferAdapter:
         self.processor = processor
         self.token_updates = requires_token_updates(processor)
         self._pass_ids = processor is not None and accepts_new_token_ids(processor)
+        self._batch_owner: ChunkProcessor | None = processor
+        self._batches = _batch_method(processor) is not None
+
+    def _batch_of(self, processor: ChunkProcessor | None) -> Callable[..., Any] | None:
+        # ``self.processor`` may be replaced without ``set_processor`` (tests wrap it for one
+        # call): whether it batches is decided again when it changes. The method itself is
+        # read on every step, as a per-request call reads ``__call__``.
+        if processor is not self._batch_owner:
+            self._batch_owner = processor
+            self._batches = _batch_method(processor) is not None
+        return getattr(processor, "on_token_batch", None) if self._batches else None
 
     def on_steps(
         self,
@@ -193,8 +240,16 @@ class ChunkTransferAdapter:
         token_updates = self.token_updates
         call = _direct_call(self.processor)
         pass_ids = self._pass_ids
+        batch = self._batch_of(self.processor) if token_updates else None
+        # The current run of requests whose call is ids only, for one batch call; it is run
+        # before anything else that calls the processor or sends, so both keep scheduler order.
+        run: list[str] = []
+        run_ids: list[list[int]] = []
+        add_run, add_run_ids = run.append, run_ids.append
         for rid, out in steps:
             if out is None or out.finish_reason is not None or special and rid in special:
+                if run:
+                    self._run_batch(batch, run, run_ids, sent)
                 chunk = self._edge_step(rid, out, payloads, freed, dropped, live_slot, consumed)
                 if chunk is not None:
                     sent[rid] = chunk
@@ -212,11 +267,17 @@ class ChunkTransferAdapter:
             new_ids = out.new_token_ids
             payload = None if get_payload is None else get_payload(rid)
             if payload is not None:
+                if run:
+                    self._run_batch(batch, run, run_ids, sent)
                 chunk = decide(rid, prog, new_ids, payload, None)
             # A common step: live, not the last, no payload. ``_decide`` reduces to this: only
             # the ids can trigger a delivery, and then the processor's data decides whether
             # anything is sent. Written out because it runs for every request of every step.
             elif not (new_ids and token_updates):
+                continue
+            elif batch is not None:
+                add_run(rid)
+                add_run_ids(new_ids)
                 continue
             else:
                 assert call is not None  # token_updates implies a processor
@@ -234,11 +295,48 @@ class ChunkTransferAdapter:
                 chunk = self._send(rid, prog, new_ids, None, data, None)
             if chunk is not None:
                 sent[rid] = chunk
+        if run:
+            self._run_batch(batch, run, run_ids, sent)
         # Requests freed in this update without a step of their own (errors).
         for rid, (state, reason) in freed.items():
             if rid not in consumed:
                 self.on_terminated(rid, state, reason)
         return sent
+
+    def _run_batch(
+        self,
+        batch: Callable[..., Any] | None,
+        request_ids: list[str],
+        new_ids: list[list[int]],
+        sent: dict[str, StageChunk],
+    ) -> None:
+        """One ``on_token_batch`` call for a run of ids-only requests, then their chunks, in
+        run order (module docstring). ``new_ids`` are upstream's own lists: the processor gets
+        a fresh list of their contents (C-44) and the chunks a tuple each."""
+        assert batch is not None  # a run is only built with a batch method
+        token_ids = list(chain.from_iterable(new_ids))
+        # Every list is nonempty, so as many ids as requests means one each.
+        counts = None if len(token_ids) == len(request_ids) else list(map(len, new_ids))
+        try:
+            data = batch(tuple(request_ids), token_ids, counts)
+        except Exception as exc:  # fails the run's requests alone, each as its own call would
+            for rid in request_ids:
+                self.failures[rid] = exc
+                self.progress.pop(rid, None)
+            data = None
+        if data:
+            progress = self.progress
+            for rid, ids in zip(request_ids, new_ids, strict=True):
+                out = data.get(rid)
+                if out is None:
+                    continue
+                chunk = self._send(rid, progress[rid], ids, None, out, None)
+                if chunk is not None:
+                    sent[rid] = chunk
+        # The caller keeps appending to the same two lists (it bound their ``append``); nothing
+        # else holds them: the processor got copies.
+        request_ids.clear()
+        new_ids.clear()
 
     def _edge_step(
         self,
