@@ -161,6 +161,15 @@ def run_workload(
         containment.shutdown(worker)
 
 
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def check_fault_stays_with_its_request(
     workload: list[Job],
     victim_index: int,
@@ -178,15 +187,37 @@ def check_fault_stays_with_its_request(
     prompts = {f"f{i}": job_prompt(i, job) for i, job in enumerate(workload)}
     limits = {f"f{i}": job.max_tokens for i, job in enumerate(workload)}
     victim = f"f{victim_index % len(workload)}"
-    used = {t for p in prompts.values() for t in p}
-    poison = min(t for t in range(1, 1000) if t not in used)
-    prompts[victim] = prompts[victim][:-1] + [poison]
-    again = ("again", list(prompts[victim]), limits[victim])
-
-    clean, clean_again, _ = run_workload(subject, containment, cfg, prompts, limits, None, again)
+    # The poison must reach the embedding only through the victim's prompt: no other prompt may
+    # hold it, and no request may sample it (a decode embeds the sampled token, and the hook
+    # would then fault a request the check calls innocent). Sampling depends on the victim's
+    # prompt, so a candidate is kept only once a fault-free run with it never sampled it.
+    excluded = {t for p in prompts.values() for t in p}
+    base = prompts[victim][:-1]
+    for _ in range(8):
+        poison = min(t for t in range(1, 100_000) if t not in excluded)
+        prompts[victim] = base + [poison]
+        again = ("again", list(prompts[victim]), limits[victim])
+        clean, clean_again, _ = run_workload(
+            subject, containment, cfg, prompts, limits, None, again
+        )
+        sampled = {t for out in (clean, clean_again) for ids in out.tokens.values() for t in ids}
+        if poison not in sampled:
+            break
+        excluded |= sampled
+    else:
+        raise AssertionError("no poison token the fault-free runs never sample in 8 tries")
     fault = (poison, None if persistent else 1)
     got, got_again, faults = run_workload(subject, containment, cfg, prompts, limits, fault, again)
     assert faults > 0, "the planted fault never fired (the victim was never embedded)"
+    # C-61 lets a request fail with the victim when it was scheduled onto the victim's unwritten
+    # blocks as a prefix hit; only one that shares a whole block with the victim's prompt can be.
+    readers = {
+        rid
+        for rid, prompt in prompts.items()
+        if persistent
+        and rid != victim
+        and _common_prefix(prompt, prompts[victim]) >= cfg.block_size
+    }
     for rid in prompts:
         ends = got.terminal.get(rid, [])
         assert len(ends) == 1, f"C-62: {rid} ended {len(ends)} times: {ends}"
@@ -194,16 +225,26 @@ def check_fault_stays_with_its_request(
             assert ends == ["error"], (
                 f"C-61: {rid}, whose every forward faulted, ended {ends[0]!r}, not with an error"
             )
+        elif rid in readers and ends == ["error"]:
+            continue
         else:
-            assert ends != ["error"], f"C-61: {rid} failed with an error, yet only " + (
-                f"{victim}'s forward faulted" if persistent else "one forward faulted, once"
-            ) + (f" (the subject says: {got.causes[rid]})" if rid in got.causes else "")
-    if not persistent:
-        for rid in prompts:
-            assert got.tokens.get(rid) == clean.tokens.get(rid), (
-                f"C-61: after a fault a retry cleared, {rid}'s tokens differ: "
-                f"{got.tokens.get(rid)} vs {clean.tokens.get(rid)} without the fault"
+            assert ends != ["error"], (
+                f"C-61: {rid} failed with an error, yet only "
+                + (f"{victim}'s forward faulted" if persistent else "one forward faulted, once")
+                + (f" (the subject says: {got.causes[rid]})" if rid in got.causes else "")
             )
+    for rid in prompts:
+        if persistent and (rid == victim or got.terminal.get(rid) == ["error"]):
+            continue
+        assert got.tokens.get(rid) == clean.tokens.get(rid), (
+            f"C-61: {rid}'s tokens differ from a fault-free run's: {got.tokens.get(rid)} vs "
+            f"{clean.tokens.get(rid)}"
+            + (
+                f", though only {victim}'s forward faulted"
+                if persistent
+                else ", after a fault a retry cleared"
+            )
+        )
     assert got_again.tokens == clean_again.tokens, (
         f"C-61: {victim}'s prompt, run again after its fault, gives {got_again.tokens} and "
         f"{clean_again.tokens} after a fault-free run: a prefix-cache hit on KV never written"

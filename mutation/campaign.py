@@ -1,0 +1,531 @@
+"""The invariant suite's mutation score: a mutmut campaign over the runtime code the suite guards.
+
+The suite's named mutants (``tests/mutants/``) are bugs its authors thought of. This campaign
+measures it against bugs nobody picked: mutmut (PyPI, 3.8) rewrites the guarded code with
+mechanical mutations (flipped conditions, changed constants, dropped arguments, swapped operands,
+``None`` results) and runs ``pytest -m invariants`` against each one. The campaign owns:
+
+* what is mutated (``TARGETS``): ``omni_runtime/sched/``, ``omni_runtime/adapters/``,
+  ``payload.py``, ``worker/materialize.py`` and the runner's payload-building functions;
+* how the suite runs per mutant (``pytest_args``): the ``smoke`` hypothesis profile, stop at the
+  first failure, no trace shrinking (a kill needs no shrunk trace), and without the two static
+  source audits, which read the source text and see mutmut's trampolines instead of the runtime's
+  code (no mutation operator adds an import or a payload construction, so they kill nothing);
+* the re-check (``recheck``): every survivor the ledger does not mark equivalent runs again under
+  the ``thorough`` profile, its covering tests only; a kill there counts as a kill;
+* the triage ledger (``mutation/triage.toml``): survivors that are equivalent, each with the
+  reason no behaviour changes. An entry names the function and the mutated line pair, not
+  mutmut's positional number, so it survives unrelated edits; entries that match nothing are
+  reported as stale;
+* the score: killed / (mutants - equivalent); a mutant no test reaches counts as not killed.
+
+mutmut writes its copy of the project into ``mutants/`` under its working directory, so the
+campaign runs in a work folder (default ``./mutation-work``) holding a copy of the repository's
+files, never in the checkout itself. Usage::
+
+    python mutation/campaign.py run              # the whole campaign, then the report
+    python mutation/campaign.py run --slice ci   # payload.py only: the CI guard's slice
+    python mutation/campaign.py report           # the report of the last run, again
+
+``run`` exits 0 when the score meets ``--min-score`` (default: none), 1 below it, 2 on bad input.
+It is a benchmark, not a test: the README's test command runs only the ``ci`` slice
+(``tests/test_mutation_slice.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fnmatch
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+LEDGER = REPO / "mutation" / "triage.toml"
+DEFAULT_WORK = REPO / "mutation-work"
+MUTMUT_VERSION = "3.8.1"
+
+# Tests that read the runtime's source text (C-10/C-11 payload construction sites, C-21 import
+# contracts). Under mutmut the source holds trampolines and renamed functions, which these audits
+# rightly flag; they guard layout, not behaviour, and no mutation operator changes layout.
+STATIC_AUDITS = (
+    "invariants/test_ar_inv_002_adapters.py::test_only_adapters_build_payloads",
+    "invariants/test_ar_inv_003_workers.py::test_import_contracts_hold",
+)
+
+_RUNNER = "omni_runtime.worker.runner.xǁOmniARModelRunnerǁ"
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """One row of the report: a file and, optionally, which of its functions are mutated."""
+
+    label: str
+    path: str  # glob of files, relative to the repository
+    mutants: tuple[str, ...]  # mutmut mutant-name globs
+
+
+TARGETS = (
+    Target(
+        "sched/scheduler.py", "omni_runtime/sched/scheduler.py", ("omni_runtime.sched.scheduler.*",)
+    ),
+    Target(
+        "sched/transfer.py", "omni_runtime/sched/transfer.py", ("omni_runtime.sched.transfer.*",)
+    ),
+    Target(
+        "sched/processors.py",
+        "omni_runtime/sched/processors.py",
+        ("omni_runtime.sched.processors.*",),
+    ),
+    Target(
+        "sched/process_stage.py",
+        "omni_runtime/sched/process_stage.py",
+        ("omni_runtime.sched.process_stage.*",),
+    ),
+    Target(
+        "adapters/input.py", "omni_runtime/adapters/input.py", ("omni_runtime.adapters.input.*",)
+    ),
+    Target(
+        "adapters/output.py", "omni_runtime/adapters/output.py", ("omni_runtime.adapters.output.*",)
+    ),
+    Target(
+        "adapters/shm_wire.py",
+        "omni_runtime/adapters/shm_wire.py",
+        ("omni_runtime.adapters.shm_wire.*",),
+    ),
+    Target("payload.py", "omni_runtime/payload.py", ("omni_runtime.payload.*",)),
+    Target(
+        "worker/materialize.py",
+        "omni_runtime/worker/materialize.py",
+        ("omni_runtime.worker.materialize.*",),
+    ),
+    # The runner's other phases (inputs, forward, sampling, recovery) belong to the model, not to
+    # the payload path the suite's contracts guard; its payload-building functions are these.
+    # (``persistent_buffers`` is left out: it tells the gate which buffers C-52 may scribble on,
+    # so a mutant there weakens the gate's audit and changes nothing the runtime does.)
+    Target(
+        "worker/runner.py (payload parts)",
+        "omni_runtime/worker/runner.py",
+        tuple(
+            f"{_RUNNER}{name}__mutmut_*"
+            for name in (
+                "_finish_payloads",
+                "_finish",
+                "_sample_output",
+                "sample_tokens",
+                "_producers",
+                "_recheck_conditioning",
+                "collect_connector_output",
+            )
+        ),
+    ),
+)
+
+SLICES = {"full": TARGETS, "ci": tuple(t for t in TARGETS if t.label == "payload.py")}
+
+# mutmut's result codes (its ``status_by_exit_code``), folded into the report's columns.
+_STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped"}
+_TIMEOUT = {-24, 24, 152, 255, 36}
+
+
+def status_of(code: int | None) -> str:
+    if code in _STATUS:
+        return _STATUS[code]
+    if code in _TIMEOUT:
+        return "timeout"  # a mutant that hangs the suite is caught: mutmut counts it killed too
+    return "not run" if code is None else "suspicious"
+
+
+class CampaignError(Exception):
+    """Bad input or a broken work folder: one line for the user."""
+
+
+# ---- the work folder --------------------------------------------------------------------------
+
+
+def pytest_args(profile: str) -> list[str]:
+    args = [
+        "-m",
+        "invariants",
+        "-p",
+        "no:cacheprovider",
+        "-x",
+        "-q",
+        "--conformance-profile",
+        profile,
+    ]
+    for test in STATIC_AUDITS:
+        args += ["--deselect", test]
+    return args
+
+
+def mutmut_config(targets: Sequence[Target], profile: str) -> str:
+    def toml_list(items: Iterable[str]) -> str:
+        return "[" + ", ".join(json.dumps(i) for i in items) + "]"
+
+    return "\n".join(
+        [
+            "",
+            "[tool.mutmut]",
+            'source_paths = ["omni_runtime"]',
+            'also_copy = ["conformance", "invariants"]',
+            f"only_mutate = {toml_list(sorted({t.path for t in targets}))}",
+            'pytest_add_cli_args_test_selection = ["invariants"]',
+            f"pytest_add_cli_args = {toml_list(pytest_args(profile))}",
+            # torch is not fork-safe once used: fork each mutant from a server that only imported.
+            'process_isolation = "forkserver"',
+            'forkserver_warmup = "import"',
+            # mutmut's timeout is wall-clock: (tests' time + constant) x multiplier x 2. On a loaded
+            # 2-core machine the default constant (1 s) times out healthy runs; timeouts are
+            # re-checked anyway (``recheck``).
+            "timeout_constant = 5.0",
+            'preload_modules_file = "warmup-modules.txt"',
+            "",
+        ]
+    )
+
+
+def repository_files() -> list[str]:
+    """Tracked and untracked-but-not-ignored files: the campaign measures the working tree."""
+    out = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=REPO,
+        check=True,
+        capture_output=True,
+    ).stdout.decode()
+    return [f for f in out.split("\0") if f and (REPO / f).is_file()]
+
+
+# What mutmut's fork server imports before it forks a worker per mutant. Without it every worker
+# pays, in its first test, for what one process pays once: vLLM resolving the model class of the
+# harness's config (a subprocess unless its on-disk cache is warm) and importing the suite.
+WARMUP_MODULE = "campaign_warmup"
+WARMUP_SOURCE = '''"""Generated by mutation/campaign.py: warms mutmut's fork server (see WARMUP_MODULE)."""
+import os
+import pathlib
+
+import pytest
+
+from conformance.config import HarnessConfig, build_vllm_config
+
+build_vllm_config(HarnessConfig())
+_cwd = os.getcwd()
+os.chdir(pathlib.Path(__file__).parent)  # where mutmut runs the tests
+try:
+    pytest.main(["--rootdir=.", "--collect-only", "-qqq", "-p", "no:cacheprovider", "invariants"])
+finally:
+    os.chdir(_cwd)
+'''
+
+
+def copy_repository(work: Path, rev: str | None) -> None:
+    """The working tree's files (tracked and not ignored), or those of commit ``rev``."""
+    work.mkdir(parents=True)
+    if rev is not None:
+        archive = subprocess.run(
+            ["git", "archive", "--format=tar", rev], cwd=REPO, capture_output=True
+        )
+        if archive.returncode != 0:
+            raise CampaignError(f"--rev {rev}: {archive.stderr.decode().strip()}")
+        subprocess.run(["tar", "-x", "-C", str(work)], input=archive.stdout, check=True)
+        return
+    for rel in repository_files():
+        dest = work / rel
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(REPO / rel, dest)
+
+
+def prepare(work: Path, targets: Sequence[Target], profile: str, rev: str | None = None) -> None:
+    """A fresh copy of the repository in ``work`` with the campaign's mutmut configuration."""
+    where = work.resolve()
+    # Inside the checkout only as ./mutation-work, which git ignores: any other folder there would
+    # be copied into the next campaign's copy of the repository.
+    if where == REPO or where in REPO.parents or (REPO in where.parents and where != DEFAULT_WORK):
+        raise CampaignError(
+            f"--work {work}: use a folder outside the repository or ./mutation-work"
+        )
+    if work.exists():
+        shutil.rmtree(work)
+    copy_repository(work, rev)
+    with (work / "pyproject.toml").open("a") as f:
+        f.write(mutmut_config(targets, profile))
+    (work / "mutants").mkdir()
+    (work / "mutants" / f"{WARMUP_MODULE}.py").write_text(WARMUP_SOURCE)
+    (work / "warmup-modules.txt").write_text(WARMUP_MODULE + "\n")
+
+
+def campaign_env(work: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        PYTHONHASHSEED="0",
+        # A kill needs no shrunk trace; shrinking costs up to a minute per killed mutant.
+        OMNI_CONFORMANCE_SHRINK_SECONDS="0",
+        OMNI_CONFORMANCE_FAILURES=str(work / "failures"),
+    )
+    return env
+
+
+def run_mutmut(work: Path, targets: Sequence[Target], children: int) -> None:
+    globs = [g for t in targets for g in t.mutants]
+    cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(children), *globs]
+    log = work / "mutmut.log"
+    with log.open("wb") as out:
+        proc = subprocess.run(
+            cmd, cwd=work, env=campaign_env(work), stdout=out, stderr=subprocess.STDOUT
+        )
+    if proc.returncode != 0:
+        tail = log.read_bytes()[-1500:].decode(errors="replace").replace("\r", "\n")
+        raise CampaignError(f"mutmut exited {proc.returncode}; the end of {log}:\n{tail}")
+
+
+# ---- results ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Mutant:
+    name: str
+    target: str
+    status: str
+    change: tuple[str, ...] = ()  # the mutated lines: "-old" / "+new", stripped
+    equivalent: str | None = None  # the ledger's reason
+    recheck: str | None = None  # "killed" / "survived" under the re-check profile
+
+    @property
+    def function(self) -> str:
+        return self.name.rsplit("__mutmut_", 1)[0]
+
+    @property
+    def final(self) -> str:
+        """The report's verdict: mutmut's, corrected by the ledger and the re-check."""
+        if self.status not in ("survived", "timeout"):
+            return self.status
+        if self.recheck in ("killed", "timeout"):
+            return "killed"  # a failing test, or a suite that hangs even with minutes to spare
+        if self.recheck is None and self.status == "timeout":
+            return "timeout"  # mutmut's wall-clock limit, not re-checked: no verdict yet
+        return "equivalent" if self.equivalent else "survived"
+
+
+def load_results(work: Path, targets: Sequence[Target]) -> list[Mutant]:
+    mutants: list[Mutant] = []
+    root = work / "mutants"
+    for target in targets:
+        meta = root / f"{target.path}.meta"
+        if not meta.is_file():
+            raise CampaignError(
+                f"{meta}: no mutmut results for {target.label}; run the campaign first"
+            )
+        codes = json.loads(meta.read_text())["exit_code_by_key"]
+        for name, code in sorted(codes.items()):
+            if any(fnmatch.fnmatch(name, g) for g in target.mutants):
+                mutants.append(Mutant(name, target.label, status_of(code)))
+    return mutants
+
+
+def mutant_change(work: Path, name: str) -> tuple[str, ...]:
+    """The lines the mutation changed, from ``mutmut show`` (its diff against the original)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "mutmut", "show", name], cwd=work, capture_output=True, text=True
+    ).stdout
+    return tuple(
+        line[0] + line[1:].strip()
+        for line in out.splitlines()
+        if line[:1] in "+-" and not line.startswith(("+++", "---"))
+    )
+
+
+def load_ledger(path: Path = LEDGER) -> list[dict[str, object]]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise CampaignError(f"{path}: {exc}") from exc
+    entries = data.get("equivalent", [])
+    for i, entry in enumerate(entries):
+        for key in ("function", "change", "reason"):
+            if not entry.get(key):
+                raise CampaignError(f"{path}: equivalent entry {i + 1} has no {key!r}")
+    return list(entries)
+
+
+def apply_ledger(mutants: list[Mutant], ledger: list[dict[str, object]]) -> list[dict[str, object]]:
+    """Mark ledger matches equivalent; return the entries that matched no mutant (stale)."""
+    used: set[int] = set()
+    for m in mutants:
+        if not m.change:
+            continue
+        for i, entry in enumerate(ledger):
+            change = tuple(str(c) for c in entry["change"])  # type: ignore[attr-defined]
+            if entry["function"] == m.function and change == m.change:
+                m.equivalent = str(entry["reason"])
+                used.add(i)
+    return [e for i, e in enumerate(ledger) if i not in used]
+
+
+def recheck(work: Path, mutants: list[Mutant], profile: str, timeout: float) -> None:
+    """Run each survivor the ledger does not explain, and each timeout, again: its covering tests
+    under ``profile``, with ``timeout`` seconds of wall clock. Results are kept in the work folder
+    (keyed by mutant and change), so ``report`` does not redo them."""
+    stats = json.loads((work / "mutants" / "mutmut-stats.json").read_text())
+    tests_by_function = stats["tests_by_mangled_function_name"]
+    cache_path = work / f"recheck-{profile}.json"
+    cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    for m in mutants:
+        if m.status not in ("survived", "timeout") or m.equivalent:
+            continue
+        key = f"{m.name} {' | '.join(m.change)}"
+        if key not in cache:
+            tests = sorted(tests_by_function.get(m.function, ()))
+            env = campaign_env(work) | {"MUTANT_UNDER_TEST": m.name}
+            cmd = [sys.executable, "-m", "pytest", *pytest_args(profile), *tests]
+            try:
+                code = subprocess.run(
+                    cmd, cwd=work / "mutants", env=env, capture_output=True, timeout=timeout
+                ).returncode
+                cache[key] = {0: "survived", 1: "killed"}.get(code, f"exit {code}")
+            except subprocess.TimeoutExpired:
+                cache[key] = "timeout"
+            cache_path.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        m.recheck = cache[key]
+
+
+# ---- the report -------------------------------------------------------------------------------
+
+COLUMNS = ("mutants", "killed", "equivalent", "survived", "no tests", "timeout", "other")
+
+
+def tally(mutants: Iterable[Mutant]) -> dict[str, int]:
+    row = dict.fromkeys(COLUMNS, 0)
+    for m in mutants:
+        row["mutants"] += 1
+        final = m.final
+        row[final if final in row else "other"] += 1
+    return row
+
+
+def score(row: dict[str, int]) -> float:
+    countable = row["mutants"] - row["equivalent"]
+    return row["killed"] / countable if countable else 1.0
+
+
+def render(mutants: list[Mutant], stale: list[dict[str, object]], meta: dict[str, object]) -> str:
+    labels = list(dict.fromkeys(m.target for m in mutants))
+    lines = [
+        "# Mutation score of the invariant suite",
+        "",
+        f"mutmut {meta.get('mutmut')}, profile {meta.get('profile')} (survivors re-checked under "
+        f"{meta.get('recheck')}), {meta.get('children')} workers, {meta.get('seconds', 0):.0f} s.",
+        "",
+        "| module | " + " | ".join(COLUMNS) + " | score |",
+        "|---|" + "---|" * (len(COLUMNS) + 1),
+    ]
+    for label in [*labels, "total"]:
+        row = tally(m for m in mutants if label in ("total", m.target))
+        cells = " | ".join(str(row[c]) for c in COLUMNS)
+        lines.append(f"| {label} | {cells} | {score(row):.1%} |")
+    left = [m for m in mutants if m.final in ("survived", "no tests", "timeout")]
+    if left:
+        lines += ["", "## Not killed", ""]
+        lines += [f"- `{m.name}` ({m.final}): `{' / '.join(m.change)}`" for m in left]
+    if stale:
+        lines += ["", "## Stale ledger entries (match no survivor)", ""]
+        lines += [f"- `{e['function']}`: `{' / '.join(map(str, e['change']))}`" for e in stale]  # type: ignore[call-overload]
+    return "\n".join(lines) + "\n"
+
+
+def report(
+    work: Path,
+    targets: Sequence[Target],
+    meta: dict[str, object],
+    recheck_profile: str | None,
+    recheck_timeout: float,
+) -> tuple[str, float]:
+    mutants = load_results(work, targets)
+    for m in mutants:
+        if m.status in ("survived", "timeout"):
+            m.change = mutant_change(work, m.name)
+    stale = apply_ledger(mutants, load_ledger())
+    if recheck_profile:
+        recheck(work, mutants, recheck_profile, recheck_timeout)
+    text = render(mutants, stale, meta)
+    total = score(tally(mutants))
+    (work / "score.md").write_text(text)
+    (work / "score.json").write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                "score": total,
+                "per_module": {
+                    label: tally(m for m in mutants if m.target == label)
+                    for label in dict.fromkeys(m.target for m in mutants)
+                },
+                "mutants": [dataclasses.asdict(m) | {"final": m.final} for m in mutants],
+            },
+            indent=1,
+        )
+    )
+    return text, total
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="mutation/campaign.py", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("command", choices=("run", "report"))
+    parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help="work folder")
+    parser.add_argument("--slice", choices=sorted(SLICES), default="full")
+    parser.add_argument(
+        "--rev", default=None, help="mutate this commit (default: the working tree)"
+    )
+    parser.add_argument("--children", type=int, default=2, help="mutmut workers (default 2)")
+    parser.add_argument("--profile", default="smoke", help="hypothesis profile per mutant")
+    parser.add_argument(
+        "--recheck", default="thorough", help="profile for survivors ('none': skip)"
+    )
+    parser.add_argument(
+        "--recheck-timeout", type=float, default=1800.0, help="seconds per survivor"
+    )
+    parser.add_argument("--min-score", type=float, default=None, help="exit 1 below this (0..1)")
+    args = parser.parse_args(argv)
+    targets = SLICES[args.slice]
+    recheck_profile = None if args.recheck == "none" else args.recheck
+    try:
+        meta_path = args.work / "campaign.json"
+        if args.command == "run":
+            started = time.monotonic()
+            prepare(args.work, targets, args.profile, args.rev)
+            run_mutmut(args.work, targets, args.children)
+            meta: dict[str, object] = {
+                "mutmut": MUTMUT_VERSION,
+                "slice": args.slice,
+                "profile": args.profile,
+                "recheck": args.recheck,
+                "children": args.children,
+                "seconds": time.monotonic() - started,
+            }
+            meta_path.write_text(json.dumps(meta, indent=1))
+        elif not meta_path.is_file():
+            raise CampaignError(f"{meta_path}: no campaign in {args.work}; use 'run' first")
+        meta = json.loads(meta_path.read_text())
+        if meta.get("slice") != args.slice:
+            targets = SLICES[str(meta.get("slice"))]
+        text, total = report(args.work, targets, meta, recheck_profile, args.recheck_timeout)
+    except CampaignError as exc:
+        print(f"mutation campaign: {exc}", file=sys.stderr)
+        return 2
+    print(text, end="")
+    if args.min_score is not None and total < args.min_score:
+        print(f"score {total:.1%} is below --min-score {args.min_score:.1%}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
