@@ -233,6 +233,9 @@ class RunnerProbes(Protocol):
     def payloads(self, output: Any) -> list[PayloadView | None] | None:
         """The output's per-request payload slots (None: no payload objects this step)."""
 
+    # Optional: ``failed_requests(output) -> Mapping[str, str]``, the requests the step's output
+    # reports as failed by the runner, with their causes (C-54 recovery, C-61).
+
     def reusable_buffers(self, runner: Any) -> Iterable[Any]:
         """Every buffer the runner may overwrite as soon as a step returns (C-52)."""
 
@@ -256,6 +259,10 @@ class MaterializationProbe(Protocol):
     def fail_build(self, number: int, error: BaseException) -> None: ...
 
     def builder_threads(self) -> set[int]: ...
+
+    # Optional: ``fail_request(request_id, error)`` makes every build whose batch holds that
+    # request raise ``error`` (a fault that persists, for the C-54 recovery property); a probe
+    # without it leaves that property not applicable.
 
 
 @runtime_checkable

@@ -21,8 +21,16 @@ What can fail, and why:
   later step), or be recovered there, and then the step still delivers a payload for every
   request (a one-off fault, which is what is planted here, leaves nothing to fail).
 
+* C-54 recovery — a build fault that persists for one request (every build whose batch holds
+  it raises; ``MaterializationProbe.fail_request``): the background runner's recovered steps must
+  report that request failed (``RunnerProbes.failed_requests``) with no payload, and give every
+  other request of the step the payload an undisturbed inline runner gives it, bit for bit, with
+  the same tokens. Recovery that fails the whole step, drops or misplaces a payload, or loses the
+  failure is caught.
+
 Not applicable to a subject without a real worker and runner probes. Positive controls: mutants
-``background_no_snapshot``, ``builder_error_swallowed``, ``connector_collected_on_builder``.
+``background_no_snapshot``, ``builder_error_swallowed``, ``connector_collected_on_builder``,
+``recovery_fails_whole_step``.
 """
 
 from __future__ import annotations
@@ -36,7 +44,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.capabilities import RunnerProbes, require, require_worker
+from conformance.capabilities import NotApplicable, RunnerProbes, require, require_worker
 from invariants.machines import suite_settings, worker_harness_config
 from invariants.runners import RunnerExec, drive_runners, same_view
 from invariants.strategies import Job, jobs
@@ -212,3 +220,82 @@ def test_builder_thread_and_errors(conformance_subject):
         check_threads_and_errors(workload, fail_at, conformance_subject)
 
     prop()
+
+
+class PersistentBuildError(RuntimeError):
+    pass
+
+
+def check_recovery_isolates_a_persistent_build_fault(
+    workload: list[Job], victim_index: int, subject: Any
+) -> int:
+    """Background builds always fail for one request; recovery must fail it alone (C-54).
+    Returns the number of steps whose builds failed."""
+    probes = probes_of(subject)
+    failed_of = getattr(probes, "failed_requests", None)
+    cfg_i = stage_config(subject, probes, "inline")
+    inline = subject.make_worker(cfg_i)
+    background = subject.make_worker(stage_config(subject, probes, "background"))
+    probe = probes.instrument(background)
+    fail_request = getattr(probe, "fail_request", None)
+    if fail_request is None or failed_of is None:
+        probes.shutdown(inline)
+        probes.shutdown(background)
+        raise NotApplicable("the subject's probes cannot plant a per-request build fault")
+    victim = f"j{victim_index % len(workload)}"
+    fail_request(victim, PersistentBuildError(f"build of {victim}"))
+    fired = [0]
+
+    def on_step(step, sched, so, outs) -> None:
+        a, b = outs
+        assert a.sampled_token_ids == b.sampled_token_ids, (
+            f"C-54: step {step}: a build fault changed the tokens: inline {a.sampled_token_ids} "
+            f"background {b.sampled_token_ids}"
+        )
+        pa, pb = probes.payloads(a), probes.payloads(b)
+        failed = failed_of(b)
+        if pa is None:
+            assert pb is None and not failed, (
+                f"C-50/C-54: step {step}: payloads {pb}, failed {failed}"
+            )
+            return
+        assert pb is not None and len(pb) == len(b.req_ids), (
+            f"C-53/C-54: step {step}: the recovered step has payload slots {pb} for {b.req_ids}"
+        )
+        expected_failed = {victim} & set(b.req_ids)
+        fired[0] += bool(expected_failed)
+        assert set(failed) == expected_failed, (
+            f"C-54: step {step}: every build holding {victim} raised; the recovered step reports "
+            f"{sorted(failed)} failed, not {sorted(expected_failed)}"
+        )
+        for rid, x, y in zip(a.req_ids, pa, pb, strict=True):
+            if rid == victim:
+                assert y is None, f"C-54: step {step}: failed request {rid} still has a payload"
+            else:
+                assert same_view(x, y), (
+                    f"C-54: step {step}: {rid}'s recovered payload differs from the inline one "
+                    f"(only {victim}'s builds failed)"
+                )
+
+    try:
+        drive_runners(workload, cfg_i, [RunnerExec(inline), RunnerExec(background)], on_step)
+        return fired[0]
+    finally:
+        probes.shutdown(inline)
+        probes.shutdown(background)
+
+
+@pytest.mark.clauses("C-54")
+def test_recovery_isolates_a_persistent_build_fault(conformance_subject):
+    probes_of(conformance_subject)
+    total = [0]
+
+    @suite_settings(15)
+    @given(jobs, st.integers(0, 5))
+    def prop(workload: list[Job], victim: int) -> None:
+        total[0] += check_recovery_isolates_a_persistent_build_fault(
+            workload, victim, conformance_subject
+        )
+
+    prop()
+    assert total[0] > 0, "the planted build fault never fired"

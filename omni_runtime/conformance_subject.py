@@ -19,7 +19,7 @@ which processor streams which ids, how a ``StagePayload`` reads as the suite's `
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -274,6 +274,7 @@ class OmniMaterializationProbe:
         self.collector_threads: list[int] = []
         self.builds = 0
         self._fail: tuple[int, BaseException] | None = None
+        self._fail_request: tuple[str, BaseException] | None = None
         collect = runner.collect_connector_output
         build = runner.materializer.builder.build
 
@@ -285,6 +286,8 @@ class OmniMaterializationProbe:
             self.builds += 1
             if self._fail is not None and self.builds == self._fail[0]:
                 raise self._fail[1]
+            if self._fail_request is not None and self._fail_request[0] in plan.req_ids:
+                raise self._fail_request[1]
             return build(plan, inputs)
 
         runner.collect_connector_output = collecting
@@ -292,6 +295,9 @@ class OmniMaterializationProbe:
 
     def fail_build(self, number: int, error: BaseException) -> None:
         self._fail = (number, error)
+
+    def fail_request(self, request_id: str, error: BaseException) -> None:
+        self._fail_request = (request_id, error)
 
     def builder_threads(self) -> set[int]:
         return set(getattr(self.runner.materializer, "builder_thread_ids", ()))
@@ -345,6 +351,9 @@ class OmniRunnerProbes:
     def payloads(self, output: Any) -> list[PayloadView | None] | None:
         payloads = getattr(output, "omni_payloads", None)
         return None if payloads is None else [payload_view(p) for p in payloads]
+
+    def failed_requests(self, output: Any) -> Mapping[str, str]:
+        return dict(getattr(output, "omni_failed", None) or {})
 
     def reusable_buffers(self, runner: Any) -> Iterable[Any]:
         return runner.persistent_buffers().values()

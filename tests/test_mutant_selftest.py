@@ -168,6 +168,17 @@ def _builder_errors_probe(subject: Any) -> tuple[BaseException | None, int]:
     )(subject)
 
 
+def _builder_recovery_probe(subject: Any) -> tuple[BaseException | None, int]:
+    from invariants.strategies import jobs
+    from invariants.test_materialization import check_recovery_isolates_a_persistent_build_fault
+
+    return _given_probe(
+        st.tuples(jobs, st.integers(0, 5)),
+        lambda v, s: check_recovery_isolates_a_persistent_build_fault(v[0], v[1], s),
+        lambda v: len(v[0]),
+    )(subject)
+
+
 def _registry_probe(subject: Any) -> tuple[BaseException | None, int]:
     """What ``invariants/test_registry.py`` checks: completeness, then each entry's witness
     (the length is the number of registry entries)."""
@@ -208,6 +219,7 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
         "check_inline_equals_background", "invariants.test_materialization"
     ),
     "builder-errors": _builder_errors_probe,
+    "builder-recovery": _builder_recovery_probe,
     "registry": _registry_probe,
     "fault-containment": _fault_containment_probe,
 }

@@ -487,6 +487,24 @@ def _builder_error_swallowed():
     return _patch(materialize, "recover_build", make)
 
 
+def _recovery_fails_whole_step():
+    """C-54: when a background build keeps failing, recovery fails every request of the step
+    instead of pinning the fault on the request whose build raises."""
+    import omni_runtime.worker.materialize as materialize
+
+    def make(orig: Any) -> Any:
+        def recover_build(builder: Any, plan: Any, inputs: Any, retries: int) -> Any:
+            payloads, failed = orig(builder, plan, inputs, retries)
+            if not failed:
+                return payloads, failed
+            cause = next(iter(failed.values()))
+            return [None] * len(plan.req_ids), {rid: cause for rid in plan.req_ids}
+
+        return recover_build
+
+    return _patch(materialize, "recover_build", make)
+
+
 def _pinned_fault_fails_whole_step():
     """C-61: when a step fault persists, every request of the step is failed, not just the one
     the batch split pins it on (the isolation's result is thrown away)."""
@@ -737,6 +755,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "builder-errors",
         "a background builder exception is swallowed",
         _builder_error_swallowed,
+    ),
+    Mutant(
+        "recovery_fails_whole_step",
+        "C-54",
+        "builder-recovery",
+        "a background build that keeps failing for one request fails every request of its step",
+        _recovery_fails_whole_step,
     ),
     Mutant(
         "pinned_fault_fails_whole_step",
