@@ -29,7 +29,14 @@ from conformance.report import INVARIANTS as REPORT_INVARIANTS
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACTS = ROOT / "docs" / "contracts.md"
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".sh", ".yml", ".yaml", ".cfg", ".ini", ".txt"}
-SKIP_DIRS = {"build", "dist", "compat-report", "conformance-failures", "mutation-work", "__pycache__"}
+SKIP_DIRS = {
+    "build",
+    "dist",
+    "compat-report",
+    "conformance-failures",
+    "mutation-work",
+    "__pycache__",
+}
 # Files the tools write (the compat, matrix, release-diff and mutation reports' Markdown): named,
 # never shipped.
 WRITTEN_BY_TOOLS = {"compat-report.md", "matrix-report.md", "release-diff.md", "score.md"}
