@@ -243,7 +243,8 @@ def check_recovery_isolates_a_persistent_build_fault(
         probes.shutdown(background)
         raise NotApplicable("the subject's probes cannot plant a per-request build fault")
     victim = f"j{victim_index % len(workload)}"
-    fail_request(victim, PersistentBuildError(f"build of {victim}"))
+    error = PersistentBuildError(f"planted build fault of {victim}")
+    fail_request(victim, error)
     fired = [0]
 
     def on_step(step, sched, so, outs) -> None:
@@ -264,6 +265,11 @@ def check_recovery_isolates_a_persistent_build_fault(
         )
         expected_failed = {victim} & set(b.req_ids)
         fired[0] += bool(expected_failed)
+        for rid, cause in failed.items():
+            assert str(error) in str(cause), (
+                f"C-54: step {step}: {rid} is reported failed with cause {cause!r}, which does "
+                f"not carry the build's error ({error})"
+            )
         assert set(failed) == expected_failed, (
             f"C-54: step {step}: every build holding {victim} raised; the recovered step reports "
             f"{sorted(failed)} failed, not {sorted(expected_failed)}"
