@@ -154,6 +154,9 @@ class PayloadTokenSource(DeterministicTokenSource):
         self.delivery = delivery
         self.patterns = patterns
         self._prompt_len: dict[str, int] = {}
+        # Every position a row was attached for, per request (what C-45's trimming may drop
+        # only once delivered).
+        self.produced: dict[str, set[int]] = {}
 
     def pattern_of(self, request_id: str) -> str:
         return self.patterns[stable_hash("pattern", request_id) % len(self.patterns)]
@@ -180,6 +183,7 @@ class PayloadTokenSource(DeterministicTokenSource):
             rows.append(
                 (start, torch.stack([synthetic_row(rid, p) for p in range(start, start + n)]))
             )
+            self.produced.setdefault(rid, set()).update(range(start, start + n))
         for rid in so.finished_req_ids:
             self._prompt_len.pop(rid, None)
         return self.delivery.with_payloads(base, rows)

@@ -72,6 +72,7 @@ class ChunkMachine(InvariantMachine):
         self.delivery: ChunkDelivery = require(run.subject, "chunk_delivery", "chunk delivery")
         for side in (self.session.up, self.session.sub):
             side.executor.inner = PayloadTokenSource(self.delivery)  # under the CheckingExecutor
+        self.source: PayloadTokenSource = self.session.sub.executor.inner
         self.spec: ProcessorSpec | None = None
         self.processor: RecordingProcessor | None = None
 
@@ -86,7 +87,9 @@ class ChunkMachine(InvariantMachine):
         super().teardown()
         if self.session.failure is None and not self.session.problems and self.processor:
             assert self.spec is not None
-            problems = processor_problems(self.session, self.delivery, self.processor, self.spec)
+            problems = processor_problems(
+                self.session, self.delivery, self.processor, self.spec, self.source.produced
+            )
             if problems:
                 raise AssertionError(
                     f"{self.spec.describe()}: {problems[0]}"
@@ -95,7 +98,11 @@ class ChunkMachine(InvariantMachine):
 
 
 def processor_problems(
-    session: Any, delivery: ChunkDelivery, proc: RecordingProcessor, spec: ProcessorSpec
+    session: Any,
+    delivery: ChunkDelivery,
+    proc: RecordingProcessor,
+    spec: ProcessorSpec,
+    produced: dict[str, set[int]] | None = None,
 ) -> list[str]:
     problems: list[str] = []
     views: dict[str, list] = {}
@@ -150,6 +157,27 @@ def processor_problems(
         if len(seen) != len(set(seen)) or seen != sorted(seen):
             dup = sorted({x for x in seen if seen.count(x) > 1})
             problems.append(f"C-45: {rid}: positions delivered twice or out of order {dup or seen}")
+        ended = str(entry.finish_reason or "").lower()
+        if produced is not None and ended and not entry.aborted and "abort" not in ended:
+            # Trimming drops only rows already handed over: every position the executor made
+            # a row for, and that the request computed (an output dropped as stale or past the
+            # request's end computed nothing), reaches the processor once.
+            computed = len(entry.prompt) + len(entry.emitted) - 1
+            expected = {p for p in produced.get(rid, ()) if p < computed}
+            handed: list[int] = []
+            for c in calls:
+                payload = delivery.payload_view(c.payload)
+                if payload is not None and payload.hidden is not None:
+                    handed.extend(int(x) for x in payload.hidden[:, 1].tolist())
+            missing = sorted(expected - set(handed))
+            twice = sorted({p for p in handed if handed.count(p) > 1})
+            if missing:
+                problems.append(
+                    f"C-45: {rid}: rows for positions {missing} were computed but never handed "
+                    "to the processor (trimming may drop only rows already delivered)"
+                )
+            elif twice:
+                problems.append(f"C-45: {rid}: rows for positions {twice} handed over twice")
     return problems
 
 
