@@ -128,7 +128,58 @@ TARGETS = (
     ),
 )
 
-SLICES = {"full": TARGETS, "ci": tuple(t for t in TARGETS if t.label == "payload.py")}
+
+@dataclasses.dataclass(frozen=True)
+class Slice:
+    """What one campaign mutates and which tests it runs. ``expected`` pins a sample: mutant name
+    -> the mutated lines it must still be (mutmut numbers mutants by position, so an edit of the
+    file renumbers them; the campaign then refuses instead of measuring other mutants)."""
+
+    targets: tuple[Target, ...]
+    tests: tuple[str, ...] = ("invariants",)
+    expected: tuple[tuple[str, tuple[str, ...]], ...] = ()
+
+
+_TRIM = "omni_runtime.payload.xǁStagePayloadǁtrimmed_before__mutmut_"
+# The CI guard: six mutants of C-45's trimming that the chunk contracts kill, two of them only
+# through the completeness check the campaign led to. A suite change that lets one survive fails
+# the README's test command (tests/test_mutation_slice.py).
+CI_SAMPLE = (
+    (
+        f"{_TRIM}10",
+        (
+            "-drop = min(max(0, position - self.start), self.num_tokens)",
+            "+drop = min(max(1, position - self.start), self.num_tokens)",
+        ),
+    ),
+    (
+        f"{_TRIM}11",
+        (
+            "-drop = min(max(0, position - self.start), self.num_tokens)",
+            "+drop = min(max(0, position + self.start), self.num_tokens)",
+        ),
+    ),
+    (f"{_TRIM}12", ("-if drop == 0:", "+if drop != 0:")),
+    (
+        f"{_TRIM}14",
+        ("-hidden = None if self.hidden is None else self.hidden[drop:]", "+hidden = None"),
+    ),
+    (f"{_TRIM}38", ("-self.start + drop,", "+self.start - drop,")),
+    (f"{_TRIM}39", ("-self.num_tokens - drop,", "+self.num_tokens + drop,")),
+)
+
+SLICES = {
+    "full": Slice(TARGETS),
+    "ci": Slice(
+        (
+            Target(
+                "payload.py (CI sample)", "omni_runtime/payload.py", tuple(n for n, _ in CI_SAMPLE)
+            ),
+        ),
+        tests=("invariants/test_chunk_contracts.py",),
+        expected=CI_SAMPLE,
+    ),
+}
 
 # mutmut's result codes (its ``status_by_exit_code``), folded into the report's columns.
 _STATUS = {1: "killed", 3: "killed", 0: "survived", 5: "no tests", 33: "no tests", 34: "skipped"}
@@ -166,7 +217,7 @@ def pytest_args(profile: str) -> list[str]:
     return args
 
 
-def mutmut_config(targets: Sequence[Target], profile: str) -> str:
+def mutmut_config(targets: Sequence[Target], profile: str, tests: Sequence[str]) -> str:
     def toml_list(items: Iterable[str]) -> str:
         return "[" + ", ".join(json.dumps(i) for i in items) + "]"
 
@@ -177,7 +228,7 @@ def mutmut_config(targets: Sequence[Target], profile: str) -> str:
             'source_paths = ["omni_runtime"]',
             'also_copy = ["conformance", "invariants"]',
             f"only_mutate = {toml_list(sorted({t.path for t in targets}))}",
-            'pytest_add_cli_args_test_selection = ["invariants"]',
+            f"pytest_add_cli_args_test_selection = {toml_list(tests)}",
             f"pytest_add_cli_args = {toml_list(pytest_args(profile))}",
             # torch is not fork-safe once used: fork each mutant from a server that only imported.
             'process_isolation = "forkserver"',
@@ -215,13 +266,16 @@ import pytest
 
 from conformance.config import HarnessConfig, build_vllm_config
 
-build_vllm_config(HarnessConfig())
-_cwd = os.getcwd()
-os.chdir(pathlib.Path(__file__).parent)  # where mutmut runs the tests
-try:
-    pytest.main(["--rootdir=.", "--collect-only", "-qqq", "-p", "no:cacheprovider", "invariants"])
-finally:
-    os.chdir(_cwd)
+
+
+def warm(tests: list[str]) -> None:
+    build_vllm_config(HarnessConfig())
+    cwd = os.getcwd()
+    os.chdir(pathlib.Path(__file__).parent)  # where mutmut runs the tests
+    try:
+        pytest.main(["--rootdir=.", "--collect-only", "-qqq", "-p", "no:cacheprovider", *tests])
+    finally:
+        os.chdir(cwd)
 '''
 
 
@@ -242,7 +296,7 @@ def copy_repository(work: Path, rev: str | None) -> None:
         shutil.copy2(REPO / rel, dest)
 
 
-def prepare(work: Path, targets: Sequence[Target], profile: str, rev: str | None = None) -> None:
+def prepare(work: Path, chosen: Slice, profile: str, rev: str | None = None) -> None:
     """A fresh copy of the repository in ``work`` with the campaign's mutmut configuration."""
     where = work.resolve()
     # Inside the checkout only as ./mutation-work, which git ignores: any other folder there would
@@ -255,9 +309,11 @@ def prepare(work: Path, targets: Sequence[Target], profile: str, rev: str | None
         shutil.rmtree(work)
     copy_repository(work, rev)
     with (work / "pyproject.toml").open("a") as f:
-        f.write(mutmut_config(targets, profile))
+        f.write(mutmut_config(chosen.targets, profile, chosen.tests))
     (work / "mutants").mkdir()
-    (work / "mutants" / f"{WARMUP_MODULE}.py").write_text(WARMUP_SOURCE)
+    (work / "mutants" / f"{WARMUP_MODULE}.py").write_text(
+        WARMUP_SOURCE + f"\n\nwarm({list(chosen.tests)!r})\n"
+    )
     (work / "warmup-modules.txt").write_text(WARMUP_MODULE + "\n")
 
 
@@ -442,15 +498,22 @@ def render(mutants: list[Mutant], stale: list[dict[str, object]], meta: dict[str
 
 def report(
     work: Path,
-    targets: Sequence[Target],
+    chosen: Slice,
     meta: dict[str, object],
     recheck_profile: str | None,
     recheck_timeout: float,
 ) -> tuple[str, float]:
-    mutants = load_results(work, targets)
+    mutants = load_results(work, chosen.targets)
     for m in mutants:
         if m.status in ("survived", "timeout"):
             m.change = mutant_change(work, m.name)
+    for name, change in chosen.expected:
+        found = mutant_change(work, name)
+        if found != change:
+            raise CampaignError(
+                f"sampled mutant {name} now changes {' / '.join(found) or 'nothing'}, not "
+                f"{' / '.join(change)}: the file was edited; pick the sample again"
+            )
     stale = apply_ledger(mutants, load_ledger())
     if recheck_profile:
         recheck(work, mutants, recheck_profile, recheck_timeout)
@@ -494,14 +557,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--min-score", type=float, default=None, help="exit 1 below this (0..1)")
     args = parser.parse_args(argv)
-    targets = SLICES[args.slice]
+    chosen = SLICES[args.slice]
     recheck_profile = None if args.recheck == "none" else args.recheck
     try:
         meta_path = args.work / "campaign.json"
         if args.command == "run":
             started = time.monotonic()
-            prepare(args.work, targets, args.profile, args.rev)
-            run_mutmut(args.work, targets, args.children)
+            prepare(args.work, chosen, args.profile, args.rev)
+            run_mutmut(args.work, chosen.targets, args.children)
             meta: dict[str, object] = {
                 "mutmut": MUTMUT_VERSION,
                 "slice": args.slice,
@@ -515,8 +578,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise CampaignError(f"{meta_path}: no campaign in {args.work}; use 'run' first")
         meta = json.loads(meta_path.read_text())
         if meta.get("slice") != args.slice:
-            targets = SLICES[str(meta.get("slice"))]
-        text, total = report(args.work, targets, meta, recheck_profile, args.recheck_timeout)
+            chosen = SLICES[str(meta.get("slice"))]
+        text, total = report(args.work, chosen, meta, recheck_profile, args.recheck_timeout)
     except CampaignError as exc:
         print(f"mutation campaign: {exc}", file=sys.stderr)
         return 2

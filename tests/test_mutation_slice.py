@@ -1,0 +1,128 @@
+"""The mutation campaign (``mutation/campaign.py``): its CI slice, and its bookkeeping.
+
+The slice runs six mutants of C-45's trimming against the chunk contracts under the ``ci``
+profile; all six must die. Two of them (rows blanked, start shifted) die only through the
+completeness check the full campaign led to, so weakening that check fails this test. The rest
+checks the parts of the campaign that turn mutmut's results into a score: statuses, the triage
+ledger (matching, stale entries, bad files), the re-check's verdicts and the report.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "mutation" / "campaign.py"
+
+
+def _campaign():
+    spec = importlib.util.spec_from_file_location("mutation_campaign", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their module by name
+    spec.loader.exec_module(module)
+    return module
+
+
+campaign = _campaign()
+
+
+@pytest.mark.slow
+def test_ci_slice_kills_its_sample(tmp_path: Path) -> None:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONHASHSEED="0")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(SCRIPT),
+            "run",
+            "--slice",
+            "ci",
+            "--work",
+            str(tmp_path / "work"),
+            "--children",
+            "1",
+            "--profile",
+            "ci",
+            "--recheck",
+            "none",
+            "--min-score",
+            "1.0",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "| payload.py (CI sample) | 6 | 6 | 0 | 0 | 0 | 0 | 0 | 100.0% |" in proc.stdout
+
+
+def _mutant(status: str, change: tuple[str, ...] = (), n: int = 1):
+    m = campaign.Mutant(
+        f"omni_runtime.payload.xǁStagePayloadǁnbytes__mutmut_{n}", "payload.py", status
+    )
+    m.change = change
+    return m
+
+
+def test_statuses_and_verdicts() -> None:
+    assert campaign.status_of(1) == "killed"
+    assert campaign.status_of(0) == "survived"
+    assert campaign.status_of(33) == "no tests"
+    assert campaign.status_of(-24) == "timeout"
+    assert campaign.status_of(None) == "not run"
+    survived = _mutant("survived", ("-a", "+b"))
+    assert survived.final == "survived"
+    survived.recheck = "killed"
+    assert survived.final == "killed"  # the thorough re-check killed it
+    timeout = _mutant("timeout")
+    assert timeout.final == "timeout"  # no verdict before the re-check
+    timeout.recheck = "survived"
+    assert timeout.final == "survived"  # mutmut's wall clock was the load, not the mutant
+    equivalent = _mutant("survived", ("-a", "+b"))
+    equivalent.equivalent = "same behaviour"
+    assert equivalent.final == "equivalent"
+
+
+def test_ledger_matches_by_function_and_change_and_reports_stale_entries() -> None:
+    function = "omni_runtime.payload.xǁStagePayloadǁnbytes"
+    mutants = [_mutant("survived", ("-x = 1", "+x = 2"), 1), _mutant("survived", ("-y", "+z"), 2)]
+    ledger = [
+        {"function": function, "change": ["-x = 1", "+x = 2"], "reason": "x is never read"},
+        {"function": function, "change": ["-gone", "+gone"], "reason": "old"},
+    ]
+    stale = campaign.apply_ledger(mutants, ledger)
+    assert mutants[0].final == "equivalent" and mutants[1].final == "survived"
+    assert stale == [ledger[1]]
+    row = campaign.tally(mutants + [_mutant("killed", n=3), _mutant("killed", n=4)])
+    assert row["mutants"] == 4 and row["killed"] == 2 and row["equivalent"] == 1
+    assert campaign.score(row) == pytest.approx(2 / 3)  # equivalents leave the denominator
+    text = campaign.render(mutants, stale, {"mutmut": "3.8.1", "profile": "smoke"})
+    assert "| total | 2 | 0 | 1 | 1 | 0 | 0 | 0 | 0.0% |" in text
+    assert "Stale ledger entries" in text and "-gone / +gone" in text
+
+
+def test_ledger_errors_name_the_file_and_entry(tmp_path: Path) -> None:
+    bad = tmp_path / "triage.toml"
+    bad.write_text('[[equivalent]]\nfunction = "f"\nchange = ["-a", "+b"]\n')
+    with pytest.raises(
+        campaign.CampaignError, match=r"triage.toml: equivalent entry 1 has no 'reason'"
+    ):
+        campaign.load_ledger(bad)
+    bad.write_text("[[equivalent]\n")
+    with pytest.raises(campaign.CampaignError, match="triage.toml"):
+        campaign.load_ledger(bad)
+    assert campaign.load_ledger() is not None  # the shipped ledger parses
+
+
+def test_work_folder_inside_the_checkout_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    # (a folder that does not exist: a broken check must not be able to delete anything)
+    assert campaign.main(["run", "--work", str(ROOT / "not-a-work-folder")]) == 2
+    assert "use a folder outside the repository" in capsys.readouterr().err
+    assert campaign.main(["report", "--work", str(ROOT / "no-such-campaign")]) == 2
