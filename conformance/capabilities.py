@@ -260,6 +260,8 @@ class MaterializationProbe(Protocol):
 
     def builder_threads(self) -> set[int]: ...
 
+    # Optional: ``build_threads``, the thread id of every build call as the probe saw it (the
+    # check then does not take the subject's word for where builds ran).
     # Optional: ``fail_request(request_id, error)`` makes every build whose batch holds that
     # request raise ``error`` (a fault that persists, for the C-54 recovery property); a probe
     # without it leaves that property not applicable.

@@ -273,6 +273,7 @@ class OmniMaterializationProbe:
         self.runner = runner
         self.collector_threads: list[int] = []
         self.builds = 0
+        self.build_threads: list[int] = []
         self._fail: tuple[int, BaseException] | None = None
         self._fail_request: tuple[str, BaseException] | None = None
         collect = runner.collect_connector_output
@@ -284,6 +285,7 @@ class OmniMaterializationProbe:
 
         def building(plan: Any, inputs: Any) -> Any:
             self.builds += 1
+            self.build_threads.append(threading.get_ident())
             if self._fail is not None and self.builds == self._fail[0]:
                 raise self._fail[1]
             if self._fail_request is not None and self._fail_request[0] in plan.req_ids:

@@ -487,6 +487,20 @@ def _builder_error_swallowed():
     return _patch(materialize, "recover_build", make)
 
 
+def _background_build_never_runs():
+    """C-54: the builder thread's build always fails (a broken submit), so every step's payloads
+    are rebuilt by recovery on the calling thread; every payload still arrives."""
+    import omni_runtime.worker.materialize as materialize
+
+    def make(orig: Any) -> Any:
+        def _build(self: Any, plan: Any, inputs: Any) -> Any:
+            raise RuntimeError("builder path broken")
+
+        return _build
+
+    return _patch(materialize.BackgroundMaterializer, "_build", make)
+
+
 def _recovery_fails_whole_step():
     """C-54: when a background build keeps failing, recovery fails every request of the step
     instead of pinning the fault on the request whose build raises."""
@@ -755,6 +769,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "builder-errors",
         "a background builder exception is swallowed",
         _builder_error_swallowed,
+    ),
+    Mutant(
+        "background_build_never_runs",
+        "C-54",
+        "builder-errors",
+        "background builds always fail and recovery silently rebuilds them on the caller",
+        _background_build_never_runs,
     ),
     Mutant(
         "recovery_fails_whole_step",
