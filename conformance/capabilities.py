@@ -319,6 +319,10 @@ class FaultContainment(Protocol):
 
     def shutdown(self, worker: Any) -> None: ...
 
+    # Optional: ``cause_field``, the name of the output field on which the subject reports why a
+    # request failed (C-61's "and a message"). When given, the failed request's terminal output
+    # must carry the planted fault's text there, and no other request's output may carry one.
+
 
 def require(subject: Any, hook: str, what: str) -> Any:
     """The subject's ``hook()`` result, or ``NotApplicable`` naming what is missing."""

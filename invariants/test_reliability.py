@@ -94,7 +94,7 @@ class Outcome:
     steps: int = 0
 
 
-def _drain(driver: Any, scheduler: Any, outcome: Outcome, max_steps: int) -> None:
+def _drain(driver: Any, scheduler: Any, outcome: Outcome, max_steps: int, cause_field: str) -> None:
     while scheduler.has_requests() or driver.in_flight():
         if outcome.steps >= max_steps:
             raise AssertionError(f"C-62: the workload did not drain within {max_steps} steps")
@@ -113,8 +113,8 @@ def _drain(driver: Any, scheduler: Any, outcome: Outcome, max_steps: int) -> Non
                 if out.finish_reason is not None:
                     reason = getattr(out.finish_reason, "name", str(out.finish_reason))
                     outcome.terminal.setdefault(out.request_id, []).append(str(reason).lower())
-                    # A subject may say why (the omni runtime's ``omni_error``); shown if so.
-                    cause = getattr(out, "omni_error", None)
+                    # A subject may say why (``FaultContainment.cause_field``); shown if so.
+                    cause = getattr(out, cause_field, None)
                     if cause:
                         outcome.causes[out.request_id] = str(cause)
 
@@ -130,6 +130,7 @@ def run_workload(
 ) -> tuple[Outcome, Outcome, int]:
     """Run ``prompts`` (with ``fault`` = (poison, times) planted), drain, check conservation,
     then run ``again`` alone with no fault. Returns both outcomes and the fault count."""
+    field = getattr(containment, "cause_field", None) or "omni_error"
     scheduler = subject.build_scheduler(cfg)
     worker = subject.make_worker(cfg)
     try:
@@ -142,10 +143,10 @@ def run_workload(
         first = Outcome()
         faults = 0
         if fault is None:
-            _drain(driver, scheduler, first, 400)
+            _drain(driver, scheduler, first, 400, field)
         else:
             with poisoned(containment.embedding(worker), fault[0], fault[1]) as raised:
-                _drain(driver, scheduler, first, 400)
+                _drain(driver, scheduler, first, 400, field)
             faults = raised[0]
         free = vc.num_free_blocks(pool)
         assert free == initial, f"C-06: {initial - free} blocks still held after the drain"
@@ -155,7 +156,7 @@ def run_workload(
         op = AddRequest(rid, tuple(prompt), max_tokens=limit)
         scheduler.add_request(subject.make_request(op, prompt, cfg, scheduler, 1000.0))
         second = Outcome()
-        _drain(driver, scheduler, second, 200)
+        _drain(driver, scheduler, second, 200, field)
         return first, second, faults
     finally:
         containment.shutdown(worker)
@@ -225,6 +226,12 @@ def check_fault_stays_with_its_request(
             assert ends == ["error"], (
                 f"C-61: {rid}, whose every forward faulted, ended {ends[0]!r}, not with an error"
             )
+            if getattr(containment, "cause_field", None):
+                cause = got.causes.get(rid, "")
+                assert f"poison token {poison}" in cause, (
+                    f"C-61: {rid} failed, but its {containment.cause_field} ({cause!r}) does not "
+                    "carry the fault that failed it"
+                )
         elif rid in readers and ends == ["error"]:
             continue
         else:
@@ -232,6 +239,10 @@ def check_fault_stays_with_its_request(
                 f"C-61: {rid} failed with an error, yet only "
                 + (f"{victim}'s forward faulted" if persistent else "one forward faulted, once")
                 + (f" (the subject says: {got.causes[rid]})" if rid in got.causes else "")
+            )
+            assert rid not in got.causes, (
+                f"C-61: {rid} did not fail, yet its output carries a failure cause "
+                f"{got.causes[rid]!r}"
             )
     for rid in prompts:
         if persistent and (rid == victim or got.terminal.get(rid) == ["error"]):

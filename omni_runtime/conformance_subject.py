@@ -375,6 +375,8 @@ class OmniFaultContainment:
     """C-61: the runner retries a faulting step, then splits the batch to pin a persistent
     fault on its request (``omni_runtime.worker.recovery``); the scheduler fails that request."""
 
+    cause_field = "omni_error"
+
     def feature(self, materialization: str) -> Feature:
         return OmniRunnerProbes().payload_feature(
             include_hidden=True, full_prefix=False, materialization=materialization
