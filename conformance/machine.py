@@ -33,6 +33,20 @@ PREFIXES: dict[str, tuple[int, ...]] = {
     "doc": tuple(range(300, 348)),
 }
 STOP_IDS = (5, 6)
+
+
+def random_request(rng: Any, request_id: str) -> AddRequest:
+    """One request as the machine's rule draws it, from a ``random.Random`` instead of
+    hypothesis (seeded corpora and unshrunk programs): prompt, shared prefix, limits, stops."""
+    length, salt = rng.randint(1, 40), rng.randint(0, 3)
+    return AddRequest(
+        request_id,
+        tuple(100 + (salt * 37 + i) % 200 for i in range(length)),
+        prefix=rng.choice([None, "sys", "doc"]),
+        max_tokens=rng.randint(1, 20),
+        stop_token_ids=STOP_IDS if rng.random() < 0.5 else (),
+        ignore_eos=rng.random() < 0.5,
+    )
 # The tight budget the suite runs with: 14 blocks of 16 tokens, so preemption and eviction happen.
 # Derive variants with ``TIGHT.with_(...)``.
 TIGHT = HarnessConfig(num_blocks=14, max_num_batched_tokens=48, max_num_seqs=6, max_model_len=128)

@@ -105,7 +105,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def generate_workload(seed: int, index: int) -> Trace:
     """Workload ``index`` of the corpus of ``seed``: a pure function of the two numbers."""
-    from conformance.machine import PREFIXES, STOP_IDS
+    from conformance.machine import PREFIXES, random_request
 
     rng = random.Random(f"omni-conformance-corpus:{seed}:{index}")
     variant = rng.choice(sorted(VARIANTS))
@@ -114,18 +114,7 @@ def generate_workload(seed: int, index: int) -> Trace:
     for _ in range(rng.randint(4, 22)):
         roll = rng.random()
         if roll < 0.36 or count == 0:
-            length = rng.randint(1, 40)
-            salt = rng.randint(0, 3)
-            ops.append(
-                AddRequest(
-                    f"r{count}",
-                    tuple(100 + (salt * 37 + i) % 200 for i in range(length)),
-                    prefix=rng.choice([None, "sys", "doc"]),
-                    max_tokens=rng.randint(1, 20),
-                    stop_token_ids=STOP_IDS if rng.random() < 0.5 else (),
-                    ignore_eos=rng.random() < 0.5,
-                )
-            )
+            ops.append(random_request(rng, f"r{count}"))
             count += 1
         elif roll < 0.76:
             ops.extend(Step() for _ in range(rng.randint(1, 4)))

@@ -25,11 +25,11 @@ import pytest
 from conformance.cli import EXIT_ENV, EXIT_NOT_REPRODUCED, EXIT_REPRODUCED, main
 from conformance.config import HarnessConfig
 from conformance.lockstep import Lockstep, run_trace, shrink_seconds
-from conformance.machine import PREFIXES, STOP_IDS, TIGHT
+from conformance.machine import PREFIXES, TIGHT, random_request
 from conformance.replay import load_trace, record_failure
 from conformance.scenarios import run_canonical
 from conformance.vllm_compat import environment_versions
-from conformance.workload import Abort, AddRequest, DeliverChunks, ResetPrefixCache, Step, Trace
+from conformance.workload import Abort, DeliverChunks, ResetPrefixCache, Step, Trace
 from tests.mutants import harness_mutants as M
 
 pytestmark = pytest.mark.clauses("C-01")
@@ -207,17 +207,7 @@ def random_program(rng: random.Random, n: int, *, resets: bool) -> list:
     for _ in range(n):
         k = rng.random()
         if k < 0.3:
-            length, salt = rng.randint(1, 40), rng.randint(0, 3)
-            ops.append(
-                AddRequest(
-                    f"r{count}",
-                    tuple(100 + (salt * 37 + i) % 200 for i in range(length)),
-                    prefix=rng.choice([None, "sys", "doc"]),
-                    max_tokens=rng.randint(1, 20),
-                    stop_token_ids=STOP_IDS if rng.random() < 0.5 else (),
-                    ignore_eos=rng.random() < 0.5,
-                )
-            )
+            ops.append(random_request(rng, f"r{count}"))
             count += 1
         elif k < 0.8:
             ops.extend([Step()] * rng.randint(1, 4))
