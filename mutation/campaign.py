@@ -317,6 +317,11 @@ def prepare(work: Path, chosen: Slice, profile: str, rev: str | None = None) -> 
     (work / "warmup-modules.txt").write_text(WARMUP_MODULE + "\n")
 
 
+def git_head() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True)
+    return out.stdout.decode().strip() or "?"
+
+
 def campaign_env(work: Path) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
@@ -425,7 +430,27 @@ def apply_ledger(mutants: list[Mutant], ledger: list[dict[str, object]]) -> list
     return [e for i, e in enumerate(ledger) if i not in used]
 
 
-def recheck(work: Path, mutants: list[Mutant], profile: str, timeout: float) -> None:
+# What a re-check may take from the checkout instead of the campaign's copy: the suite and the
+# harness (never the mutated runtime). The subject's conformance module is the runtime's own
+# declaration to the gate (probes, capabilities), which suite changes extend.
+SUITE_PATHS = ("invariants", "conformance", "omni_runtime/conformance_subject.py")
+
+
+def refresh_suite(work: Path) -> None:
+    """Copy the checkout's suite and harness over the work folder's, so survivors are re-checked
+    against the suite as it is now (the triage loop: add a property, re-check what survived)."""
+    for rel in SUITE_PATHS:
+        src, dest = REPO / rel, work / "mutants" / rel
+        if src.is_dir():
+            shutil.rmtree(dest, ignore_errors=True)
+            shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(src, dest)
+
+
+def recheck(
+    work: Path, mutants: list[Mutant], profile: str, timeout: float, only: str | None = None
+) -> None:
     """Run each survivor the ledger does not explain, and each timeout, again: its covering tests
     under ``profile``, with ``timeout`` seconds of wall clock. Results are kept in the work folder
     (keyed by mutant and change), so ``report`` does not redo them."""
@@ -435,6 +460,8 @@ def recheck(work: Path, mutants: list[Mutant], profile: str, timeout: float) -> 
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     for m in mutants:
         if m.status not in ("survived", "timeout") or m.equivalent:
+            continue
+        if only is not None and not fnmatch.fnmatch(m.name, only):
             continue
         key = f"{m.name} {' | '.join(m.change)}"
         if key not in cache:
@@ -450,6 +477,10 @@ def recheck(work: Path, mutants: list[Mutant], profile: str, timeout: float) -> 
                 cache[key] = "timeout"
             cache_path.write_text(json.dumps(cache, indent=1, sort_keys=True))
         m.recheck = cache[key]
+    for m in mutants:  # earlier re-checks of mutants this one skipped still count
+        key = f"{m.name} {' | '.join(m.change)}"
+        if m.recheck is None and key in cache:
+            m.recheck = cache[key]
 
 
 # ---- the report -------------------------------------------------------------------------------
@@ -476,8 +507,14 @@ def render(mutants: list[Mutant], stale: list[dict[str, object]], meta: dict[str
     lines = [
         "# Mutation score of the invariant suite",
         "",
-        f"mutmut {meta.get('mutmut')}, profile {meta.get('profile')} (survivors re-checked under "
-        f"{meta.get('recheck')}), {meta.get('children')} workers, {meta.get('seconds', 0):.0f} s.",
+        f"mutmut {meta.get('mutmut')} on {meta.get('rev', '?')}, profile {meta.get('profile')} "
+        f"(survivors re-checked under {meta.get('recheck')}"
+        + (
+            f", against the suite of {meta['suite_refreshed_from']}"
+            if meta.get("suite_refreshed_from")
+            else ""
+        )
+        + f"), {meta.get('children')} workers, {meta.get('seconds', 0):.0f} s.",
         "",
         "| module | " + " | ".join(COLUMNS) + " | score |",
         "|---|" + "---|" * (len(COLUMNS) + 1),
@@ -502,6 +539,7 @@ def report(
     meta: dict[str, object],
     recheck_profile: str | None,
     recheck_timeout: float,
+    recheck_only: str | None = None,
 ) -> tuple[str, float]:
     mutants = load_results(work, chosen.targets)
     for m in mutants:
@@ -516,7 +554,7 @@ def report(
             )
     stale = apply_ledger(mutants, load_ledger())
     if recheck_profile:
-        recheck(work, mutants, recheck_profile, recheck_timeout)
+        recheck(work, mutants, recheck_profile, recheck_timeout, recheck_only)
     text = render(mutants, stale, meta)
     total = score(tally(mutants))
     (work / "score.md").write_text(text)
@@ -555,6 +593,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--recheck-timeout", type=float, default=1800.0, help="seconds per survivor"
     )
+    parser.add_argument(
+        "--recheck-only", default=None, metavar="GLOB", help="re-check only matching mutants"
+    )
+    parser.add_argument(
+        "--refresh-suite",
+        action="store_true",
+        help="report: re-check against the checkout's suite and harness, not the campaign's copy",
+    )
     parser.add_argument("--min-score", type=float, default=None, help="exit 1 below this (0..1)")
     args = parser.parse_args(argv)
     chosen = SLICES[args.slice]
@@ -568,6 +614,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             meta: dict[str, object] = {
                 "mutmut": MUTMUT_VERSION,
                 "slice": args.slice,
+                "rev": args.rev or f"{git_head()} + working tree",
                 "profile": args.profile,
                 "recheck": args.recheck,
                 "children": args.children,
@@ -579,7 +626,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         meta = json.loads(meta_path.read_text())
         if meta.get("slice") != args.slice:
             chosen = SLICES[str(meta.get("slice"))]
-        text, total = report(args.work, chosen, meta, recheck_profile, args.recheck_timeout)
+        if args.refresh_suite:
+            refresh_suite(args.work)
+            meta["suite_refreshed_from"] = git_head()
+            meta_path.write_text(json.dumps(meta, indent=1))
+        meta["recheck"] = args.recheck + (f" ({args.recheck_only})" if args.recheck_only else "")
+        text, total = report(
+            args.work, chosen, meta, recheck_profile, args.recheck_timeout, args.recheck_only
+        )
     except CampaignError as exc:
         print(f"mutation campaign: {exc}", file=sys.stderr)
         return 2
