@@ -461,7 +461,7 @@ def recheck(
     for m in mutants:
         if m.status not in ("survived", "timeout") or m.equivalent:
             continue
-        if only is not None and not fnmatch.fnmatch(m.name, only):
+        if only is not None and not any(fnmatch.fnmatch(m.name, g) for g in only.split(",")):
             continue
         key = f"{m.name} {' | '.join(m.change)}"
         if key not in cache:
@@ -594,7 +594,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--recheck-timeout", type=float, default=1800.0, help="seconds per survivor"
     )
     parser.add_argument(
-        "--recheck-only", default=None, metavar="GLOB", help="re-check only matching mutants"
+        "--recheck-only",
+        default=None,
+        metavar="GLOBS",
+        help="re-check only mutants matching one of these comma-separated globs",
     )
     parser.add_argument(
         "--refresh-suite",
