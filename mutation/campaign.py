@@ -17,7 +17,8 @@ mechanical mutations (flipped conditions, changed constants, dropped arguments, 
   reason no behaviour changes. An entry names the function and the mutated line pair, not
   mutmut's positional number, so it survives unrelated edits; entries that match nothing are
   reported as stale;
-* the score: killed / (mutants - equivalent); a mutant no test reaches counts as not killed.
+* the score: killed / (mutants - equivalent - not run); a mutant no test reaches counts as not
+  killed, one a stopped campaign never ran is reported and not scored.
 
 mutmut writes its copy of the project into ``mutants/`` under its working directory, so the
 campaign runs in a work folder (default ``./mutation-work``) holding a copy of the repository's
@@ -485,7 +486,16 @@ def recheck(
 
 # ---- the report -------------------------------------------------------------------------------
 
-COLUMNS = ("mutants", "killed", "equivalent", "survived", "no tests", "timeout", "other")
+COLUMNS = (
+    "mutants",
+    "killed",
+    "equivalent",
+    "survived",
+    "no tests",
+    "timeout",
+    "not run",
+    "other",
+)
 
 
 def tally(mutants: Iterable[Mutant]) -> dict[str, int]:
@@ -498,7 +508,9 @@ def tally(mutants: Iterable[Mutant]) -> dict[str, int]:
 
 
 def score(row: dict[str, int]) -> float:
-    countable = row["mutants"] - row["equivalent"]
+    """Killed over the mutants that got a verdict, equivalents excluded (a campaign stopped
+    early leaves mutants "not run": they are reported, not scored)."""
+    countable = row["mutants"] - row["equivalent"] - row["not run"]
     return row["killed"] / countable if countable else 1.0
 
 

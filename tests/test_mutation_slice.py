@@ -60,7 +60,7 @@ def test_ci_slice_kills_its_sample(tmp_path: Path) -> None:
         timeout=900,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "| payload.py (CI sample) | 6 | 6 | 0 | 0 | 0 | 0 | 0 | 100.0% |" in proc.stdout
+    assert "| payload.py (CI sample) | 6 | 6 | 0 | 0 | 0 | 0 | 0 | 0 | 100.0% |" in proc.stdout
 
 
 def _mutant(status: str, change: tuple[str, ...] = (), n: int = 1):
@@ -104,7 +104,9 @@ def test_ledger_matches_by_function_and_change_and_reports_stale_entries() -> No
     assert row["mutants"] == 4 and row["killed"] == 2 and row["equivalent"] == 1
     assert campaign.score(row) == pytest.approx(2 / 3)  # equivalents leave the denominator
     text = campaign.render(mutants, stale, {"mutmut": "3.8.1", "profile": "smoke"})
-    assert "| total | 2 | 0 | 1 | 1 | 0 | 0 | 0 | 0.0% |" in text
+    assert "| total | 2 | 0 | 1 | 1 | 0 | 0 | 0 | 0 | 0.0% |" in text
+    not_run = campaign.tally([_mutant("not run", n=5), _mutant("killed", n=6)])
+    assert campaign.score(not_run) == 1.0  # a mutant the campaign never ran is not scored
     assert "Stale ledger entries" in text and "-gone / +gone" in text
 
 
