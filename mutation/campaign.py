@@ -392,16 +392,41 @@ def load_results(work: Path, targets: Sequence[Target]) -> list[Mutant]:
     return mutants
 
 
-def mutant_change(work: Path, name: str) -> tuple[str, ...]:
-    """The lines the mutation changed, from ``mutmut show`` (its diff against the original)."""
-    out = subprocess.run(
-        [sys.executable, "-m", "mutmut", "show", name], cwd=work, capture_output=True, text=True
-    ).stdout
+# Prints ``mutmut show``'s diff for every mutant name read from stdin, in one process (one
+# ``mutmut show`` per survivor costs an interpreter start each: minutes for a whole campaign).
+_SHOW_MANY = """
+import json, sys
+from mutmut.mutation.diff_apply import get_diff_for_mutant
+print(json.dumps({n: get_diff_for_mutant(n) for n in sys.stdin.read().split()}))
+"""
+
+
+def _changed_lines(diff: str) -> tuple[str, ...]:
     return tuple(
         line[0] + line[1:].strip()
-        for line in out.splitlines()
+        for line in diff.splitlines()
         if line[:1] in "+-" and not line.startswith(("+++", "---"))
     )
+
+
+def mutant_changes(work: Path, names: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """The lines each mutation changed (its diff against the original, as ``mutmut show``)."""
+    if not names:
+        return {}
+    proc = subprocess.run(
+        [sys.executable, "-c", _SHOW_MANY],
+        cwd=work,
+        input="\n".join(names),
+        capture_output=True,
+        text=True,
+    )
+    if proc.returncode != 0:
+        raise CampaignError(f"reading the mutants' diffs in {work}: {proc.stderr.strip()[-500:]}")
+    return {name: _changed_lines(diff) for name, diff in json.loads(proc.stdout).items()}
+
+
+def mutant_change(work: Path, name: str) -> tuple[str, ...]:
+    return mutant_changes(work, [name])[name]
 
 
 def load_ledger(path: Path = LEDGER) -> list[dict[str, object]]:
@@ -554,11 +579,12 @@ def report(
     recheck_only: str | None = None,
 ) -> tuple[str, float]:
     mutants = load_results(work, chosen.targets)
+    wanted = [m.name for m in mutants if m.status in ("survived", "timeout")]
+    changes = mutant_changes(work, [*wanted, *(name for name, _ in chosen.expected)])
     for m in mutants:
-        if m.status in ("survived", "timeout"):
-            m.change = mutant_change(work, m.name)
+        m.change = changes.get(m.name, ())
     for name, change in chosen.expected:
-        found = mutant_change(work, name)
+        found = changes[name]
         if found != change:
             raise CampaignError(
                 f"sampled mutant {name} now changes {' / '.join(found) or 'nothing'}, not "
