@@ -474,6 +474,18 @@ def refresh_suite(work: Path) -> None:
             shutil.copy2(src, dest)
 
 
+def collect_tests(work: Path) -> set[str]:
+    """The node ids of the invariant suite as it is in the work folder."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", *pytest_args("ci"), "invariants"],
+        cwd=work / "mutants",
+        env=campaign_env(work),
+        capture_output=True,
+        text=True,
+    )
+    return {line.strip() for line in proc.stdout.splitlines() if "::" in line}
+
+
 def recheck(
     work: Path, mutants: list[Mutant], profile: str, timeout: float, only: str | None = None
 ) -> None:
@@ -482,6 +494,9 @@ def recheck(
     (keyed by mutant and change), so ``report`` does not redo them."""
     stats = json.loads((work / "mutants" / "mutmut-stats.json").read_text())
     tests_by_function = stats["tests_by_mangled_function_name"]
+    # Tests the campaign's stats do not know (added to the suite since, ``--refresh-suite``) may
+    # cover any mutant: each re-check runs them too.
+    new_tests = sorted(collect_tests(work) - set(stats["duration_by_test"]))
     cache_path = work / f"recheck-{profile}.json"
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     for m in mutants:
@@ -491,7 +506,7 @@ def recheck(
             continue
         key = f"{m.name} {' | '.join(m.change)}"
         if key not in cache:
-            tests = sorted(tests_by_function.get(m.function, ()))
+            tests = sorted(tests_by_function.get(m.function, ())) + new_tests
             env = campaign_env(work) | {"MUTANT_UNDER_TEST": m.name}
             cmd = [sys.executable, "-m", "pytest", *pytest_args(profile), *tests]
             try:
