@@ -477,7 +477,7 @@ def refresh_suite(work: Path) -> None:
 def collect_tests(work: Path) -> set[str]:
     """The node ids of the invariant suite as it is in the work folder."""
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", *pytest_args("ci"), "invariants"],
+        [sys.executable, "-m", "pytest", "--collect-only", *pytest_args("ci"), "invariants"],
         cwd=work / "mutants",
         env=campaign_env(work),
         capture_output=True,
