@@ -66,53 +66,41 @@ _RUNNER = "omni_runtime.worker.runner.xǁOmniARModelRunnerǁ"
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """One row of the report: a file and, optionally, which of its functions are mutated."""
+    """One row of the report: a file and, optionally, which of its mutants are run."""
 
-    label: str
-    path: str  # glob of files, relative to the repository
-    mutants: tuple[str, ...]  # mutmut mutant-name globs
+    path: str  # relative to the repository
+    select: tuple[str, ...] = ()  # mutmut mutant-name globs; none: every mutant of the file
+    label: str = ""  # the report's name for the row; none: the path below the package
+
+    @property
+    def name(self) -> str:
+        return self.label or self.path.removeprefix("omni_runtime/")
+
+    @property
+    def mutants(self) -> tuple[str, ...]:
+        return self.select or (self.path.removesuffix(".py").replace("/", ".") + ".*",)
 
 
 TARGETS = (
-    Target(
-        "sched/scheduler.py", "omni_runtime/sched/scheduler.py", ("omni_runtime.sched.scheduler.*",)
-    ),
-    Target(
-        "sched/transfer.py", "omni_runtime/sched/transfer.py", ("omni_runtime.sched.transfer.*",)
-    ),
-    Target(
-        "sched/processors.py",
-        "omni_runtime/sched/processors.py",
-        ("omni_runtime.sched.processors.*",),
-    ),
-    Target(
-        "sched/process_stage.py",
-        "omni_runtime/sched/process_stage.py",
-        ("omni_runtime.sched.process_stage.*",),
-    ),
-    Target(
-        "adapters/input.py", "omni_runtime/adapters/input.py", ("omni_runtime.adapters.input.*",)
-    ),
-    Target(
-        "adapters/output.py", "omni_runtime/adapters/output.py", ("omni_runtime.adapters.output.*",)
-    ),
-    Target(
-        "adapters/shm_wire.py",
-        "omni_runtime/adapters/shm_wire.py",
-        ("omni_runtime.adapters.shm_wire.*",),
-    ),
-    Target("payload.py", "omni_runtime/payload.py", ("omni_runtime.payload.*",)),
-    Target(
-        "worker/materialize.py",
-        "omni_runtime/worker/materialize.py",
-        ("omni_runtime.worker.materialize.*",),
+    *(
+        Target(f"omni_runtime/{rel}")
+        for rel in (
+            "sched/scheduler.py",
+            "sched/transfer.py",
+            "sched/processors.py",
+            "sched/process_stage.py",
+            "adapters/input.py",
+            "adapters/output.py",
+            "adapters/shm_wire.py",
+            "payload.py",
+            "worker/materialize.py",
+        )
     ),
     # The runner's other phases (inputs, forward, sampling, recovery) belong to the model, not to
     # the payload path the suite's contracts guard; its payload-building functions are these.
     # (``persistent_buffers`` is left out: it tells the gate which buffers C-52 may scribble on,
     # so a mutant there weakens the gate's audit and changes nothing the runtime does.)
     Target(
-        "worker/runner.py (payload parts)",
         "omni_runtime/worker/runner.py",
         tuple(
             f"{_RUNNER}{name}__mutmut_*"
@@ -126,6 +114,7 @@ TARGETS = (
                 "collect_connector_output",
             )
         ),
+        label="worker/runner.py (payload parts)",
     ),
 )
 
@@ -174,7 +163,9 @@ SLICES = {
     "ci": Slice(
         (
             Target(
-                "payload.py (CI sample)", "omni_runtime/payload.py", tuple(n for n, _ in CI_SAMPLE)
+                "omni_runtime/payload.py",
+                tuple(n for n, _ in CI_SAMPLE),
+                label="payload.py (CI sample)",
             ),
         ),
         tests=("invariants/test_chunk_contracts.py",),
@@ -383,12 +374,12 @@ def load_results(work: Path, targets: Sequence[Target]) -> list[Mutant]:
         meta = root / f"{target.path}.meta"
         if not meta.is_file():
             raise CampaignError(
-                f"{meta}: no mutmut results for {target.label}; run the campaign first"
+                f"{meta}: no mutmut results for {target.name}; run the campaign first"
             )
         codes = json.loads(meta.read_text())["exit_code_by_key"]
         for name, code in sorted(codes.items()):
             if any(fnmatch.fnmatch(name, g) for g in target.mutants):
-                mutants.append(Mutant(name, target.label, status_of(code)))
+                mutants.append(Mutant(name, target.name, status_of(code)))
     return mutants
 
 
