@@ -26,8 +26,9 @@ declare containment is *not applicable*: many runtimes, upstream's included, lea
 the engine, and claiming they break C-61 here would be a verdict on something the gate does not
 drive.
 
-Positive control: mutant ``pinned_fault_fails_whole_step`` (the runtime pins a fault on every
-request of the step instead of the one that causes it).
+Positive controls: mutants ``pinned_fault_fails_whole_step`` (the runtime pins a fault on every
+request of the step instead of the one that causes it) and ``error_cause_dropped`` (the failed
+request's error output carries no cause, for a subject that names its ``cause_field``).
 """
 
 from __future__ import annotations

@@ -501,6 +501,20 @@ def _background_build_never_runs():
     return _patch(materialize.BackgroundMaterializer, "_build", make)
 
 
+def _error_cause_dropped():
+    """C-61: a request failed outside upstream's pass gets its terminal error output without the
+    cause (``omni_error``): the client learns that it failed, not why."""
+    from omni_runtime.sched.scheduler import OmniARScheduler
+
+    def make(orig: Any) -> Any:
+        def _report_errors(outputs: Any, errored: Any) -> Any:
+            return orig(outputs, [(request, None) for request, _ in errored])
+
+        return staticmethod(_report_errors)
+
+    return _patch(OmniARScheduler, "_report_errors", make)
+
+
 def _recovery_fails_whole_step():
     """C-54: when a background build keeps failing, recovery fails every request of the step
     instead of pinning the fault on the request whose build raises."""
@@ -783,6 +797,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "builder-recovery",
         "a background build that keeps failing for one request fails every request of its step",
         _recovery_fails_whole_step,
+    ),
+    Mutant(
+        "error_cause_dropped",
+        "C-61",
+        "fault-containment",
+        "a request the worker failed gets its error output without the cause",
+        _error_cause_dropped,
     ),
     Mutant(
         "pinned_fault_fails_whole_step",
