@@ -24,7 +24,8 @@ What can fail, and why:
   comparison with upstream sees that); the ids are the accepted ids after stop trimming (C-40's
   equality).
 * C-45 — no position's row is delivered twice, even after preemption and recompute (tight block
-  budget; rows encode their position), and each row belongs to its request (C-51).
+  budget; rows encode their position), every computed row reaches the processor once (trimming
+  drops only what was delivered), and each row belongs to its request (C-51).
 
 * C-62 — as in every audited lock-step session, each request ends with exactly one terminal
   outcome, whatever the generated processor does (``invariants.outcomes``).
@@ -32,7 +33,7 @@ What can fail, and why:
 Not applicable to a subject without ``chunk_delivery`` or without a ``processor_feature``.
 Positive controls: mutants ``truthy_token_updates``, ``no_eof_when_processor_returns_none``,
 ``double_eof_on_abort``, ``final_stage_request_sends``, ``ids_not_copied``,
-``redelivery_after_preemption``.
+``redelivery_after_preemption``, ``trim_loses_kept_rows``.
 """
 
 from __future__ import annotations

@@ -501,6 +501,25 @@ def _background_build_never_runs():
     return _patch(materialize.BackgroundMaterializer, "_build", make)
 
 
+def _trim_loses_kept_rows():
+    """C-45: trimming rows already delivered also drops the rows it should keep (the payload
+    keeps its positions, not its hidden rows)."""
+    import dataclasses as dc
+
+    from omni_runtime.payload import StagePayload
+
+    def make(orig: Any) -> Any:
+        def trimmed_before(self: Any, position: int) -> Any:
+            kept = orig(self, position)
+            if kept is None or kept is self or kept.hidden is None:
+                return kept
+            return dc.replace(kept, hidden=kept.hidden[:0])
+
+        return trimmed_before
+
+    return _patch(StagePayload, "trimmed_before", make)
+
+
 def _error_cause_dropped():
     """C-61: a request failed outside upstream's pass gets its terminal error output without the
     cause (``omni_error``): the client learns that it failed, not why."""
@@ -797,6 +816,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "builder-recovery",
         "a background build that keeps failing for one request fails every request of its step",
         _recovery_fails_whole_step,
+    ),
+    Mutant(
+        "trim_loses_kept_rows",
+        "C-45",
+        "chunk-contracts",
+        "trimming already-delivered rows also drops the rows after them",
+        _trim_loses_kept_rows,
     ),
     Mutant(
         "error_cause_dropped",
