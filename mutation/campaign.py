@@ -26,6 +26,7 @@ files, never in the checkout itself. Usage::
 
     python mutation/campaign.py run              # the whole campaign, then the report
     python mutation/campaign.py run --slice ci   # payload.py only: the CI guard's slice
+    python mutation/campaign.py resume           # go on with a stopped campaign
     python mutation/campaign.py report           # the report of the last run, again
 
 ``run`` exits 0 when the score meets ``--min-score`` (default: none), 1 below it, 2 on bad input.
@@ -43,6 +44,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 import tomllib
 from collections.abc import Iterable, Sequence
@@ -326,17 +328,64 @@ def campaign_env(work: Path) -> dict[str, str]:
     return env
 
 
-def run_mutmut(work: Path, targets: Sequence[Target], children: int) -> None:
-    globs = [g for t in targets for g in t.mutants]
-    cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(children), *globs]
+def run_mutmut(
+    work: Path, targets: Sequence[Target], children: int, names: Sequence[str] | None = None
+) -> None:
+    """mutmut over the targets' mutants, or over exactly ``names``."""
+    wanted = list(names) if names is not None else [g for t in targets for g in t.mutants]
+    cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(children), *wanted]
     log = work / "mutmut.log"
-    with log.open("wb") as out:
+    with log.open("ab" if names is not None else "wb") as out:
         proc = subprocess.run(
             cmd, cwd=work, env=campaign_env(work), stdout=out, stderr=subprocess.STDOUT
         )
     if proc.returncode != 0:
         tail = log.read_bytes()[-1500:].decode(errors="replace").replace("\r", "\n")
         raise CampaignError(f"mutmut exited {proc.returncode}; the end of {log}:\n{tail}")
+
+
+def timed_mutmut(
+    work: Path, chosen: Slice, children: int, meta: dict[str, object], meta_path: Path
+) -> None:
+    """Run (or go on with) mutmut, keeping ``meta["seconds"]`` current in ``meta_path``.
+
+    A campaign outlasts a working session on 2 cores. mutmut keeps every verdict it reached in
+    ``mutants/*.meta`` and runs only the mutants without one, so ``resume`` picks a stopped
+    campaign up where it stopped; the clock is written every half minute, so the time the
+    campaign took survives the stop as well (to within that)."""
+    base = float(meta.get("seconds", 0.0))  # type: ignore[arg-type]
+    started = time.monotonic()
+    done = threading.Event()
+
+    def write(complete: bool) -> None:
+        meta["seconds"] = base + time.monotonic() - started
+        meta["complete"] = complete
+        meta_path.write_text(json.dumps(meta, indent=1))
+
+    def heartbeat() -> None:
+        while not done.wait(30.0):
+            write(False)
+
+    names = None
+    if meta["seconds"]:
+        # mutmut re-runs every mutant named on its command line, verdict or not: name only the
+        # ones still without one (named by glob, the whole campaign would start over).
+        try:
+            names = [m.name for m in load_results(work, chosen.targets) if m.status == "not run"]
+        except CampaignError:
+            names = None  # stopped before mutmut had generated every mutant: run them all
+        if names == []:
+            write(True)
+            return
+    write(False)
+    beat = threading.Thread(target=heartbeat, name="campaign-clock", daemon=True)
+    beat.start()
+    try:
+        run_mutmut(work, chosen.targets, children, names)
+    finally:
+        done.set()
+        beat.join()
+    write(True)
 
 
 # ---- results ----------------------------------------------------------------------------------
@@ -557,7 +606,12 @@ def render(mutants: list[Mutant], stale: list[dict[str, object]], meta: dict[str
             if meta.get("suite_refreshed_from")
             else ""
         )
-        + f"), {meta.get('children')} workers, {meta.get('seconds', 0):.0f} s.",
+        + f"), {meta.get('children')} workers, {meta.get('seconds', 0):.0f} s"
+        + (
+            " so far: stopped before the end (`resume` goes on)."
+            if meta.get("complete") is False
+            else "."
+        ),
         "",
         "| module | " + " | ".join(COLUMNS) + " | score |",
         "|---|" + "---|" * (len(COLUMNS) + 1),
@@ -596,7 +650,11 @@ def report(
                 f"sampled mutant {name} now changes {' / '.join(found) or 'nothing'}, not "
                 f"{' / '.join(change)}: the file was edited; pick the sample again"
             )
-    stale = apply_ledger(mutants, load_ledger())
+    # Entries for modules this campaign did not mutate (a slice) are not stale, only not asked.
+    modules = tuple(t.path.removesuffix(".py").replace("/", ".") + "." for t in chosen.targets)
+    stale = [
+        e for e in apply_ledger(mutants, load_ledger()) if str(e["function"]).startswith(modules)
+    ]
     if recheck_profile:
         recheck(work, mutants, recheck_profile, recheck_timeout, recheck_only)
     text = render(mutants, stale, meta)
@@ -623,7 +681,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="mutation/campaign.py", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("command", choices=("run", "report"))
+    parser.add_argument("command", choices=("run", "resume", "report"))
     parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help="work folder")
     parser.add_argument("--slice", choices=sorted(SLICES), default="full")
     parser.add_argument(
@@ -657,9 +715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         meta_path = args.work / "campaign.json"
         if args.command == "run":
-            started = time.monotonic()
             prepare(args.work, chosen, args.profile, args.rev)
-            run_mutmut(args.work, chosen.targets, args.children)
             meta: dict[str, object] = {
                 "mutmut": MUTMUT_VERSION,
                 "slice": args.slice,
@@ -667,9 +723,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "profile": args.profile,
                 "recheck": args.recheck,
                 "children": args.children,
-                "seconds": time.monotonic() - started,
+                "seconds": 0.0,
+                "complete": False,
             }
-            meta_path.write_text(json.dumps(meta, indent=1))
+            timed_mutmut(args.work, chosen, args.children, meta, meta_path)
+        elif args.command == "resume":
+            if not meta_path.is_file() or not (args.work / "mutants").is_dir():
+                raise CampaignError(f"{args.work}: no campaign to resume; use 'run' first")
+            meta = json.loads(meta_path.read_text())
+            chosen = SLICES[str(meta.get("slice"))]
+            meta["children"] = args.children
+            timed_mutmut(args.work, chosen, args.children, meta, meta_path)
         elif not meta_path.is_file():
             raise CampaignError(f"{meta_path}: no campaign in {args.work}; use 'run' first")
         meta = json.loads(meta_path.read_text())

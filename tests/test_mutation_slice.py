@@ -10,6 +10,7 @@ ledger (matching, stale entries, bad files), the re-check's verdicts and the rep
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -129,3 +130,37 @@ def test_work_folder_inside_the_checkout_is_refused(capsys: pytest.CaptureFixtur
     assert campaign.main(["run", "--work", str(ROOT / "not-a-work-folder")]) == 2
     assert "use a folder outside the repository" in capsys.readouterr().err
     assert campaign.main(["report", "--work", str(ROOT / "no-such-campaign")]) == 2
+
+
+def test_resume_runs_only_the_mutants_without_a_verdict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A campaign stopped after two of three mutants: mutmut re-runs whatever is named on its
+    # command line, so resuming must name only the third, and keep the clock going.
+    chosen = campaign.SLICES["ci"]
+    target = chosen.targets[0]
+    meta_file = tmp_path / "mutants" / f"{target.path}.meta"
+    meta_file.parent.mkdir(parents=True)
+    names = [name for name, _ in chosen.expected][:3]
+    codes = {names[0]: 1, names[1]: 0, names[2]: None}
+    meta_file.write_text(json.dumps({"exit_code_by_key": codes}))
+    ran: list[object] = []
+    monkeypatch.setattr(
+        campaign, "run_mutmut", lambda work, targets, children, names=None: ran.append(names)
+    )
+    meta: dict[str, object] = {"slice": "ci", "seconds": 120.0, "complete": False}
+    meta_path = tmp_path / "campaign.json"
+    campaign.timed_mutmut(tmp_path, chosen, 1, meta, meta_path)
+    assert ran == [[names[2]]]
+    saved = json.loads(meta_path.read_text())
+    assert saved["complete"] is True and saved["seconds"] >= 120.0
+
+    # Nothing left to run: mutmut is not started at all.
+    codes[names[2]] = 1
+    meta_file.write_text(json.dumps({"exit_code_by_key": codes}))
+    campaign.timed_mutmut(tmp_path, chosen, 1, saved, meta_path)
+    assert ran == [[names[2]]]
+
+    # A fresh campaign (no time spent yet) names its mutants by glob, as ``run`` does.
+    campaign.timed_mutmut(tmp_path, chosen, 1, {"slice": "ci", "seconds": 0.0}, meta_path)
+    assert ran[-1] is None
