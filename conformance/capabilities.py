@@ -11,7 +11,7 @@ The objects here are the shared language between the suite and a subject: plain 
 what a subject declares (``Feature``, ``DeclaredAttributes``, ``SourceLayout``, ``StageInputSpec``)
 and the normalised views the suite reads (``ChunkView``, ``PayloadView``), plus protocols for the
 hooks that must run the subject's own code (``ChunkDelivery``, ``InputAdapterProbe``,
-``RunnerProbes``, ``ModelReference``). Nothing in this module imports a runtime.
+``RunnerProbes``, ``ModelReference``, ``FaultContainment``, ``ProcessBoundary``). Nothing in this module imports a runtime.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ CAPABILITY_HOOKS: tuple[str, ...] = (
     "model_reference",
     "difference_witnesses",
     "fault_containment",
+    "process_boundary",
 )
 
 
@@ -156,6 +157,13 @@ class ChunkDelivery(Protocol):
     def with_payloads(self, output: Any, rows: Sequence[tuple[int, Any] | None]) -> Any:
         """``output`` (a ``ModelRunnerOutput``) carrying, per request, hidden ``rows`` starting
         at a position, in the subject's own payload type."""
+
+    # Optional: ``abort_eof`` (default True). False declares that the EOF of a request the
+    # caller aborted never reaches the downstream as a chunk, because the caller that aborted
+    # ends the request downstream itself (a stage process's parent does: it decided the
+    # outcome before the abort crossed). The chunk ledger (C-43) then requires that an aborted
+    # request got no EOF and that the ids it streamed are a prefix of its accepted ids, instead
+    # of exactly one EOF and all of them.
 
 
 @dataclass(frozen=True)
@@ -322,6 +330,48 @@ class FaultContainment(Protocol):
     # Optional: ``cause_field``, the name of the output field on which the subject reports why a
     # request failed (C-61's "and a message"). When given, the failed request's terminal output
     # must carry the planted fault's text there, and no other request's output may carry one.
+
+
+# One value that crossed a process boundary: flattened to ``{field path: scalar or tensor}``.
+Fields = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class Crossing:
+    """One object as its sender had it and as the receiver rebuilt it (C-46). ``label`` names it
+    in a report (``chunk r3#2``, ``slot of r3``)."""
+
+    label: str
+    sent: Fields
+    received: Fields
+
+
+@runtime_checkable
+class ProcessBoundary(Protocol):
+    """A subject whose scheduler runs in a process of its own, and how the gate sees what
+    crosses (C-46). The subject's ``admit`` sends requests across and its
+    ``receive_outputs`` reads the step's outputs (and what rides on them) on the far side, as its
+    runtime does; this capability reports what they saw.
+
+    Flattened fields: every scalar (ids, seq, flags, reasons, positions) under its path, every
+    tensor as itself; the gate requires the received fields to equal the sent ones, tensors
+    bit for bit with the same dtype and shape.
+    """
+
+    def chunk_crossings(self, scheduler: Any) -> Sequence[Crossing]:
+        """The chunks the stage sent that crossed since the last call: as the stage handed
+        them to its sink, and as the receiving side read them. A sent chunk the receiver did
+        not read appears with empty ``received`` (and the other way round)."""
+
+    def request_crossings(self, scheduler: Any) -> Sequence[Crossing]:
+        """The requests admitted since the last call: their stage-input slot (and prompt) as
+        the caller built them, and as the scheduler's process attached them."""
+
+    def leftovers(self, scheduler: Any) -> Mapping[str, Any]:
+        """What the crossing still holds (shared-memory segments, chunks written but not read,
+        requests staged but not admitted), by kind. Between two operations of the harness
+        every value must be empty: a step's outputs have been received, and an abort or
+        finish leaves nothing of its request behind."""
 
 
 def require(subject: Any, hook: str, what: str) -> Any:

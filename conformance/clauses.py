@@ -28,6 +28,7 @@ GROUPS: dict[str, str] = {
     "chunk-processors": "Chunk processors see every accepted token once, and end once",
     "materialization": "Payloads are built from the right rows, on the right thread",
     "reliability": "Bad input and faults stay with the request they concern",
+    "process-boundary": "What crosses a stage's process boundary arrives unchanged",
 }
 
 CLAUSE_ID = re.compile(r"\bC-\d{2}\b")
@@ -73,6 +74,7 @@ CLAUSES: dict[str, Clause] = _table(
     ("C-43", "chunk-processors", "Exactly one final call and one EOF chunk per downstream request"),
     ("C-44", "chunk-processors", "Processors get a copy of the stop-trimmed accepted ids"),
     ("C-45", "chunk-processors", "No position is delivered twice, even after preemption"),
+    ("C-46", "process-boundary", "Chunks and stage inputs cross a process boundary unchanged"),
     # materialization
     ("C-50", "materialization", "Steps with nothing to deliver build no payload objects"),
     ("C-51", "materialization", "Payload slot i holds request i's scheduled rows"),

@@ -32,7 +32,7 @@ from conformance.differences import Registry
 from conformance.driver import AsyncDriver, Executor, SyncDriver, WorkerExecutor, make_driver
 from conformance.observe import Observation, same_state
 from conformance.pristine import oracle_placement
-from conformance.subjects import Subject, UpstreamSubject
+from conformance.subjects import Subject, UpstreamSubject, admit_request, received_outputs
 from conformance.tokens import DeterministicTokenSource
 from conformance.workload import (
     Abort,
@@ -100,12 +100,14 @@ class Side:
                 obs = self.driver.step()
                 extra["sched_out"] = obs.scheduled
                 extra["outputs"] = None  # normalised from ``outputs`` with the snapshot
-                outputs = obs.outputs
+                # What the engine's caller receives (a subject whose outputs cross a process
+                # boundary decodes them here), so that is what is compared.
+                outputs = received_outputs(self.subject, sched, obs.outputs)
                 extra["updated"] = obs.updated
             elif isinstance(op, AddRequest):
                 assert prompt is not None
                 request = self.subject.make_request(op, prompt, cfg, sched, arrival)
-                sched.add_request(request)
+                admit_request(self.subject, sched, request)
             elif isinstance(op, Abort):
                 from vllm.v1.request import RequestStatus
 

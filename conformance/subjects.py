@@ -9,9 +9,16 @@ hook the way upstream vLLM behaves, so a new runtime overrides only what it chan
 
 What a subject can be checked for beyond lock-step parity it declares through the capability
 hooks (``declared_attributes``, ``chunk_delivery``, ``source_layout``, ``input_adapter``,
-``runner_probes``, ``model_reference``, ``difference_witnesses``, ``fault_containment``; the vocabulary is
-``conformance.capabilities``). Each returns None in ``BaseSubject``: not provided, so the tests
-that need it are not applicable.
+``runner_probes``, ``model_reference``, ``difference_witnesses``, ``fault_containment``,
+``process_boundary``; the vocabulary is ``conformance.capabilities``). Each returns None in
+``BaseSubject``: not provided, so the tests that need it are not applicable.
+
+Two hooks say how the runtime's engine talks to its scheduler, for a runtime whose scheduler
+does not sit right behind the caller (a stage in a process of its own): ``admit`` hands a
+request to the scheduler as the engine does (the harness never calls ``add_request`` itself),
+and ``receive_outputs`` turns a step's outputs into what the engine's caller receives (the
+harness compares and reads what it returns). ``admit_request`` and ``received_outputs`` call
+them, falling back to upstream's behaviour for a subject that does not subclass ``BaseSubject``.
 
 Subjects are found, in this order, by:
 * a ``module:attr`` spec (the attribute is a ``Subject``, a ``Subject`` class or a factory);
@@ -40,6 +47,7 @@ from conformance.capabilities import (
     InputAdapterProbe,
     ModelReference,
     NotApplicable,
+    ProcessBoundary,
     RunnerProbes,
     SourceLayout,
 )
@@ -156,6 +164,23 @@ class BaseSubject:
             block_hasher=block_hasher(cfg.block_size),
         )
 
+    def admit(self, scheduler: Any, request: Any) -> None:
+        """Hand ``request`` (from ``make_request``) to ``scheduler`` as the runtime's engine does.
+
+        The harness admits every request through here. Upstream's engine calls
+        ``add_request``; a runtime with staged admission (requests cross to another process,
+        then are released into the queue together) does here what its engine does, so that the
+        request is in the scheduler's queue when this returns, as upstream's would be.
+        """
+        scheduler.add_request(request)
+
+    def receive_outputs(self, scheduler: Any, outputs: Any) -> Any:
+        """A step's outputs (``update_from_output``'s result) as the engine's caller receives
+        them; the harness compares and reads what this returns. Upstream's caller gets the
+        objects themselves; a runtime whose outputs cross a process boundary returns them as
+        decoded on the other side (and may read what rides on them, e.g. chunks)."""
+        return outputs
+
     def request_facts(self, request: Any) -> dict[str, Any]:
         return {}
 
@@ -228,6 +253,11 @@ class BaseSubject:
         """Whether the worker keeps a model fault to the requests it concerns (C-61)."""
         return None
 
+    def process_boundary(self) -> ProcessBoundary | None:
+        """What crosses between the scheduler's process and its caller's, as sent and as
+        received, and what the crossing still holds (C-46)."""
+        return None
+
     def __repr__(self) -> str:
         return f"<subject {self.name}>"
 
@@ -240,6 +270,21 @@ class UpstreamSubject(BaseSubject):
     def declared_attributes(self) -> DeclaredAttributes:
         # Upstream adds nothing to upstream: the attribute audit runs, and must find nothing.
         return DeclaredAttributes()
+
+
+def admit_request(subject: Any, scheduler: Any, request: Any) -> None:
+    """``subject.admit(scheduler, request)``; ``add_request`` for a subject without the hook."""
+    admit = getattr(subject, "admit", None)
+    if admit is None:
+        scheduler.add_request(request)
+    else:
+        admit(scheduler, request)
+
+
+def received_outputs(subject: Any, scheduler: Any, outputs: Any) -> Any:
+    """``subject.receive_outputs(scheduler, outputs)``; the outputs themselves without it."""
+    receive = getattr(subject, "receive_outputs", None)
+    return outputs if receive is None else receive(scheduler, outputs)
 
 
 def upstream_subject() -> Subject:

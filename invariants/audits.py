@@ -11,6 +11,10 @@ Each audit reads only what the subject declared (``conformance.capabilities``):
   belongs to it (C-20, C-51).
 * ``RecordingSink`` (``ChunkDelivery`` + ``SourceLayout.worker_roots``) — no chunk is sent from a
   frame of worker or model code (C-21).
+* ``crossing_problems`` / ``leftover_problems`` (``ProcessBoundary``) — what crossed between the
+  scheduler's process and its caller's arrived as it was sent, bit for bit, and nothing of the
+  crossing (a shared-memory segment, a chunk written but unread) is held between operations
+  (C-46).
 
 Problems are collected as strings that start with their clause id; the machines raise them.
 """
@@ -183,3 +187,71 @@ class CheckingExecutor:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+# ---- what crosses a process boundary (C-46) -------------------------------------------------
+
+
+def _tensor_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
+    if a.dtype != b.dtype:
+        return f"dtype {a.dtype} became {b.dtype}"
+    if tuple(a.shape) != tuple(b.shape):
+        return f"shape {tuple(a.shape)} became {tuple(b.shape)}"
+    # Bit for bit: the bytes, so that -0.0, NaN payloads and the last mantissa bit count.
+    x = a.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    y = b.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+    if not torch.equal(x, y):
+        first = int((x != y).nonzero()[0, 0])
+        return f"bytes differ (first at byte {first} of {x.numel()})"
+    return None
+
+
+def _same_scalar(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, float) and a != a:
+        return b != b
+    return bool(a == b)
+
+
+def crossing_problems(crossings: Iterable[Any]) -> list[str]:
+    """C-46: each crossing's received fields equal its sent fields (tensors bit for bit, with
+    their dtype and shape; scalars with their type)."""
+    problems: list[str] = []
+    for c in crossings:
+        sent, received = dict(c.sent), dict(c.received)
+        if not received and sent:
+            problems.append(f"C-46: {c.label} was sent but never received")
+            continue
+        if not sent and received:
+            problems.append(f"C-46: {c.label} was received but never sent")
+            continue
+        if set(sent) != set(received):
+            lost, gained = sorted(set(sent) - set(received)), sorted(set(received) - set(sent))
+            problems.append(f"C-46: {c.label}: fields lost {lost}, gained {gained} in crossing")
+            continue
+        for path in sorted(sent):
+            a, b = sent[path], received[path]
+            if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+                if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+                    problems.append(
+                        f"C-46: {c.label}: {path} was {type(a).__name__}, arrived as "
+                        f"{type(b).__name__}"
+                    )
+                    break
+                why = _tensor_difference(a, b)
+                if why is not None:
+                    problems.append(f"C-46: {c.label}: tensor {path}: {why}")
+                    break
+            elif not _same_scalar(a, b):
+                problems.append(f"C-46: {c.label}: {path} was {a!r}, arrived as {b!r}")
+                break
+    return problems
+
+
+def leftover_problems(leftovers: Any, when: str) -> list[str]:
+    """C-46: nothing of the crossing is held between operations (``ProcessBoundary.leftovers``)."""
+    held = {kind: value for kind, value in dict(leftovers).items() if value}
+    if not held:
+        return []
+    return [f"C-46: {when}: the process boundary still holds {held}"]

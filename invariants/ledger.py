@@ -5,7 +5,8 @@ During a session each request's prompt, accepted tokens and finish are recorded
 
 * C-42 — a request whose final stage is this one (``has_downstream`` false in the subject's
   request facts) caused no chunk;
-* C-43 — every other request got exactly one EOF, as its last chunk, with seqs ``0..n-1``;
+* C-43 — every other request got exactly one EOF, as its last chunk, with seqs ``0..n-1``
+  (a request the caller aborted: none, when the subject declares ``abort_eof = False``, C-46);
 * C-40/C-44/C-45 — the ids the configured processor streamed equal what the subject says it
   streams for the accepted ids (``ChunkDelivery.expected_tokens``), once each;
 * with the real worker (``RunnerProbes`` + ``ModelReference``): the prefill conditioning crossed
@@ -45,6 +46,8 @@ def ledger_problems(
 ) -> list[str]:
     """The teardown checks (module docstring). ``includes_hidden`` is None without a worker."""
     problems: list[str] = []
+    # False: an aborted request's end is its caller's to deliver downstream (``ChunkDelivery``).
+    abort_eof = bool(getattr(delivery, "abort_eof", True))
     views: dict[str, list[ChunkView]] = {}
     for chunk in session.sub.chunks:
         view = delivery.view(chunk)
@@ -59,7 +62,14 @@ def ledger_problems(
                 )
             continue
         finals = [c for c in chunks if c.is_final]
-        if len(finals) != 1 or not chunks[-1].is_final:
+        parent_ends = entry.aborted and not abort_eof
+        if parent_ends:
+            if finals:
+                problems.append(
+                    f"C-43/C-46: {rid} was aborted by its caller, who ends it downstream, yet "
+                    f"{len(finals)} EOF chunk(s) crossed"
+                )
+        elif len(finals) != 1 or not chunks[-1].is_final:
             problems.append(
                 f"C-43: {rid} ({'aborted' if entry.aborted else entry.finish_reason}) got "
                 f"{len(finals)} EOF deliveries in {len(chunks)} chunks"
@@ -69,6 +79,9 @@ def ledger_problems(
         want = delivery.expected_tokens(feature, entry.emitted)
         if want is not None:
             got = [t for c in chunks for t in (c.token_ids or ())]
+            if parent_ends:
+                # What was buffered for the EOF never crosses; what crossed must be in order.
+                want = want[: len(got)]
             if got != want:
                 problems.append(
                     f"C-40/C-44/C-45: {rid}: streamed ids {got[:12]}.. != accepted ids "

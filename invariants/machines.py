@@ -6,8 +6,9 @@ at teardown (C-06) are the harness's. This module adds, for whatever the subject
 (``conformance.capabilities``):
 
 * ``AuditedLockstep`` — after every operation, the audits of ``invariants.audits`` (declared
-  attributes C-10..C-12, executor results C-20/C-51, sends from worker frames C-21), and a ledger
-  of every request's accepted tokens and finish for the teardown checks of ``invariants.ledger``.
+  attributes C-10..C-12, executor results C-20/C-51, sends from worker frames C-21, what crossed a
+  process boundary and what it still holds C-46), and a ledger of every request's accepted
+  tokens and finish for the teardown checks of ``invariants.ledger``.
 * ``InvariantMachine`` — ``conformance.machine.LockstepMachine`` over an audited session: audit
   problems fail the program after the operation that caused them (an ``@invariant``), the ledger
   and the model reference are checked after the drain at teardown.
@@ -37,7 +38,14 @@ from conformance.machine import PREFIXES, TIGHT, LockstepMachine
 from conformance.replay import failures_dir
 from conformance.vllm_compat import environment_versions
 from conformance.workload import Abort, AddRequest, Step, Trace
-from invariants.audits import CheckingExecutor, RecordingSink, audit_requests, audit_scheduler
+from invariants.audits import (
+    CheckingExecutor,
+    RecordingSink,
+    audit_requests,
+    audit_scheduler,
+    crossing_problems,
+    leftover_problems,
+)
 from invariants.ledger import RequestLedger, hf_problems, ledger_problems
 from invariants.outcomes import TerminalOutcomes
 from invariants.reference import cached
@@ -78,6 +86,8 @@ class AuditedLockstep(Lockstep):
         local = isinstance(self.up, Side)
         self.declared = subject.declared_attributes() if local else None
         self.delivery = subject.chunk_delivery()
+        boundary = getattr(subject, "process_boundary", None)
+        self.boundary = boundary() if boundary is not None else None
         probes = subject.runner_probes() if feature.use_worker else None
         self.ledger: dict[str, RequestLedger] = {}
         self.terminal = TerminalOutcomes()
@@ -139,7 +149,17 @@ class AuditedLockstep(Lockstep):
         if self.declared is not None:
             problems.extend(audit_requests(self.up.scheduler, self.sub.scheduler, self.declared))
             problems.extend(audit_scheduler(self.up.scheduler, self.sub.scheduler, self.declared))
+        if self.boundary is not None:
+            problems.extend(self.boundary_problems(f"after operation {len(self.trace.ops) - 1}"))
         return problems
+
+    def boundary_problems(self, when: str) -> list[str]:
+        """C-46: what crossed since the last call arrived unchanged; nothing is left held."""
+        assert self.boundary is not None
+        sched = self.sub.scheduler
+        problems = crossing_problems(self.boundary.request_crossings(sched))
+        problems += crossing_problems(self.boundary.chunk_crossings(sched))
+        return problems + leftover_problems(self.boundary.leftovers(sched), when)
 
     def clauses(self) -> set[str]:
         """The clauses this session checks for its subject and feature (what the subject
@@ -149,6 +169,8 @@ class AuditedLockstep(Lockstep):
             found |= {"C-10", "C-11", "C-12"}
         if self.sink is not None:
             found.add("C-21")
+        if self.boundary is not None and self.audits:
+            found.add("C-46")
         if self.delivery is not None and self.feature.additional_config:
             found |= {"C-42", "C-43"}
             if self.delivery.expected_tokens(self.feature, []) is not None:
@@ -168,6 +190,8 @@ class AuditedLockstep(Lockstep):
         """After ``drain``: conservation, the ledger, and (optionally) model parity (C-08)."""
         problems = list(self.problems) + self.terminal.drained_problems()
         problems += self.conservation_problems()
+        if self.boundary is not None:
+            problems += self.boundary_problems("once the workload drained")
         reference = self.subject.model_reference() if self.feature.use_worker else None
         ref = cached(reference) if reference is not None else None
         if self.delivery is not None and self.feature.additional_config:

@@ -17,7 +17,7 @@ import torch
 
 from conformance.capabilities import PayloadView
 from conformance.config import HarnessConfig
-from conformance.subjects import UpstreamSubject
+from conformance.subjects import UpstreamSubject, admit_request
 from conformance.workload import AddRequest
 from invariants.strategies import Job, job_prompt
 
@@ -53,7 +53,7 @@ def drive_runners(
     for i, job in enumerate(workload):
         prompt = job_prompt(i, job)
         op = AddRequest(f"j{i}", tuple(prompt), max_tokens=job.max_tokens)
-        sched.add_request(upstream.make_request(op, prompt, cfg, sched, float(i)))
+        admit_request(upstream, sched, upstream.make_request(op, prompt, cfg, sched, float(i)))
     steps = 0
     while sched.has_requests() and steps < max_steps:
         for i, job in enumerate(workload):

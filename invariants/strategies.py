@@ -363,3 +363,102 @@ jobs = st.lists(
 
 def job_prompt(i: int, job: Job) -> list[int]:
     return PREFIX_TOKENS[job.prefix] + [100 + (i * 37 + k) % 200 for k in range(job.length)]
+
+
+# ---- well-formed stage inputs with every kind of value a slot may carry (C-46) ----------------
+
+_SLOT_DTYPES = (
+    torch.float32,
+    torch.float64,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+)
+
+
+@st.composite
+def slot_tensors(draw: st.DrawFn) -> torch.Tensor:
+    """A finite tensor of any dtype the wire must keep: 0-d, empty, 1-d, 2-d or a transposed
+    (non-contiguous) view; values include -0.0, subnormals and each dtype's extremes."""
+    dtype = draw(st.sampled_from(_SLOT_DTYPES))
+    shape = draw(st.sampled_from([(), (0,), (1,), (5,), (2, 3), (3, 0), (4, 2)]))
+    n = 1
+    for d in shape:
+        n *= d
+    if dtype.is_floating_point:
+        limit = 6.0e4 if dtype == torch.float16 else 2.0**100
+        values = draw(
+            st.lists(
+                st.floats(-limit, limit, allow_nan=False, allow_infinity=False, width=32)
+                | st.sampled_from([-0.0, 1.0e-40, -1.0e-45, 3.0e38 if limit > 1e5 else 6.0e4]),
+                min_size=n,
+                max_size=n,
+            )
+        )
+        t = torch.tensor(values, dtype=torch.float32).to(dtype)
+    elif dtype == torch.bool:
+        t = torch.tensor(draw(st.lists(st.booleans(), min_size=n, max_size=n)), dtype=dtype)
+    else:
+        info = torch.iinfo(dtype)
+        ints = st.integers(info.min, info.max) | st.sampled_from([info.min, info.max, 0])
+        t = torch.tensor(draw(st.lists(ints, min_size=n, max_size=n)), dtype=dtype)
+    t = t.reshape(shape)
+    if t.dim() == 2 and draw(st.booleans()):
+        t = t.t()  # a view whose memory is not in its logical order
+    return t
+
+
+def every_slot_kind(spec: StageInputSpec) -> dict[str, Any]:
+    """One input whose slot holds a tensor of every dtype ``slot_tensors`` draws (0-d, empty and
+    transposed ones among them), every kind of scalar and a list: checked before the generated
+    ones, so no kind depends on the examples a profile happens to draw."""
+    info: dict[str, Any] = {}
+    for i, dtype in enumerate(_SLOT_DTYPES):
+        base = torch.arange(6, dtype=torch.float32) - 2.5
+        t = (base > 0) if dtype == torch.bool else base.to(dtype)
+        info[f"t{i}"] = t.reshape(2, 3).t() if i % 2 else t
+    info["zero_d"] = torch.tensor(-0.0)
+    info["empty"] = torch.empty((3, 0), dtype=torch.int16)
+    info.update({"none": None, "flag": True, "n": -(2**63), "x": 1e-310, "s": "é", "l": [1, "a"]})
+    return {
+        "prompt_token_ids": [1, 2, 3],
+        "conditioning": torch.linspace(-1, 1, spec.hidden_size),
+        "additional_information": info,
+    }
+
+
+_SLOT_SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**63), 2**63 - 1)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=6)
+)
+
+
+@st.composite
+def stage_inputs(draw: st.DrawFn, spec: StageInputSpec) -> dict[str, Any]:
+    """A well-formed input of ``spec``'s stage: prompt ids or embeds, optional conditioning,
+    additional information mixing tensors, scalars and lists, and a final stage."""
+    fields: dict[str, Any] = {}
+    n = draw(st.integers(1, 6))
+    if draw(st.booleans()):
+        fields["prompt_token_ids"] = draw(
+            st.lists(st.integers(0, spec.vocab_size - 1), min_size=n, max_size=n)
+        )
+    else:
+        fields["prompt_embeds"] = _embeds(n, dim=spec.hidden_size) * draw(st.floats(0.5, 2.0))
+    if draw(st.booleans()):
+        fields["conditioning"] = draw(slot_tensors())
+    if draw(st.booleans()):
+        values = slot_tensors() | _SLOT_SCALARS | st.lists(_SLOT_SCALARS, max_size=3)
+        fields["additional_information"] = draw(
+            st.dictionaries(st.text(min_size=1, max_size=8), values, max_size=4)
+        )
+    later = spec.stages[spec.stages.index(spec.stage_id) :]
+    fields["final_stage_id"] = draw(st.sampled_from([None, *later]))
+    return fields

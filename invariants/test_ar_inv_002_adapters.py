@@ -42,6 +42,7 @@ from conformance.capabilities import (
     features_of,
     require,
 )
+from conformance.subjects import admit_request
 from invariants.machines import check_machine, lockstep_run, suite_settings
 from invariants.strategies import Malformed, malformed_inputs
 
@@ -139,7 +140,8 @@ def test_malformed_inputs_rejected_at_adapter(conformance_subject):
 def test_duplicate_live_id_rejected(conformance_subject):
     probe = require(conformance_subject, "input_adapter", "input adapter")
     scheduler = probe.scheduler()
-    scheduler.add_request(probe.build(scheduler, "dup", _sampling(2), prompt_token_ids=[5, 6, 7]))
+    request = probe.build(scheduler, "dup", _sampling(2), prompt_token_ids=[5, 6, 7])
+    admit_request(conformance_subject, scheduler, request)
     with pytest.raises(probe.rejection) as info:
         probe.build(scheduler, "dup", _sampling(2), prompt_token_ids=[8])
     assert (info.value.request_id, info.value.field) == ("dup", "request_id")

@@ -29,6 +29,9 @@ What can fail, and why:
 
 * C-62 — as in every audited lock-step session, each request ends with exactly one terminal
   outcome, whatever the generated processor does (``invariants.outcomes``).
+* C-46 — for a subject whose chunks cross a process boundary (``process_boundary``), every
+  chunk arrives as it was sent and the boundary holds nothing between operations
+  (``invariants.test_process_boundary``).
 
 Not applicable to a subject without ``chunk_delivery`` or without a ``processor_feature``.
 Positive controls: mutants ``truthy_token_updates``, ``no_eof_when_processor_returns_none``,
@@ -45,6 +48,7 @@ import torch
 from hypothesis.stateful import initialize
 
 from conformance.capabilities import ChunkDelivery, NotApplicable, require
+from conformance.plugin import covers
 from conformance.pristine import require_oracle_in_process
 from invariants.machines import (
     InvariantMachine,
@@ -201,6 +205,9 @@ def chunk_run(recorder: Any, subject: Any, mode: str) -> MachineRun:
 
 @pytest.mark.clauses("C-40", "C-41", "C-42", "C-43", "C-44", "C-45", "C-62")
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_chunk_contracts(conformance, conformance_subject, mode):
+def test_chunk_contracts(request, conformance, conformance_subject, mode):
     run = chunk_run(conformance, conformance_subject, mode)
-    raise_failure(run_machine(run, suite_settings(40), ChunkMachine), run)
+    outcome = run_machine(run, suite_settings(40), ChunkMachine)
+    # What the sessions really checked beyond the marker (C-46 where chunks cross a process).
+    covers(request.node, run.clauses)
+    raise_failure(outcome, run)

@@ -45,6 +45,7 @@ from hypothesis import strategies as st
 
 from conformance.capabilities import FaultContainment, require, require_worker
 from conformance.driver import WorkerExecutor, make_driver
+from conformance.subjects import admit_request, received_outputs
 from conformance.vllm_compat import state as vc
 from conformance.workload import AddRequest
 from invariants.machines import suite_settings, worker_harness_config
@@ -95,7 +96,14 @@ class Outcome:
     steps: int = 0
 
 
-def _drain(driver: Any, scheduler: Any, outcome: Outcome, max_steps: int, cause_field: str) -> None:
+def _drain(
+    subject: Any,
+    driver: Any,
+    scheduler: Any,
+    outcome: Outcome,
+    max_steps: int,
+    cause_field: str,
+) -> None:
     while scheduler.has_requests() or driver.in_flight():
         if outcome.steps >= max_steps:
             raise AssertionError(f"C-62: the workload did not drain within {max_steps} steps")
@@ -108,7 +116,9 @@ def _drain(driver: Any, scheduler: Any, outcome: Outcome, max_steps: int, cause_
                 "the step would fail"
             ) from exc
         outcome.steps += 1
-        for eco in (obs.outputs or {}).values():
+        # What the engine's caller receives: the cause must survive whatever the outputs cross.
+        outputs = received_outputs(subject, scheduler, obs.outputs)
+        for eco in (outputs or {}).values():
             for out in eco.outputs:
                 outcome.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
                 if out.finish_reason is not None:
@@ -140,14 +150,15 @@ def run_workload(
         driver = make_driver(scheduler, WorkerExecutor(worker))
         for i, (rid, prompt) in enumerate(prompts.items()):
             op = AddRequest(rid, tuple(prompt), max_tokens=max_tokens[rid])
-            scheduler.add_request(subject.make_request(op, prompt, cfg, scheduler, float(i)))
+            request = subject.make_request(op, prompt, cfg, scheduler, float(i))
+            admit_request(subject, scheduler, request)
         first = Outcome()
         faults = 0
         if fault is None:
-            _drain(driver, scheduler, first, 400, field)
+            _drain(subject, driver, scheduler, first, 400, field)
         else:
             with poisoned(containment.embedding(worker), fault[0], fault[1]) as raised:
-                _drain(driver, scheduler, first, 400, field)
+                _drain(subject, driver, scheduler, first, 400, field)
             faults = raised[0]
         free = vc.num_free_blocks(pool)
         assert free == initial, f"C-06: {initial - free} blocks still held after the drain"
@@ -155,9 +166,9 @@ def run_workload(
         assert not left, f"C-04: omni state left for {sorted(left)} after the drain"
         rid, prompt, limit = again
         op = AddRequest(rid, tuple(prompt), max_tokens=limit)
-        scheduler.add_request(subject.make_request(op, prompt, cfg, scheduler, 1000.0))
+        admit_request(subject, scheduler, subject.make_request(op, prompt, cfg, scheduler, 1000.0))
         second = Outcome()
-        _drain(driver, scheduler, second, 200, field)
+        _drain(subject, driver, scheduler, second, 200, field)
         return first, second, faults
     finally:
         containment.shutdown(worker)

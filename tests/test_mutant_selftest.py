@@ -179,6 +179,29 @@ def _builder_recovery_probe(subject: Any) -> tuple[BaseException | None, int]:
     )(subject)
 
 
+def _stage_inputs_probe(subject: Any) -> tuple[BaseException | None, int]:
+    """What ``invariants/test_process_boundary.py`` checks: generated stage inputs cross."""
+    from invariants.strategies import every_slot_kind, stage_inputs
+    from invariants.test_process_boundary import check_stage_input_crosses
+
+    boundary = subject.process_boundary()
+    probe = subject.input_adapter()
+    scheduler = probe.scheduler()
+    try:
+        check_stage_input_crosses(
+            subject, boundary, probe, scheduler, "every-kind", every_slot_kind(probe.spec)
+        )
+    except AssertionError as exc:
+        return exc, 1
+    count = [0]
+
+    def check(fields: Any, s: Any) -> None:
+        count[0] += 1
+        check_stage_input_crosses(s, boundary, probe, scheduler, f"in{count[0]}", fields)
+
+    return _given_probe(stage_inputs(probe.spec), check, lambda v: 1)(subject)
+
+
 def _registry_probe(subject: Any) -> tuple[BaseException | None, int]:
     """What ``invariants/test_registry.py`` checks: completeness, then each entry's witness
     (the length is the number of registry entries)."""
@@ -222,6 +245,7 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     "builder-recovery": _builder_recovery_probe,
     "registry": _registry_probe,
     "fault-containment": _fault_containment_probe,
+    "stage-inputs-cross": _stage_inputs_probe,
 }
 
 
@@ -285,6 +309,7 @@ def test_mutant_catalogue_covers_every_clause_group() -> None:
         "chunks": {"C-40", "C-42", "C-43", "C-44", "C-45"},
         "materialization": {"C-50", "C-51", "C-52", "C-54", "C-55"},
         "reliability": {"C-62"},
+        "process-boundary": {"C-46"},
     }
     missing = {g: sorted(want - clauses) for g, want in groups.items() if want - clauses}
     assert not missing, f"clauses without a mutant: {missing}"

@@ -611,6 +611,103 @@ def _send_from_worker_subject() -> Iterator[Any]:
     yield _subject_with(scheduler_mixin=PublishesTransfer, runner_cls=_send_from_worker())
 
 
+# ---- the process boundary (C-46): mutants of the stage-process wire ------------------------
+
+
+@contextlib.contextmanager
+def _on_process_stage(*patches: contextlib.AbstractContextManager[Any]) -> Iterator[Any]:
+    """The ``omni-process-stage`` subject with ``patches`` applied; segments a mutant leaks are
+    swept afterwards, so /dev/shm keeps nothing of the run."""
+    import os
+
+    from omni_runtime.adapters.shm_wire import sweep_segments
+    from omni_runtime.conformance_subject import ProcessStageSubject
+
+    try:
+        with contextlib.ExitStack() as stack:
+            for p in patches:
+                stack.enter_context(p)
+            yield ProcessStageSubject()
+    finally:
+        sweep_segments(f"omni-gate-{os.getpid()}-")
+
+
+def _wire_drops_last_byte():
+    """C-46: the writer copies every tensor of a step into the segment but the last one's final
+    byte (an off-by-one in the copy): the parent reads that byte as zero."""
+    from multiprocessing import resource_tracker
+    from multiprocessing.shared_memory import SharedMemory
+
+    from omni_runtime.adapters.shm_wire import ShmChunkWriter
+
+    def make(orig: Any) -> Any:
+        def flush(self: Any) -> Any:
+            descriptors = orig(self)
+            last = next((d for d in reversed(descriptors) if d.segment and d.tensors), None)
+            ref = (
+                None
+                if last is None
+                else next((r for r in reversed(last.tensors) if r.nbytes), None)
+            )
+            if last is not None and ref is not None:
+                shm = SharedMemory(name=last.segment, create=False)
+                # Attaching registered it with the tracker; the parent owns it (as the writer's).
+                resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+                try:
+                    shm.buf[ref.offset + ref.nbytes - 1] = 0
+                finally:
+                    shm.close()
+            return descriptors
+
+        return flush
+
+    return _on_process_stage(_patch(ShmChunkWriter, "flush", make))
+
+
+def _reader_keeps_segments():
+    """C-46: the parent copies the tensors out but never unlinks the step's segment: every
+    segment outlives the message that named it."""
+    from multiprocessing import resource_tracker
+
+    import omni_runtime.adapters.shm_wire as shm_wire
+
+    def make(orig: Any) -> Any:
+        def release_segments(names: Any, *, opened: Any = None) -> None:
+            for shm in (opened or {}).values():
+                shm.close()
+                # Unlinking would also have taken it off the tracker that attaching told.
+                resource_tracker.unregister(shm._name, "shared_memory")
+
+        return release_segments
+
+    return _on_process_stage(_patch(shm_wire, "release_segments", make))
+
+
+def _abort_keeps_unsent_chunks():
+    """C-46/C-43: an abort between steps does not drop the EOF chunk the transfer adapter wrote
+    for the aborted request: it waits in the writer and crosses with the next step's message,
+    an EOF the parent, which ended the request itself, never asked for."""
+    from omni_runtime.adapters.shm_wire import ShmChunkWriter
+
+    return _on_process_stage(_patch(ShmChunkWriter, "discard", lambda _orig: lambda self: None))
+
+
+def _slot_bool_tensor_as_bytes():
+    """C-46: the stage process rebuilds a boolean tensor of a request's slot as uint8 (its wire
+    bytes are the same, its dtype is not)."""
+    import omni_runtime.adapters.input as adapter
+
+    def make(orig: Any) -> Any:
+        def _tensor_from_wire(wire: Any) -> Any:
+            if str(wire["dtype"]) == "bool":
+                wire = {**wire, "dtype": "uint8"}
+            return orig(wire)
+
+        return _tensor_from_wire
+
+    return _on_process_stage(_patch(adapter, "_tensor_from_wire", make))
+
+
 # ---- the catalogue ------------------------------------------------------------------------
 
 
@@ -844,6 +941,34 @@ MUTANTS: tuple[Mutant, ...] = (
         "lockstep-hidden-inline",
         "a prefix-cache hit delivers no rows for its cached prompt positions",
         _prefix_merge_missing_rows,
+    ),
+    Mutant(
+        "wire_drops_last_byte",
+        "C-46",
+        "chunk-contracts",
+        "the stage's chunk writer leaves the last tensor's final byte of a step unwritten",
+        _wire_drops_last_byte,
+    ),
+    Mutant(
+        "reader_keeps_segments",
+        "C-46",
+        "chunk-contracts",
+        "the parent reads a step's chunks but never unlinks their shared-memory segment",
+        _reader_keeps_segments,
+    ),
+    Mutant(
+        "abort_keeps_unsent_chunks",
+        "C-46",
+        "lockstep-token-updates",
+        "an abort between steps leaves its EOF chunk in the writer; it crosses with the next step",
+        _abort_keeps_unsent_chunks,
+    ),
+    Mutant(
+        "slot_bool_tensor_as_bytes",
+        "C-46",
+        "stage-inputs-cross",
+        "the stage process rebuilds a boolean slot tensor as uint8",
+        _slot_bool_tensor_as_bytes,
     ),
 )
 

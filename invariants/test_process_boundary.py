@@ -1,0 +1,86 @@
+"""C-46: what crosses a stage's process boundary arrives unchanged, and nothing of it stays.
+
+A subject whose scheduler runs in a process of its own (``process_boundary``, see
+``conformance.capabilities.ProcessBoundary``) admits requests through its ``admit`` hook and
+hands the harness each step's outputs through ``receive_outputs``, as its runtime does across
+the boundary. What crossed is checked in two places:
+
+* every audited lock-step session (``invariants.machines.AuditedLockstep``: the parity
+  properties, the chunk contracts, the witnesses' sessions) checks after every operation that
+  each chunk the stage sent arrived with the same ids, seq, final flag, token ids, reason,
+  payload positions and data, every tensor bit for bit with its dtype and shape, that every
+  admitted request's stage-input slot arrived as the caller built it, and that the boundary
+  holds nothing (no shared-memory segment outlives the step whose message named it, no chunk
+  waits unread or unflushed, no request stays staged); an aborted request's EOF must not cross
+  when the subject says its caller ends it downstream (``ChunkDelivery.abort_eof``);
+* ``test_stage_inputs_cross_unchanged`` below admits generated well-formed stage inputs whose
+  conditioning and additional information carry tensors of every dtype and layout the input
+  adapter accepts (0-d, empty, non-contiguous, -0.0, subnormals, integer extremes) and scalars
+  and lists of every kind, then aborts them: the slots must arrive unchanged, the request must be
+  in the scheduler when ``admit`` returns, and the abort must leave the boundary empty.
+
+Not applicable to a subject without ``process_boundary`` (a scheduler in its caller's process
+has no boundary to cross). Positive controls: mutants ``wire_drops_last_byte``,
+``reader_keeps_segments``, ``abort_keeps_unsent_chunks`` and ``slot_loses_info_tensor``
+(``tests/mutants/runtime_mutants.py``, proven by ``tests/test_mutant_selftest.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+
+from conformance.capabilities import ProcessBoundary, require
+from conformance.subjects import admit_request
+from invariants.audits import crossing_problems, leftover_problems
+from invariants.machines import suite_settings
+from invariants.strategies import every_slot_kind, stage_inputs
+
+pytestmark = [pytest.mark.invariants]
+
+
+def _sampling(max_tokens: int) -> Any:
+    from vllm.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens)
+
+
+def check_stage_input_crosses(
+    subject: Any, boundary: ProcessBoundary, probe: Any, scheduler: Any, rid: str, fields: dict
+) -> None:
+    """Raise AssertionError when ``fields``, admitted as ``rid``, does not cross as C-46 says."""
+    from vllm.v1.request import RequestStatus
+
+    request = probe.build(scheduler, rid, _sampling(2), **fields)
+    admit_request(subject, scheduler, request)
+    problems = crossing_problems(boundary.request_crossings(scheduler))
+    if rid not in scheduler.requests:
+        problems.append(f"C-46: {rid} is not in the scheduler once admitted")
+    scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+    problems += crossing_problems(boundary.chunk_crossings(scheduler))
+    problems += leftover_problems(boundary.leftovers(scheduler), f"after aborting {rid}")
+    assert not problems, problems[0] + (f" (+{len(problems) - 1} more)" if problems[1:] else "")
+
+
+@pytest.mark.clauses("C-46")
+def test_stage_inputs_cross_unchanged(conformance_subject):
+    boundary = require(conformance_subject, "process_boundary", "process boundary")
+    probe = require(conformance_subject, "input_adapter", "input adapter")
+    scheduler = probe.scheduler()
+    check_stage_input_crosses(
+        conformance_subject, boundary, probe, scheduler, "every-kind", every_slot_kind(probe.spec)
+    )
+    count = [0]
+
+    @suite_settings(60)
+    @given(stage_inputs(probe.spec))
+    def prop(fields: dict[str, Any]) -> None:
+        count[0] += 1
+        check_stage_input_crosses(
+            conformance_subject, boundary, probe, scheduler, f"in{count[0]}", fields
+        )
+
+    prop()
+    assert count[0] > 0
