@@ -1,0 +1,170 @@
+"""The invariant suite against ``omni-process-stage``: the omni schedulers as they run inside a
+stage process, reached only the way the gate reaches any subject.
+
+The default lane runs the suite against one subject (``omni``); this module runs, with the same
+profile and budgets, the properties in which the process stage's code takes part against the
+``omni-process-stage`` subject, loaded by name through its entry point as an outside runtime's
+would be:
+
+* AR-INV-001 lock-step parity (C-01..C-07, C-62, and after every operation the audits, C-46
+  among them) for the token-source features, sync and async, prefix caching on and off, and for
+  two real-worker features (hidden rows and token-only conditioning through shared memory);
+* the chunk contracts with generated processors (C-40..C-46), and C-46 with generated stage
+  inputs (``invariants/test_process_boundary.py``);
+* the registry's completeness and witnesses (C-03, OMNI-WIRE-001 among them), the run-time
+  attribute audit and the adapter's duplicate-id check (C-10..C-13), and worker fault
+  containment (C-61, C-62: the failure's cause must survive the output wire).
+
+Properties that drive the runner alone (materialization, payload and graph-independence checks)
+are left out: the process stage does not take part in them. ``test_gate_check_passes`` (slow)
+runs the whole gate end to end against the subject, through ``omni-conformance check``.
+
+``test_outputs_arrive_as_the_parent_decodes_them`` is the test that makes OMNI-WIRE-001 happen:
+every output the parent decodes is an ``OmniEngineCoreOutput``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from conformance.capabilities import features_of
+from conformance.subjects import load_subject
+from conformance.workload import AddRequest, Step
+from invariants.machines import (
+    AuditedLockstep,
+    LocalRecorder,
+    harness_config,
+    lockstep_run,
+    raise_failure,
+    run_machine,
+    suite_settings,
+)
+
+SUBJECT = "omni-process-stage"
+TOKEN_FEATURES = ("off", "token-updates")
+WORKER_FEATURES = ("hidden-inline", "token-only-background")
+
+
+@pytest.fixture(scope="module")
+def subject() -> Any:
+    return load_subject(SUBJECT)
+
+
+def _feature(subject: Any, name: str) -> Any:
+    return {f.name: f for f in features_of(subject)}[name]
+
+
+def _request_node() -> Any:
+    """What the suite's tests read of pytest's ``request`` (the clauses they credit)."""
+    return SimpleNamespace(node=SimpleNamespace(user_properties=[]))
+
+
+@pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "noprefix"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("feature", TOKEN_FEATURES)
+def test_lockstep_parity(subject, feature, mode, prefix):
+    from invariants.test_ar_inv_001_parity import test_lockstep_parity as suite
+
+    suite(
+        _request_node(), LocalRecorder(subject), subject, _feature(subject, feature), mode, prefix
+    )
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("feature", WORKER_FEATURES)
+def test_lockstep_parity_with_the_worker(subject, feature, mode):
+    from invariants.test_ar_inv_001_parity import test_lockstep_parity as suite
+
+    suite(_request_node(), LocalRecorder(subject), subject, _feature(subject, feature), mode, True)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_chunk_contracts(subject, mode):
+    from invariants.test_chunk_contracts import test_chunk_contracts as suite
+
+    suite(_request_node(), LocalRecorder(subject), subject, mode)
+
+
+def test_stage_inputs_cross_unchanged(subject):
+    from invariants.test_process_boundary import test_stage_inputs_cross_unchanged as suite
+
+    suite(subject)
+
+
+def test_registry(subject):
+    from invariants.test_registry import (
+        test_registry_entries_are_complete,
+        test_registry_entries_are_still_needed,
+    )
+
+    test_registry_entries_are_complete(subject)
+    test_registry_entries_are_still_needed(LocalRecorder(subject), subject)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_runtime_audit(subject, mode):
+    from invariants.test_ar_inv_002_adapters import test_runtime_audit as suite
+
+    suite(LocalRecorder(subject), subject, mode)
+
+
+def test_duplicate_live_id_rejected(subject):
+    from invariants.test_ar_inv_002_adapters import test_duplicate_live_id_rejected as suite
+
+    suite(subject)
+
+
+@pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "transient"])
+@pytest.mark.parametrize("mode,materialization", [("sync", "inline"), ("async", "background")])
+def test_a_model_fault_stays_with_its_request(subject, mode, materialization, persistent):
+    from invariants.test_reliability import test_a_model_fault_stays_with_its_request as suite
+
+    suite(subject, mode, materialization, persistent)
+
+
+def test_outputs_arrive_as_the_parent_decodes_them(subject):
+    """OMNI-WIRE-001 happens: the parent decodes every output as ``OmniEngineCoreOutput``, its
+    omni fields at their defaults for a request the step sent nothing for; the registry
+    tolerates exactly that, and nothing else differs from upstream."""
+    from omni_runtime.payload import OmniEngineCoreOutput
+
+    feature = _feature(subject, "off")
+    session = AuditedLockstep(harness_config(feature, mode="sync", prefix=True), subject)
+    session.apply(AddRequest("w", tuple(range(10, 30)), max_tokens=3))
+    session.apply(Step())
+    _, received = session.last_outputs
+    assert received["w"]["__type__"] == OmniEngineCoreOutput.__name__
+    session.drain()
+    assert session.failure is None, session.failure.headline()
+    assert session.tolerated["OMNI-WIRE-001"] > 0
+    assert not session.problems and not session.teardown_problems()
+
+
+def test_a_run_leaves_no_segment_behind(subject):
+    """A session's chunks went through shared memory, and none of it is left once drained."""
+    import os
+
+    feature = _feature(subject, "token-updates")
+    cfg = harness_config(feature, mode="async", prefix=True)
+    run = lockstep_run(
+        LocalRecorder(subject), subject, feature, "segments", mode="async", prefix=True
+    )
+    raise_failure(run_machine(run, suite_settings(3)), run)
+    assert cfg.additional_config  # the feature sends chunks downstream
+    left = [n for n in os.listdir("/dev/shm") if n.startswith(f"omni-gate-{os.getpid()}-")]
+    assert not left, f"segments left in /dev/shm: {left}"
+
+
+@pytest.mark.slow
+def test_gate_check_passes(tmp_path, run_check):
+    """The whole gate, end to end: every test applies to the subject, and C-46 passes."""
+    run = run_check(tmp_path, SUBJECT, workers=2)
+    assert run.returncode == 0, run.tail()
+    assert run.report is not None and run.report["status"] == "pass", run.tail()
+    failed = [r["nodeid"] for r in run.records() if r["outcome"] in ("failed", "error")]
+    assert not failed, failed
+    c46 = next(c for c in run.report["clauses"] if c["id"] == "C-46")
+    assert c46["status"] == "pass", c46
