@@ -431,10 +431,12 @@ def every_slot_kind(spec: StageInputSpec) -> dict[str, Any]:
     }
 
 
+# Integers reach past 64 bits: an adapter may accept only what its stage's wire can carry.
 _SLOT_SCALARS = (
     st.none()
     | st.booleans()
     | st.integers(-(2**63), 2**63 - 1)
+    | st.sampled_from([2**64 - 1, 2**64, -(2**63) - 1, 2**80])
     | st.floats(allow_nan=False, allow_infinity=False)
     | st.text(max_size=6)
 )

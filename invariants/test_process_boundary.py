@@ -17,7 +17,9 @@ the boundary. What crossed is checked in two places:
   conditioning and additional information carry tensors of every dtype and layout the input
   adapter accepts (0-d, empty, non-contiguous, -0.0, subnormals, integer extremes) and scalars
   and lists of every kind, then aborts them: the slots must arrive unchanged, the request must be
-  in the scheduler when ``admit`` returns, and the abort must leave the boundary empty.
+  in the scheduler when ``admit`` returns, and the abort must leave the boundary empty. An input
+  the adapter accepts must be able to cross at all (integers past 64 bits are drawn too): the
+  adapter may refuse it, naming the field (C-13), but not accept it and fail later.
 
 Not applicable to a subject without ``process_boundary`` (a scheduler in its caller's process
 has no boundary to cross). Positive controls: mutants ``wire_drops_last_byte``,
@@ -53,8 +55,23 @@ def check_stage_input_crosses(
     """Raise AssertionError when ``fields``, admitted as ``rid``, does not cross as C-46 says."""
     from vllm.v1.request import RequestStatus
 
-    request = probe.build(scheduler, rid, _sampling(2), **fields)
-    admit_request(subject, scheduler, request)
+    try:
+        request = probe.build(scheduler, rid, _sampling(2), **fields)
+    except probe.rejection as exc:
+        # Refusing what cannot cross is the adapter's right (C-13 names the field); nothing
+        # may have reached the scheduler.
+        assert getattr(exc, "request_id", None) == rid and getattr(exc, "field", None), (
+            f"C-13: {rid}: the rejection names {exc.request_id!r} / {exc.field!r}"
+        )
+        assert rid not in scheduler.requests, f"C-13: rejected {rid} reached the scheduler"
+        return
+    try:
+        admit_request(subject, scheduler, request)
+    except Exception as exc:  # noqa: BLE001 - any failure to cross is the finding
+        raise AssertionError(
+            f"C-46: {rid}: the input adapter accepted a stage input that cannot cross the "
+            f"process boundary ({type(exc).__name__}: {exc})"
+        ) from exc
     problems = crossing_problems(boundary.request_crossings(scheduler))
     if rid not in scheduler.requests:
         problems.append(f"C-46: {rid} is not in the scheduler once admitted")

@@ -168,3 +168,33 @@ def test_gate_check_passes(tmp_path, run_check):
     assert not failed, failed
     c46 = next(c for c in run.report["clauses"] if c["id"] == "C-46")
     assert c46["status"] == "pass", c46
+
+
+@pytest.mark.parametrize("value", [2**64, -(2**63) - 1, [1, 2**80]])
+def test_an_int_the_wire_cannot_carry_is_refused_at_the_adapter(subject, value):
+    """What C-46's property found: the adapter accepted integers past 64 bits in additional
+    information, and the multiprocess backend's ``add`` then raised OverflowError from vLLM's
+    encoder, after validation, naming no field. Refused at the adapter now, naming the field."""
+    probe = subject.input_adapter()
+    scheduler = probe.scheduler()
+    from vllm.sampling_params import SamplingParams
+
+    with pytest.raises(probe.rejection) as info:
+        probe.build(
+            scheduler,
+            "big",
+            SamplingParams(max_tokens=2),
+            prompt_token_ids=[1],
+            additional_information={"k": value},
+        )
+    assert (info.value.request_id, info.value.field) == ("big", "additional_information['k']")
+    edge = {"lo": -(2**63), "hi": 2**64 - 1, "flag": True}
+    request = probe.build(
+        scheduler,
+        "edge",
+        SamplingParams(max_tokens=2),
+        prompt_token_ids=[1],
+        additional_information=edge,
+    )
+    subject.admit(scheduler, request)
+    assert dict(scheduler.requests["edge"].omni.additional_information) == edge

@@ -30,6 +30,11 @@ from omni_runtime.config import OmniStageConfig
 DECLARED_REQUEST_ATTRIBUTES: tuple[str, ...] = ("omni",)
 
 _SCALARS = (bool, int, float, str, type(None))
+# The integers a stage in its own process can receive: the slot crosses in vLLM's msgpack codec
+# (``slot_to_extra_args``), which carries -2**63 .. 2**64-1 only. A larger one used to pass here
+# and raise OverflowError in the multiprocess backend's ``add``, after validation, naming no field
+# (found by the gate's C-46 property); every backend refuses it here instead, alike.
+_WIRE_INTS = range(-(2**63), 2**64)
 
 
 class RequestRejected(ValueError):
@@ -263,6 +268,11 @@ class InputAdapter:
                 out[key] = self._tensor(rid, name, value)
             elif isinstance(value, float) and not math.isfinite(value):
                 raise RequestRejected(rid, name, "NaN or infinite value")
+            elif any(
+                isinstance(v, int) and v not in _WIRE_INTS
+                for v in (value if isinstance(value, list | tuple) else (value,))
+            ):
+                raise RequestRejected(rid, name, "integer outside the 64-bit range")
             elif isinstance(value, _SCALARS):
                 out[key] = value
             elif isinstance(value, list | tuple) and all(isinstance(v, _SCALARS) for v in value):
