@@ -61,12 +61,11 @@ def _ready(cls, n: int, omni: bool):
     h = block_hasher(cfg.block_size)
     sp = SamplingParams(max_tokens=ROUNDS + 50, ignore_eos=True)
     req: Request
+    # One adapter for the stage, as the stage engines hold one (``engine.stage``).
+    adapter = InputAdapter(TALKER, max_model_len=512, block_hasher=h, live_ids=sched.requests)
     for i in range(n):
         prompt = [7 + (i * 13 + j) % 400 for j in range(16)]
         if omni:
-            adapter = InputAdapter(
-                TALKER, max_model_len=512, block_hasher=h, live_ids=sched.requests
-            )
             req = adapter.build(StageInput(f"r{i}", sp, prompt_token_ids=prompt, arrival_time=0.0))
         else:
             req = Request(f"r{i}", prompt, sp, None, arrival_time=0.0, block_hasher=h)

@@ -129,25 +129,66 @@ def test_batched_streamer_equals_per_request_calls(seed, chunk_size):
     multi = seed % 2 == 1
     batched = CodecTokenStreamer(chunk_size=chunk_size)
     reference = CodecTokenStreamer(chunk_size=chunk_size)
+    # A third adapter gets every step whose outputs align with its requests (one each) through
+    # ``on_aligned_steps``, as the scheduler hands it steady decode steps: its whole-step path
+    # must be invisible too.
+    whole = CodecTokenStreamer(chunk_size=chunk_size)
     a = ChunkTransferAdapter("talker", batched)
     b = ChunkTransferAdapter("talker", PerRequest(reference))
+    c = ChunkTransferAdapter("talker", whole)
     assert a._batch_of(batched) is not None and b._batch_of(b.processor) is None
+    general = c.on_steps
     for steps, payloads, freed, dropped, live in random_steps(rng, 120, lockstep, multi):
         sent = [
             adapter.on_steps(list(steps), payloads, dict(freed), dropped, live.get)
             for adapter in (a, b)
         ]
-        assert [(rid, view(c)) for rid, c in sent[0].items()] == [
-            (rid, view(c)) for rid, c in sent[1].items()
-        ]
-        assert [view(c) for c in a.sink.drain()] == [view(c) for c in b.sink.drain()]
-        assert a.take_failures().keys() == b.take_failures().keys()
-        assert a.progress == b.progress
+        if all(out is not None for _, out in steps):
+            ids, outs = [rid for rid, _ in steps], [out for _, out in steps]
+            sent.append(c.on_aligned_steps(ids, outs, payloads, dict(freed), dropped, live.get))
+        else:
+            sent.append(general(list(steps), payloads, dict(freed), dropped, live.get))
+        for other in sent[1:]:
+            assert [(rid, view(c)) for rid, c in sent[0].items()] == [
+                (rid, view(c)) for rid, c in other.items()
+            ]
+        drained = [[view(c) for c in adapter.sink.drain()] for adapter in (a, b, c)]
+        assert drained[0] == drained[1] == drained[2]
+        failures = [adapter.take_failures().keys() for adapter in (a, b, c)]
+        assert failures[0] == failures[1] == failures[2]
+        assert a.progress == b.progress == c.progress
         if rng.random() < 0.2:
             # Audits between steps see the buffers per-request calls would have left.
-            assert batched.pending_request_ids() == reference.pending_request_ids()
-            assert batched._buffers == reference._buffers
+            pending = [s.pending_request_ids() for s in (batched, reference, whole)]
+            assert pending[0] == pending[1] == pending[2]
+            assert batched._buffers == reference._buffers == whole._buffers
     assert batched.pending_request_ids() == reference.pending_request_ids()
+    assert whole.pending_request_ids() == reference.pending_request_ids()
+
+
+def test_steady_decode_steps_are_taken_whole():
+    # Every request live, with a downstream and one id a step: ``on_aligned_steps`` must not
+    # fall back to the per-request loop, and must stream what per-request calls stream.
+    whole, reference = CodecTokenStreamer(chunk_size=4), CodecTokenStreamer(chunk_size=4)
+    c = ChunkTransferAdapter("talker", whole)
+    b = ChunkTransferAdapter("talker", PerRequest(reference))
+    ids = [f"q{i}" for i in range(6)]
+    live = dict.fromkeys(ids, DOWN)
+    general, fallbacks = c.on_steps, []
+    c.on_steps = lambda *args: fallbacks.append(args) or general(*args)  # type: ignore[method-assign]
+    for step in range(13):
+        outs = [
+            EngineCoreOutput(request_id=r, new_token_ids=[11 + step + i]) for i, r in enumerate(ids)
+        ]
+        sent = c.on_aligned_steps(ids, outs, {}, {}, set(), live.get)
+        expected = b.on_steps(list(zip(ids, outs, strict=True)), {}, {}, set(), live.get)
+        assert [(r, view(x)) for r, x in sent.items()] == [
+            (r, view(x)) for r, x in expected.items()
+        ]
+    # Only the first step, which creates the progress records, took the general path.
+    assert len(fallbacks) == 1
+    assert [view(x) for x in c.sink.drain()] == [view(x) for x in b.sink.drain()]
+    assert whole.pending_request_ids() == reference.pending_request_ids()
 
 
 def test_release_spreads_kept_steps_first():

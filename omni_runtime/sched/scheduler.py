@@ -147,13 +147,14 @@ class OmniARScheduler(Scheduler):
         if not scheduled and not freed:
             return outputs
 
-        sent = transfer.on_steps(
-            _with_outputs(scheduled, outputs),
-            payloads_by_request(model_runner_output),
-            freed,
-            dropped,
-            self._live_slot,
-        )
+        payloads = payloads_by_request(model_runner_output)
+        aligned = _aligned_outputs(scheduled, outputs)
+        if aligned is not None:
+            sent = transfer.on_aligned_steps(*aligned, payloads, freed, dropped, self._live_slot)
+        else:
+            sent = transfer.on_steps(
+                _with_outputs(scheduled, outputs), payloads, freed, dropped, self._live_slot
+            )
         freed.clear()
 
         failures = transfer.take_failures()
@@ -288,18 +289,24 @@ class OmniARScheduler(Scheduler):
         return self.transfer.live_request_ids() if self.transfer is not None else set()
 
 
+def _aligned_outputs(
+    scheduled: Mapping[str, int], outputs: dict[int, EngineCoreOutputs]
+) -> tuple[list[str], list[EngineCoreOutput]] | None:
+    """The scheduled ids and the step's outputs, when there is one client whose outputs are
+    exactly the scheduled requests in order (every request emitted once, as in steady decode):
+    they pair as they are, without a lookup per request. Else None."""
+    if len(outputs) != 1:
+        return None
+    (eco,) = outputs.values()
+    ids = list(scheduled)
+    return (ids, eco.outputs) if list(map(_request_id, eco.outputs)) == ids else None
+
+
 def _with_outputs(
     scheduled: Mapping[str, int], outputs: dict[int, EngineCoreOutputs]
 ) -> Iterable[tuple[str, EngineCoreOutput | None]]:
     """Each scheduled request id, in scheduler order, with its output of the step (None when it
     emitted none; the last one when it emitted two, a step and then an error)."""
-    if len(outputs) == 1:
-        # One client whose outputs are exactly the scheduled requests in order (a step in which
-        # every request emitted once, as in steady decode): pair them as they are, without a
-        # lookup per request.
-        (eco,) = outputs.values()
-        if list(map(_request_id, eco.outputs)) == list(scheduled):
-            return zip(scheduled, eco.outputs, strict=True)
     emitted = {out.request_id: out for eco in outputs.values() for out in eco.outputs}
     return zip(scheduled, map(emitted.get, scheduled), strict=True)
 

@@ -51,10 +51,11 @@ import inspect
 import logging
 import types
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from itertools import chain
+from operator import attrgetter
 from typing import Any, Protocol
 
 from vllm.utils.import_utils import resolve_obj_by_qualname
@@ -65,6 +66,10 @@ from omni_runtime.payload import StageChunk, StagePayload
 ChunkProcessor = Callable[..., Any]
 
 logger = logging.getLogger(__name__)
+
+
+_new_token_ids = attrgetter("new_token_ids")
+_finish_reason = attrgetter("finish_reason")
 
 
 class StepOutput(Protocol):
@@ -302,6 +307,40 @@ class ChunkTransferAdapter:
             if rid not in consumed:
                 self.on_terminated(rid, state, reason)
         return sent
+
+    def on_aligned_steps(
+        self,
+        request_ids: list[str],
+        outputs: Sequence[StepOutput],
+        payloads: Mapping[str, StagePayload],
+        freed: Mapping[str, tuple[OmniRequestState, str]],
+        dropped: AbstractSet[str],
+        live_slot: Callable[[str], OmniRequestState | None],
+    ) -> dict[str, StageChunk]:
+        """``on_steps`` for a step in which request ``request_ids[i]`` emitted ``outputs[i]``
+        and nothing else was emitted: the steady decode step, taken whole when it can be.
+
+        When no request was freed or dropped, none carries a payload, none finished, every one
+        has nonempty ids and a progress record, and the processor batches, the per-request loop
+        of ``on_steps`` would put every request into one run: that run is built here in C-level
+        passes instead (one batch call, chunks in scheduler order). Anything else goes through
+        ``on_steps`` unchanged."""
+        if not (freed or dropped or payloads) and self.token_updates:
+            batch = self._batch_of(self.processor)
+            if batch is not None:
+                new_ids = list(map(_new_token_ids, outputs))
+                if (
+                    all(new_ids)
+                    and list(map(_finish_reason, outputs)).count(None) == len(new_ids)
+                    and all(map(self.progress.__contains__, request_ids))
+                ):
+                    sent: dict[str, StageChunk] = {}
+                    if new_ids:
+                        self._run_batch(batch, request_ids, new_ids, sent)
+                    return sent
+        return self.on_steps(
+            zip(request_ids, outputs, strict=True), payloads, freed, dropped, live_slot
+        )
 
     def _run_batch(
         self,
