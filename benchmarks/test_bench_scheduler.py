@@ -27,25 +27,24 @@ upstream children against each other give 0.98-1.03 (8 pairs), which is the nois
 figure here; omni-off stays ~1.00 either way, since both sides then carry the same request type.
 
 What remains with chunk transfer on is the transfer pass itself, run for every request of every
-step. Before the batched call (``on_token_batch``, see ``omni_runtime.sched.transfer``) it was
-~26 us of a ~650 us step at n=64 and ~450 us at n=1,024 (``on_steps`` 18 and 311 us, about half
-of it the codec streamer's per-request calls). With it, the streamer takes a common step whole
-and ``on_steps`` is ~11 us at n=64 and ~130 us at n=1,024, ~0.1 us per request, all of it the
-adapter's own loop and the id copy (C-44); the whole omni part of the update is ~19 us and
-~240 us (section timings in one child, load ~4). The stale-drop scan before upstream's pass
-(~3 and ~45 us) and the pairing of outputs with requests (~3 and ~25 us) are in that figure.
+step. A steady decode step (one output per scheduled request, in order; none finished, freed,
+dropped or carrying a payload; every request already known to the adapter) is taken whole
+(``ChunkTransferAdapter.on_aligned_steps``): the ids and checks are gathered in C-level passes
+and the codec streamer gets one batch call. Any other step goes through the per-request loop
+(``on_steps``). Section timings in the omni child at n=64: the stale-drop scan before upstream's
+pass ~3 us, pairing outputs with requests ~4-5 us, the transfer pass ~8-10 us (~12.5 us through
+the per-request loop with the batch call, ~18 us before the batch call); at n=1,024 ~50, ~40
+and ~115 us.
 
 Two costs are outside the transfer pass. Every 8th step streams a codec chunk for every request
 at once (a tensor, a ``StageChunk`` and an omni output each, ~5 us per request), and those steps
-sitting above the median move the omni median up by 0-2 points. And at n=1,024 upstream's own
-``schedule()`` runs 1-3% slower in the omni child even with the transfer pass switched off:
-the requests there are built by the input adapter, whose per-request objects (the omni slot, the
-prompt copy, a fresh adapter each) are allocated between each request's own, so the requests are
-spread over more memory. Built directly as ``OmniRequest`` with one shared slot, they schedule as
-fast as upstream's; plain upstream ``Request`` objects built one by one between adapter-built
-ones (kept alive) schedule 8-10% slower than ones built back to back (two pairs each, CPU time).
-That is a cost of where the requests lie in memory, not of per-step work of the runtime; the
-upstream side, built back to back, has the best layout a process can have.
+sitting above the median move the omni median up by 0-2 points. And the requests' place in
+memory: upstream's ``schedule()`` ran 1-3% slower in the omni child while its requests were
+built with a fresh input adapter each and a slot drafted twice, whose discarded objects lay
+between each request's own. The child now holds one adapter for the stage, as a stage engine
+does, and the adapter builds each slot once and shares one empty mapping for requests without
+additional information. With that, n=1,024 read 1.008 against 1.047 just before (one run each,
+machine otherwise idle).
 
 Run with ``pytest benchmarks -o addopts="" --benchmark-enable -p no:cacheprovider``.
 """
