@@ -383,8 +383,8 @@ def test_bench_fault_campaign_quick_cases(benchmark) -> None:
         cases.append(
             (
                 f"builder raises, {'persistent' if persistent else 'one-off'}",
-                lambda p, mp, ps=persistent: (
-                    campaign.test_builder_fault_fails_only_its_request(p, ps, mp)
+                lambda p, mp, ps=persistent: campaign.test_builder_fault_fails_only_its_request(
+                    p, ps, mp
                 ),
             )
         )
@@ -392,9 +392,7 @@ def test_bench_fault_campaign_quick_cases(benchmark) -> None:
         cases.append(
             (
                 f"decoder raises, {when} chunk",
-                lambda p, mp, w=when: campaign.test_decoder_fault_fails_only_its_request(
-                    p, w, mp
-                ),
+                lambda p, mp, w=when: campaign.test_decoder_fault_fails_only_its_request(p, w, mp),
             )
         )
     relay_cases = [

@@ -47,6 +47,8 @@ def random_request(rng: Any, request_id: str) -> AddRequest:
         stop_token_ids=STOP_IDS if rng.random() < 0.5 else (),
         ignore_eos=rng.random() < 0.5,
     )
+
+
 # The tight budget the suite runs with: 14 blocks of 16 tokens, so preemption and eviction happen.
 # Derive variants with ``TIGHT.with_(...)``.
 TIGHT = HarnessConfig(num_blocks=14, max_num_batched_tokens=48, max_num_seqs=6, max_model_len=128)

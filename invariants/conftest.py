@@ -43,6 +43,7 @@ def _restart_with_pinned_hash_seed(config: object) -> None:
     sys.stderr.flush()
     os.execve(sys.executable, [sys.executable, *argv], {**os.environ, "PYTHONHASHSEED": "0"})
 
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 

@@ -352,7 +352,14 @@ def test_wrong_environment_is_one_clear_line(monkeypatch, capsys, problem):
 def test_supported_releases_and_keyed_differences():
     from conformance.vllm_compat.versions import ByRelease, Change, supported_minor
 
-    assert vllm_compat.SUPPORTED_VLLM == ("0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+    assert vllm_compat.SUPPORTED_VLLM == (
+        "0.28.0",
+        "0.29.0",
+        "0.30.0",
+        "0.31.0",
+        "0.32.0",
+        "0.33.0",
+    )
     assert supported_minor("0.30.1") and supported_minor("0.33.0+cpu")
     assert not supported_minor("0.27.9") and not supported_minor("0.34.0")
     queues = vllm_compat.ADMISSION_QUEUES

@@ -294,8 +294,6 @@ def test_connector_send_fault_fails_only_its_request(pipeline, edge, exc, when) 
     assert faulty.fired
 
 
-
-
 @pytest.mark.parametrize("fault", ["processor", "connector"])
 def test_send_path_fault_message_names_its_cause(pipeline, fault) -> None:
     p = pipeline
@@ -428,8 +426,6 @@ def test_relay_child_lost_mid_stream_fails_only_what_it_held(
 
 
 # ---- the payload builder ----------------------------------------------------------------------
-
-
 
 
 @pytest.mark.parametrize("persistent", [True, False], ids=["persistent", "one-off"])

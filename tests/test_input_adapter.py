@@ -34,14 +34,25 @@ def sched():
 @pytest.fixture()
 def adapter(sched):
     return InputAdapter(
-        TALKER, max_model_len=sched.max_model_len, vocab_size=512, hidden_size=64,
-        block_hasher=block_hasher(16), live_ids=sched.requests,
+        TALKER,
+        max_model_len=sched.max_model_len,
+        vocab_size=512,
+        hidden_size=64,
+        block_hasher=block_hasher(16),
+        live_ids=sched.requests,
     )
 
 
 def test_request_carries_exactly_one_declared_slot(adapter):  # C-10, C-12
-    req = adapter.build(StageInput("r1", SP, prompt_token_ids=[5, 6, 7], arrival_time=1.0,
-                                   additional_information={"speaker": "a", "scale": 0.5}))
+    req = adapter.build(
+        StageInput(
+            "r1",
+            SP,
+            prompt_token_ids=[5, 6, 7],
+            arrival_time=1.0,
+            additional_information={"speaker": "a", "scale": 0.5},
+        )
+    )
     plain = Request("r1", [5, 6, 7], SP, None, arrival_time=1.0, block_hasher=block_hasher(16))
     assert isinstance(req, OmniRequest) and isinstance(req, Request)
     assert set(vars(req)) - set(vars(plain)) == set(DECLARED_REQUEST_ATTRIBUTES)
@@ -73,25 +84,54 @@ BAD = [
     ("both", dict(prompt_token_ids=[1], prompt_embeds=torch.zeros(1, 64)), "prompt", "exactly one"),
     ("neither", dict(), "prompt", "exactly one"),
     ("too long", dict(prompt_token_ids=[1] * 300), "prompt", "exceed max_model_len 256"),
-    ("embeds dtype", dict(prompt_embeds=torch.zeros(3, 64, dtype=torch.float16)), "prompt_embeds", "dtype"),
+    (
+        "embeds dtype",
+        dict(prompt_embeds=torch.zeros(3, 64, dtype=torch.float16)),
+        "prompt_embeds",
+        "dtype",
+    ),
     ("embeds shape", dict(prompt_embeds=torch.zeros(3, 32)), "prompt_embeds", "hidden size 32"),
     ("embeds rank", dict(prompt_embeds=torch.zeros(64)), "prompt_embeds", "shape"),
     ("embeds nan", dict(prompt_embeds=torch.full((2, 64), float("nan"))), "prompt_embeds", "NaN"),
     ("id range", dict(prompt_token_ids=[1, 600]), "prompt_token_ids[1]", "outside vocabulary"),
     ("id type", dict(prompt_token_ids=[1, 2.5]), "prompt_token_ids[1]", "expected int"),
-    ("unknown stage", dict(prompt_token_ids=[1], final_stage_id="vocoder"), "final_stage_id", "unknown stage"),
-    ("earlier stage", dict(prompt_token_ids=[1], final_stage_id="thinker"), "final_stage_id", "before this stage"),
-    ("info nan", dict(prompt_token_ids=[1], additional_information={"x": float("nan")}),
-     "additional_information['x']", "NaN"),
-    ("info type", dict(prompt_token_ids=[1], additional_information={"x": object()}),
-     "additional_information['x']", "unsupported type"),
-    ("conditioning nan", dict(prompt_token_ids=[1], conditioning=torch.tensor([float("inf")])),
-     "conditioning", "NaN"),
+    (
+        "unknown stage",
+        dict(prompt_token_ids=[1], final_stage_id="vocoder"),
+        "final_stage_id",
+        "unknown stage",
+    ),
+    (
+        "earlier stage",
+        dict(prompt_token_ids=[1], final_stage_id="thinker"),
+        "final_stage_id",
+        "before this stage",
+    ),
+    (
+        "info nan",
+        dict(prompt_token_ids=[1], additional_information={"x": float("nan")}),
+        "additional_information['x']",
+        "NaN",
+    ),
+    (
+        "info type",
+        dict(prompt_token_ids=[1], additional_information={"x": object()}),
+        "additional_information['x']",
+        "unsupported type",
+    ),
+    (
+        "conditioning nan",
+        dict(prompt_token_ids=[1], conditioning=torch.tensor([float("inf")])),
+        "conditioning",
+        "NaN",
+    ),
 ]
 
 
 @pytest.mark.parametrize("name,kw,field,problem", BAD, ids=[b[0] for b in BAD])
-def test_malformed_input_is_rejected_naming_request_and_field(sched, adapter, name, kw, field, problem):  # C-13
+def test_malformed_input_is_rejected_naming_request_and_field(
+    sched, adapter, name, kw, field, problem
+):  # C-13
     free0 = sched.kv_cache_manager.block_pool.get_num_free_blocks()
     sched.add_request(adapter.build(StageInput("neighbour", SP, prompt_token_ids=[9, 9, 9])))
     with pytest.raises(RequestRejected) as err:

@@ -38,7 +38,9 @@ def make(cls=OmniARScheduler, processor=None, **kw):
 
 def add(sched, rid, prompt, *, final=None, max_tokens=4, stop=None, ignore_eos=True):
     adapter = InputAdapter(
-        sched.omni_stage, max_model_len=sched.max_model_len, block_hasher=block_hasher(16),
+        sched.omni_stage,
+        max_model_len=sched.max_model_len,
+        block_hasher=block_hasher(16),
         live_ids=sched.requests,
     )
     sp = SamplingParams(max_tokens=max_tokens, stop_token_ids=stop or [], ignore_eos=ignore_eos)
@@ -169,14 +171,16 @@ def test_abort_gets_one_terminal_and_leaves_no_omni_state(where):  # C-04, C-43
         for _ in range(40):
             step(sched)
             preempted = [
-                r.request_id for r in sched.requests.values()
-                if r.status == RequestStatus.PREEMPTED
+                r.request_id for r in sched.requests.values() if r.status == RequestStatus.PREEMPTED
             ]
             if preempted:
                 victim = preempted[0]
                 break
-    expected = {"waiting": RequestStatus.WAITING, "running": RequestStatus.RUNNING,
-                "preempted": RequestStatus.PREEMPTED}[where]
+    expected = {
+        "waiting": RequestStatus.WAITING,
+        "running": RequestStatus.RUNNING,
+        "preempted": RequestStatus.PREEMPTED,
+    }[where]
     assert sched.requests[victim].status == expected
     sched.finish_requests([victim], RequestStatus.FINISHED_ABORTED)
     finals = [c for c in chunks(sched) if c.request_id == victim and c.is_final]
@@ -199,7 +203,11 @@ def test_abort_in_flight_under_async_scheduling():  # C-04, C-07
     so2 = sched.schedule()  # step 2 scheduled before step 1's update, as EngineCore does
     sched.finish_requests(["a"], RequestStatus.FINISHED_ABORTED)  # "a" is in flight twice
     sched.update_from_output(so1, out1)
-    out2 = runner_output(sched, so2) if all(r in sched.requests for r in so2.num_scheduled_tokens) else None
+    out2 = (
+        runner_output(sched, so2)
+        if all(r in sched.requests for r in so2.num_scheduled_tokens)
+        else None
+    )
     if out2 is not None:
         sched.update_from_output(so2, out2)
     finals = [c for c in sched.transfer.sink.drain() if c.request_id == "a" and c.is_final]
@@ -232,7 +240,9 @@ def test_no_redelivery_after_preemption_and_recompute():  # C-45
     assert preempted, "workload must force a preemption"
     sent = chunks(sched)
     for rid in ("x", "y"):
-        rows = [c.payload.hidden[:, 0] for c in sent if c.request_id == rid and c.payload is not None]
+        rows = [
+            c.payload.hidden[:, 0] for c in sent if c.request_id == rid and c.payload is not None
+        ]
         positions = torch.cat(rows).tolist() if rows else []
         assert positions == sorted(set(positions)), f"{rid}: a position was delivered twice"
         assert positions == list(map(float, range(len(positions))))
@@ -248,7 +258,9 @@ def test_chunk_refs_ride_on_engine_core_outputs():  # C-02, OMNI-OUT-001
     container = next(eco for eco in outputs if isinstance(eco, OmniEngineCoreOutputs))
     wire = msgspec.msgpack.encode(container)
     upstream_view = msgspec.msgpack.decode(wire, type=EngineCoreOutputs)
-    assert [o.new_token_ids for o in upstream_view.outputs] == [o.new_token_ids for o in container.outputs]
+    assert [o.new_token_ids for o in upstream_view.outputs] == [
+        o.new_token_ids for o in container.outputs
+    ]
     omni_view = msgspec.msgpack.decode(wire, type=OmniEngineCoreOutputs)
     assert omni_view.outputs[0].omni_chunk_refs == container.outputs[0].omni_chunk_refs
 
@@ -279,7 +291,9 @@ def test_processor_fault_fails_only_its_request():  # C-61, OMNI-ERR-001
 
 
 @pytest.mark.parametrize("async_", [False, True])
-def test_parity_with_omni_features_off(async_):  # C-01 (the full lock-step is in test_lockstep_scripted)
+def test_parity_with_omni_features_off(
+    async_,
+):  # C-01 (the full lock-step is in test_lockstep_scripted)
     cfg = HarnessConfig(async_scheduling=async_, num_blocks=12)
     up = build_scheduler(AsyncScheduler if async_ else Scheduler, cfg)
     om = build_scheduler(OmniARAsyncScheduler if async_ else OmniARScheduler, cfg)
@@ -289,8 +303,14 @@ def test_parity_with_omni_features_off(async_):  # C-01 (the full lock-step is i
         for i in range(4):
             prompt = list(range(7, 39)) + [100 + i] * (8 + i)
             s.add_request(
-                Request(f"r{i}", prompt, SamplingParams(max_tokens=6 + i), None,
-                        arrival_time=0.0, block_hasher=h)
+                Request(
+                    f"r{i}",
+                    prompt,
+                    SamplingParams(max_tokens=6 + i),
+                    None,
+                    arrival_time=0.0,
+                    block_hasher=h,
+                )
             )
     if async_:
         return  # async lock-step needs the batch-queue driver: covered by the scripted lock-step.
@@ -308,8 +328,10 @@ def test_parity_with_omni_features_off(async_):  # C-01 (the full lock-step is i
             c: [(o.request_id, o.new_token_ids, o.finish_reason) for o in e.outputs]
             for c, e in out_o.items()
         }
-        assert (up.kv_cache_manager.block_pool.get_num_free_blocks()
-                == om.kv_cache_manager.block_pool.get_num_free_blocks())
+        assert (
+            up.kv_cache_manager.block_pool.get_num_free_blocks()
+            == om.kv_cache_manager.block_pool.get_num_free_blocks()
+        )
     assert not om.has_requests()
 
 
@@ -331,8 +353,13 @@ def test_processor_fault_on_the_terminal_step_still_ends_once():  # C-43, C-61
     sched = make(processor=fails_at_eof)
     add(sched, "a", list(range(10, 30)), max_tokens=3)
     results = run_to_completion(sched)
-    finals = [o for _, res in results for eco in res.values() for o in eco.outputs
-              if o.finish_reason is not None]
+    finals = [
+        o
+        for _, res in results
+        for eco in res.values()
+        for o in eco.outputs
+        if o.finish_reason is not None
+    ]
     assert [(o.request_id, str(o.finish_reason)) for o in finals] == [("a", "error")]
     eofs = [c for c in sched.transfer.sink.drain() if c.is_final]
     assert [(c.request_id, c.finish_reason, c.data) for c in eofs] == [("a", "error", None)]
@@ -361,5 +388,6 @@ def test_conditioning_crosses_when_processor_has_nothing_yet():  # C-31
     sent = chunks(sched)
     carried = [c for c in sent if c.payload is not None and c.payload.conditioning is not None]
     assert len(carried) == 1 and carried[0].data is None and not carried[0].is_final
-    assert sent[-1].is_final and sent[-1].data.tolist() == [token_of("a", p) for p in range(20, 23)
-                                                           if token_of("a", p) < 256]
+    assert sent[-1].is_final and sent[-1].data.tolist() == [
+        token_of("a", p) for p in range(20, 23) if token_of("a", p) < 256
+    ]
