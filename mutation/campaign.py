@@ -160,8 +160,13 @@ CI_SAMPLE = (
     (f"{_TRIM}39", ("-self.num_tokens - drop,", "+self.num_tokens + drop,")),
 )
 
+# The invariant suite runs against one subject per run (the runtime's ``omni``); the properties
+# in which the stage-process code takes part also run against ``omni-process-stage`` from this
+# module, which is how the campaign reaches ``sched/process_stage.py`` and the shared-memory wire.
+PROCESS_STAGE_TESTS = "tests/test_process_stage_subject.py"
+
 SLICES = {
-    "full": Slice(TARGETS),
+    "full": Slice(TARGETS, tests=("invariants", PROCESS_STAGE_TESTS)),
     "ci": Slice(
         (
             Target(
@@ -499,7 +504,12 @@ def apply_ledger(mutants: list[Mutant], ledger: list[dict[str, object]]) -> list
 # What a re-check may take from the checkout instead of the campaign's copy: the suite and the
 # harness (never the mutated runtime). The subject's conformance module is the runtime's own
 # declaration to the gate (probes, capabilities), which suite changes extend.
-SUITE_PATHS = ("invariants", "conformance", "omni_runtime/conformance_subject.py")
+SUITE_PATHS = (
+    "invariants",
+    "conformance",
+    "omni_runtime/conformance_subject.py",
+    PROCESS_STAGE_TESTS,
+)
 
 
 def refresh_suite(work: Path) -> None:

@@ -43,6 +43,10 @@ from invariants.machines import (
     suite_settings,
 )
 
+# Part of the invariant suite (``pytest -m invariants``): the same properties, on the runtime's
+# second subject; the mutation campaign reaches the stage-process code only through here.
+pytestmark = pytest.mark.invariants
+
 SUBJECT = "omni-process-stage"
 TOKEN_FEATURES = ("off", "token-updates")
 WORKER_FEATURES = ("hidden-inline", "token-only-background")
