@@ -254,7 +254,12 @@ def test_batch_fault_fails_each_request_of_its_run_only():
     failures = a.take_failures()
     assert list(failures) == ["a", "b", "d"]
     assert all(str(e) == "batch fault" for e in failures.values())
-    assert list(sent) == ["c"] and set(a.progress) == {"c"}
+    assert list(sent) == ["c"]
+    # The failed requests keep their progress until the EOF their failure leads to, which then
+    # continues their numbering (C-43): nothing was sent for a, so its EOF is chunk 0.
+    assert set(a.progress) == {"a", "b", "c", "d"}
+    eof = a.on_terminated("a", DOWN, "error")
+    assert eof is not None and eof.seq == 0 and eof.is_final and "a" not in a.progress
 
 
 class SubclassedCall(CodecTokenStreamer):

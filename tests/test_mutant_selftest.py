@@ -228,6 +228,18 @@ def _fault_containment_probe(subject: Any) -> tuple[BaseException | None, int]:
     )(subject)
 
 
+def _send_path_faults_probe(subject: Any) -> tuple[BaseException | None, int]:
+    """What ``invariants/test_send_path_faults.py`` checks (sync)."""
+    from invariants.strategies import jobs, processor_specs
+    from invariants.test_send_path_faults import check_send_fault_stays_with_its_request
+
+    return _given_probe(
+        st.tuples(jobs, processor_specs, st.integers(0, 5), st.integers(0, 3)),
+        lambda v, s: check_send_fault_stays_with_its_request(s, *v, mode="sync"),
+        lambda v: len(v[0]),
+    )(subject)
+
+
 PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     "lockstep-off": _machine_probe("off"),
     "lockstep-token-updates": _machine_probe("token-updates"),
@@ -245,6 +257,7 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     "builder-recovery": _builder_recovery_probe,
     "registry": _registry_probe,
     "fault-containment": _fault_containment_probe,
+    "send-path-faults": _send_path_faults_probe,
     "stage-inputs-cross": _stage_inputs_probe,
 }
 

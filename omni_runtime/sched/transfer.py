@@ -292,8 +292,8 @@ class ChunkTransferAdapter:
                     else:
                         data = call(rid, None, False)
                 except Exception as exc:  # a processor fault fails only its own request (C-61)
+                    # Its progress stays: the EOF the failure leads to continues its numbering.
                     self.failures[rid] = exc
-                    progress.pop(rid, None)
                     continue
                 if data is None:
                     continue
@@ -336,7 +336,8 @@ class ChunkTransferAdapter:
                 ):
                     sent: dict[str, StageChunk] = {}
                     if new_ids:
-                        self._run_batch(batch, request_ids, new_ids, sent)
+                        # ``_run_batch`` empties the lists it is given: not the caller's.
+                        self._run_batch(batch, list(request_ids), new_ids, sent)
                     return sent
         return self.on_steps(
             zip(request_ids, outputs, strict=True), payloads, freed, dropped, live_slot
@@ -361,7 +362,6 @@ class ChunkTransferAdapter:
         except Exception as exc:  # fails the run's requests alone, each as its own call would
             for rid in request_ids:
                 self.failures[rid] = exc
-                self.progress.pop(rid, None)
             data = None
         if data:
             progress = self.progress
@@ -468,7 +468,8 @@ class ChunkTransferAdapter:
             except Exception as exc:  # a processor fault fails only its own request (C-61)
                 self.failures[request_id] = exc
                 if not is_final:
-                    self.progress.pop(request_id, None)
+                    # The request is failed next (C-61); its progress stays for the EOF that
+                    # follows, so the chunks downstream sees stay numbered 0..n-1 (C-43).
                     return None
                 # The terminal delivery still happens, bare: downstream must see the end (C-43).
                 # The processor never got to let go of the request: ask it to.
@@ -504,19 +505,20 @@ class ChunkTransferAdapter:
             is_final=is_final,
             finish_reason=finish_reason,
         )
-        prog.next_seq += 1
-        if payload is not None and payload.hidden is not None:
-            prog.delivered_positions = max(
-                prog.delivered_positions, payload.start + payload.num_tokens
-            )
         if is_final:
             self.progress.pop(request_id, None)
         try:
             self.sink.send(chunk)
         except Exception as exc:  # a connector fault fails only its own request (C-61)
+            # Nothing was delivered: the sequence number and positions do not advance, so the
+            # EOF the failure leads to takes this number (C-43).
             self.failures[request_id] = exc
-            self.progress.pop(request_id, None)
             return None
+        prog.next_seq += 1
+        if payload is not None and payload.hidden is not None:
+            prog.delivered_positions = max(
+                prog.delivered_positions, payload.start + payload.num_tokens
+            )
         return chunk
 
     def _release(self, request_id: str) -> None:

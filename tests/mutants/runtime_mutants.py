@@ -534,6 +534,42 @@ def _error_cause_dropped():
     return _patch(OmniARScheduler, "_report_errors", make)
 
 
+def _send_fault_fails_neighbours():
+    """C-61: a chunk processor that raises for one request fails every request with an output
+    in that step, not only the one it raised for."""
+    from omni_runtime.sched.scheduler import OmniARScheduler
+
+    def make(orig: Any) -> Any:
+        def _fail_requests_of(self: Any, failures: Any, outputs: Any = None) -> Any:
+            if failures and outputs:
+                cause = next(iter(failures.values()))
+                for eco in outputs.values():
+                    for out in eco.outputs:
+                        failures.setdefault(out.request_id, cause)
+            return orig(self, failures, outputs)
+
+        return _fail_requests_of
+
+    return _patch(OmniARScheduler, "_fail_requests_of", make)
+
+
+def _fault_restarts_chunk_numbering():
+    """C-43: a request whose chunk processor raised loses its delivery progress, so the EOF its
+    failure leads to is numbered from 0 again (a second chunk 0 downstream)."""
+    from omni_runtime.sched.transfer import ChunkTransferAdapter
+
+    def make(orig: Any) -> Any:
+        def take_failures(self: Any) -> Any:
+            failures = orig(self)
+            for rid in failures:
+                self.progress.pop(rid, None)
+            return failures
+
+        return take_failures
+
+    return _patch(ChunkTransferAdapter, "take_failures", make)
+
+
 def _recovery_fails_whole_step():
     """C-54: when a background build keeps failing, recovery fails every request of the step
     instead of pinning the fault on the request whose build raises."""
@@ -927,6 +963,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "fault-containment",
         "a request the worker failed gets its error output without the cause",
         _error_cause_dropped,
+    ),
+    Mutant(
+        "send_fault_fails_neighbours",
+        "C-61",
+        "send-path-faults",
+        "a chunk processor raising for one request fails every request of that step",
+        _send_fault_fails_neighbours,
+    ),
+    Mutant(
+        "fault_restarts_chunk_numbering",
+        "C-43",
+        "send-path-faults",
+        "after a send-path fault the request's EOF is numbered from 0 again",
+        _fault_restarts_chunk_numbering,
     ),
     Mutant(
         "pinned_fault_fails_whole_step",

@@ -1,0 +1,247 @@
+"""C-61, C-62 and C-43 under a send-path fault: a chunk processor that raises fails its request
+alone.
+
+A stage hands each request's work downstream through its chunk processor (``ChunkDelivery``).
+The check plants the fault itself: a generated processor (``invariants.strategies``, any
+declaration, signature and return policy) raises ``PlantedSendFault`` on the ``k``-th call it
+gets for one request, the *victim*: its first call, a middle one or its final call (``k`` past
+the victim's last call plants nothing, and the run must then equal the fault-free one). The
+subject's own scheduler runs the workload twice from scratch with the harness's deterministic
+tokens and payload-carrying steps (``PayloadTokenSource``), stepped as vLLM's ``EngineCore``
+steps it, sync and async: once fault-free, once with the fault. Every request has a downstream
+consumer. What the engine's caller receives (``Subject.receive_outputs``) is what is read.
+
+With the fault planted:
+
+* the victim ends with exactly one terminal output, with upstream's ``FinishReason.ERROR``; for
+  a subject naming its ``FaultContainment.cause_field``, that output's cause carries the planted
+  fault (C-61). Its processor calls are the fault-free run's up to the one that raised, then at
+  most one more, the final call its EOF needs (none if the final call raised), and it gets
+  exactly one EOF chunk, its chunks numbered ``0..n-1`` (C-43);
+* every other request ends exactly as in the fault-free run, with the same tokens, no cause,
+  and its processor sees the same ids and one final call, as in the fault-free run (C-61: "the
+  other requests complete with the outputs of a clean run"). Chunk boundaries and the positions
+  that carry rows are not compared: a request that ends early frees its blocks, and the others
+  may then be scheduled in other step sizes and meet other prefix-cache hits;
+* once drained, every block is free and no omni state is left (C-06, C-04).
+
+Not applicable to a subject without ``chunk_delivery`` or without a ``processor_feature``.
+Positive control: mutant ``send_fault_fails_neighbours`` (a fault on one request of a step also
+fails the other requests of that step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conformance.capabilities import ChunkDelivery, NotApplicable, require
+from conformance.driver import make_driver
+from conformance.subjects import admit_request, received_outputs
+from conformance.vllm_compat import state as vc
+from conformance.workload import AddRequest
+from invariants.machines import harness_config, suite_settings
+from invariants.strategies import (
+    Job,
+    PayloadTokenSource,
+    ProcessorSpec,
+    RecordingProcessor,
+    job_prompt,
+    jobs,
+    processor_specs,
+)
+
+pytestmark = [pytest.mark.invariants]
+
+MAX_STEPS = 400
+
+
+class PlantedSendFault(RuntimeError):
+    """What the generated processor raises for the victim."""
+
+
+@dataclass
+class Run:
+    """One run of the workload, as the engine's caller and the processor saw it."""
+
+    processor: RecordingProcessor
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    terminal: dict[str, list[str]] = field(default_factory=dict)  # finish reasons, in order
+    causes: dict[str, str] = field(default_factory=dict)
+    chunks: dict[str, list[Any]] = field(default_factory=dict)  # ChunkViews, in arrival order
+    fired: int = 0
+    steps: int = 0
+
+
+def faulting(processor: RecordingProcessor, victim: str, k: int, run: Run) -> None:
+    """Make ``processor`` raise on its ``k``-th call for ``victim`` (after logging the call)."""
+    record = processor.record
+
+    def record_or_raise(request_id: str, payload: Any, is_final: bool, ids: Any) -> Any:
+        data = record(request_id, payload, is_final, ids)
+        if request_id == victim and len(processor.calls_for(victim)) == k + 1:
+            run.fired += 1
+            raise PlantedSendFault(f"planted send-path fault on {victim}, call {k}")
+        return data
+
+    processor.record = record_or_raise  # type: ignore[method-assign]
+
+
+def run_workload(
+    subject: Any,
+    delivery: ChunkDelivery,
+    cfg: Any,
+    spec: ProcessorSpec,
+    prompts: dict[str, list[int]],
+    limits: dict[str, int],
+    fault: tuple[str, int] | None,
+) -> Run:
+    cause_field = "omni_error"
+    containment = getattr(subject, "fault_containment", lambda: None)()
+    if containment is not None:
+        cause_field = getattr(containment, "cause_field", None) or cause_field
+    scheduler = subject.build_scheduler(cfg)
+    run = Run(spec.build())
+    if fault is not None:
+        faulting(run.processor, fault[0], fault[1], run)
+    delivery.set_processor(scheduler, run.processor)
+    pool = vc.block_pool(scheduler)
+    initial = vc.num_free_blocks(pool)
+    driver = make_driver(scheduler, PayloadTokenSource(delivery))
+    for i, (rid, prompt) in enumerate(prompts.items()):
+        op = AddRequest(rid, tuple(prompt), max_tokens=limits[rid])
+        admit_request(
+            subject, scheduler, subject.make_request(op, prompt, cfg, scheduler, float(i))
+        )
+    while scheduler.has_requests() or driver.in_flight():
+        if run.steps >= MAX_STEPS:
+            raise AssertionError(f"C-62: the workload did not drain within {MAX_STEPS} steps")
+        obs = driver.step()
+        run.steps += 1
+        outputs = received_outputs(subject, scheduler, obs.outputs)
+        for eco in (outputs or {}).values():
+            for out in eco.outputs:
+                run.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finish_reason is not None:
+                    reason = getattr(out.finish_reason, "name", str(out.finish_reason))
+                    run.terminal.setdefault(out.request_id, []).append(str(reason).lower())
+                    cause = getattr(out, cause_field, None)
+                    if cause:
+                        run.causes[out.request_id] = str(cause)
+        for chunk in subject.drain_chunks(scheduler):
+            view = delivery.view(chunk)
+            run.chunks.setdefault(view.request_id, []).append(view)
+    free = vc.num_free_blocks(pool)
+    assert free == initial, f"C-06: {initial - free} blocks still held after the drain"
+    left = subject.live_omni_ids(scheduler)
+    assert not left, f"C-04: omni state left for {sorted(left)} after the drain"
+    return run
+
+
+def _handed(run: Run, rid: str) -> tuple[list[int], int]:
+    """What ``rid``'s processor calls carried that no schedule changes: the ids, in order, and
+    the number of final calls. (Which positions carry rows depends on step sizes and on what
+    the prefix cache holds, both of which an earlier-ending neighbour may change.)"""
+    calls = run.processor.calls_for(rid)
+    return [t for call in calls for t in (call.ids or ())], sum(c.is_final for c in calls)
+
+
+def check_send_fault_stays_with_its_request(
+    subject: Any,
+    workload: list[Job],
+    spec: ProcessorSpec,
+    victim_index: int,
+    k: int,
+    *,
+    mode: str,
+) -> int:
+    """Raise AssertionError on a C-61/C-62/C-43 violation; returns the steps run."""
+    delivery: ChunkDelivery = require(subject, "chunk_delivery", "chunk delivery")
+    feature = delivery.processor_feature
+    if feature is None:
+        raise NotApplicable(f"subject {subject.name!r} provides no processor feature")
+    cfg = harness_config(feature, mode=mode, prefix=True)
+    prompts = {f"s{i}": job_prompt(i, job) for i, job in enumerate(workload)}
+    limits = {f"s{i}": job.max_tokens for i, job in enumerate(workload)}
+    victim = f"s{victim_index % len(workload)}"
+    clean = run_workload(subject, delivery, cfg, spec, prompts, limits, None)
+    got = run_workload(subject, delivery, cfg, spec, prompts, limits, (victim, k))
+    where = f"{spec.describe()}, fault on {victim}'s call {k}"
+    for rid in prompts:
+        ends = got.terminal.get(rid, [])
+        assert len(ends) == 1, f"C-62: {rid} ended {len(ends)} times: {ends} ({where})"
+        if rid == victim and got.fired:
+            assert ends == ["error"], (
+                f"C-61: {rid}'s chunk processor raised, yet it ended {ends[0]!r}, not with an "
+                f"error ({where})"
+            )
+            field_name = getattr(
+                getattr(subject, "fault_containment", lambda: None)(), "cause_field", None
+            )
+            if field_name:
+                assert "planted send-path fault" in got.causes.get(rid, ""), (
+                    f"C-61: {rid} failed, but its {field_name} ({got.causes.get(rid)!r}) does "
+                    f"not carry the processor's fault ({where})"
+                )
+            continue
+        assert ends == clean.terminal.get(rid), (
+            f"C-61: {rid} ended {ends} against {clean.terminal.get(rid)} in the fault-free "
+            f"run, though only {victim}'s processor raised ({where})"
+            + (f"; the subject says: {got.causes[rid]}" if rid in got.causes else "")
+        )
+        assert rid not in got.causes, (
+            f"C-61: {rid} did not fail, yet its output carries a cause {got.causes[rid]!r}"
+        )
+        assert got.tokens.get(rid) == clean.tokens.get(rid), (
+            f"C-61: {rid}'s tokens {got.tokens.get(rid)} differ from the fault-free run's "
+            f"{clean.tokens.get(rid)} ({where})"
+        )
+        assert _handed(got, rid) == _handed(clean, rid), (
+            f"C-61: {rid}'s processor calls carried other ids or final calls than in the "
+            f"fault-free run: {_handed(got, rid)} against {_handed(clean, rid)} ({where})"
+        )
+    # The victim: its calls are the fault-free run's up to the one that raised, then at most
+    # the final call of its EOF; one EOF chunk, chunks numbered from 0 (C-43).
+    calls = got.processor.calls_for(victim)
+    if got.fired:
+        before = clean.processor.calls_for(victim)[: k + 1]
+        assert [(c.ids, c.is_final) for c in calls[: k + 1]] == [
+            (c.ids, c.is_final) for c in before
+        ], f"C-61: {victim}'s processor calls before its fault differ from the fault-free run"
+        after = calls[k + 1 :]
+        raised_final = calls[k].is_final
+        assert len(after) == (0 if raised_final else 1) and all(c.is_final for c in after), (
+            f"C-43: after {victim}'s processor raised on call {k} "
+            f"({'final' if raised_final else 'not final'}), it was called "
+            f"{[('final' if c.is_final else 'step') for c in after]} ({where})"
+        )
+    views = sorted(got.chunks.get(victim, []), key=lambda v: v.seq)
+    finals = [v for v in views if v.is_final]
+    assert len(finals) == 1 and views[-1].is_final, (
+        f"C-43: {victim} got {len(finals)} EOF chunks of {len(views)} ({where})"
+    )
+    assert [v.seq for v in views] == list(range(len(views))), (
+        f"C-43: {victim}'s chunks are numbered {[v.seq for v in views]} ({where})"
+    )
+    return clean.steps + got.steps
+
+
+@pytest.mark.clauses("C-61", "C-62", "C-43")
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_send_path_fault_stays_with_its_request(conformance_subject, mode):
+    delivery: ChunkDelivery = require(conformance_subject, "chunk_delivery", "chunk delivery")
+    if delivery.processor_feature is None:
+        raise NotApplicable(f"subject {conformance_subject.name!r} provides no processor feature")
+
+    @suite_settings(10)
+    @given(jobs, processor_specs, st.integers(0, 5), st.integers(0, 3))
+    def prop(workload: list[Job], spec: ProcessorSpec, victim: int, k: int) -> None:
+        check_send_fault_stays_with_its_request(
+            conformance_subject, workload, spec, victim, k, mode=mode
+        )
+
+    prop()
