@@ -13,7 +13,9 @@ would be:
   inputs (``invariants/test_process_boundary.py``);
 * the registry's completeness and witnesses (C-03, OMNI-WIRE-001 among them), the run-time
   attribute audit and the adapter's duplicate-id check (C-10..C-13), and worker fault
-  containment (C-61, C-62: the failure's cause must survive the output wire).
+  containment (C-61, C-62: the failure's cause must survive the output wire), and send-path
+  fault containment (C-61, C-43: a processor raising in the stage process fails its request
+  alone, and the EOF that follows crosses numbered after the chunks before it).
 
 Properties that drive the runner alone (materialization, payload and graph-independence checks)
 are left out: the process stage does not take part in them. ``test_gate_check_passes`` (slow)
@@ -127,6 +129,15 @@ def test_a_model_fault_stays_with_its_request(subject, mode, materialization, pe
     from invariants.test_reliability import test_a_model_fault_stays_with_its_request as suite
 
     suite(subject, mode, materialization, persistent)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_send_path_fault_stays_with_its_request(subject, mode):
+    from invariants.test_send_path_faults import (
+        test_a_send_path_fault_stays_with_its_request as suite,
+    )
+
+    suite(subject, mode)
 
 
 def test_outputs_arrive_as_the_parent_decodes_them(subject):
