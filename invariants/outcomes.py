@@ -18,6 +18,7 @@ once the workload has drained, a request the stage accepted that never got an ou
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 # Abort states (``conformance.lockstep.Side.abort_state``) in which the abort ends the request;
@@ -73,3 +74,27 @@ class TerminalOutcomes:
             for rid, seen in self.outcomes.items()
             if not seen
         ]
+
+
+@dataclass
+class Outcome:
+    """What the engine's caller received over a run, per request: the tokens, the finish
+    reasons of its terminal outputs, in order, and the failure cause a subject gave (the
+    output's ``cause_field``, ``FaultContainment.cause_field``)."""
+
+    tokens: dict[str, list[int]] = field(default_factory=dict)
+    terminal: dict[str, list[str]] = field(default_factory=dict)
+    causes: dict[str, str] = field(default_factory=dict)
+    steps: int = 0
+
+    def record(self, outputs: Mapping[int, Any] | None, cause_field: str) -> None:
+        """One step's outputs (``Subject.receive_outputs``'s result)."""
+        for eco in (outputs or {}).values():
+            for out in eco.outputs:
+                self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                if out.finish_reason is not None:
+                    reason = getattr(out.finish_reason, "name", str(out.finish_reason))
+                    self.terminal.setdefault(out.request_id, []).append(str(reason).lower())
+                    cause = getattr(out, cause_field, None)
+                    if cause:
+                        self.causes[out.request_id] = str(cause)

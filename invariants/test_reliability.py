@@ -35,7 +35,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
@@ -49,6 +48,7 @@ from conformance.subjects import admit_request, received_outputs
 from conformance.vllm_compat import state as vc
 from conformance.workload import AddRequest
 from invariants.machines import suite_settings, worker_harness_config
+from invariants.outcomes import Outcome
 from invariants.strategies import Job, job_prompt, jobs
 
 pytestmark = [pytest.mark.invariants]
@@ -88,14 +88,6 @@ def poisoned(embedding: Any, poison: int, times: int | None) -> Iterator[list[in
         handle.remove()
 
 
-@dataclass
-class Outcome:
-    tokens: dict[str, list[int]] = field(default_factory=dict)
-    terminal: dict[str, list[str]] = field(default_factory=dict)  # finish reasons, in order
-    causes: dict[str, str] = field(default_factory=dict)
-    steps: int = 0
-
-
 def _drain(
     subject: Any,
     driver: Any,
@@ -117,17 +109,7 @@ def _drain(
             ) from exc
         outcome.steps += 1
         # What the engine's caller receives: the cause must survive whatever the outputs cross.
-        outputs = received_outputs(subject, scheduler, obs.outputs)
-        for eco in (outputs or {}).values():
-            for out in eco.outputs:
-                outcome.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-                if out.finish_reason is not None:
-                    reason = getattr(out.finish_reason, "name", str(out.finish_reason))
-                    outcome.terminal.setdefault(out.request_id, []).append(str(reason).lower())
-                    # A subject may say why (``FaultContainment.cause_field``); shown if so.
-                    cause = getattr(out, cause_field, None)
-                    if cause:
-                        outcome.causes[out.request_id] = str(cause)
+        outcome.record(received_outputs(subject, scheduler, obs.outputs), cause_field)
 
 
 def run_workload(

@@ -45,6 +45,7 @@ from conformance.subjects import admit_request, received_outputs
 from conformance.vllm_compat import state as vc
 from conformance.workload import AddRequest
 from invariants.machines import harness_config, suite_settings
+from invariants.outcomes import Outcome
 from invariants.strategies import (
     Job,
     PayloadTokenSource,
@@ -64,17 +65,13 @@ class PlantedSendFault(RuntimeError):
     """What the generated processor raises for the victim."""
 
 
-@dataclass
-class Run:
+@dataclass(kw_only=True)
+class Run(Outcome):
     """One run of the workload, as the engine's caller and the processor saw it."""
 
     processor: RecordingProcessor
-    tokens: dict[str, list[int]] = field(default_factory=dict)
-    terminal: dict[str, list[str]] = field(default_factory=dict)  # finish reasons, in order
-    causes: dict[str, str] = field(default_factory=dict)
     chunks: dict[str, list[Any]] = field(default_factory=dict)  # ChunkViews, in arrival order
     fired: int = 0
-    steps: int = 0
 
 
 def faulting(processor: RecordingProcessor, victim: str, k: int, run: Run) -> None:
@@ -105,7 +102,7 @@ def run_workload(
     if containment is not None:
         cause_field = getattr(containment, "cause_field", None) or cause_field
     scheduler = subject.build_scheduler(cfg)
-    run = Run(spec.build())
+    run = Run(processor=spec.build())
     if fault is not None:
         faulting(run.processor, fault[0], fault[1], run)
     delivery.set_processor(scheduler, run.processor)
@@ -122,16 +119,7 @@ def run_workload(
             raise AssertionError(f"C-62: the workload did not drain within {MAX_STEPS} steps")
         obs = driver.step()
         run.steps += 1
-        outputs = received_outputs(subject, scheduler, obs.outputs)
-        for eco in (outputs or {}).values():
-            for out in eco.outputs:
-                run.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
-                if out.finish_reason is not None:
-                    reason = getattr(out.finish_reason, "name", str(out.finish_reason))
-                    run.terminal.setdefault(out.request_id, []).append(str(reason).lower())
-                    cause = getattr(out, cause_field, None)
-                    if cause:
-                        run.causes[out.request_id] = str(cause)
+        run.record(received_outputs(subject, scheduler, obs.outputs), cause_field)
         for chunk in subject.drain_chunks(scheduler):
             view = delivery.view(chunk)
             run.chunks.setdefault(view.request_id, []).append(view)

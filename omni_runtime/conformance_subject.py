@@ -866,13 +866,9 @@ class ProcessStageSubject(OmniSubject):
         from vllm.v1.request import Request
         from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
-        from omni_runtime.adapters.input import omni_state_of
         from omni_runtime.engine.mp_stage import MPStageEngine
 
-        if omni_state_of(request) is not None:
-            message = MPStageEngine._engine_core_request(request)
-        else:
-            message = _plain_engine_core_request(request)
+        message = MPStageEngine._engine_core_request(request)
         # What the input socket carries are bytes; the engine's input thread decodes them with
         # its own decoder and rebuilds the request as ``EngineCore.preprocess_add_request`` does.
         frames = _as_sent(MsgpackEncoder().encode(message))
@@ -961,26 +957,6 @@ def _as_sent(frames: Sequence[Any]) -> list[bytes]:
     """An encoded message as a socket delivers it: each frame copied into bytes of its own (the
     encoder may hand out views of tensors' memory, which the receiver never shares)."""
     return [bytes(memoryview(frame)) for frame in frames]
-
-
-def _plain_engine_core_request(request: Any) -> Any:
-    """A request without an omni slot (features off) as the parent would send it."""
-    from vllm.v1.engine import EngineCoreRequest
-
-    return EngineCoreRequest(
-        request_id=request.request_id,
-        prompt_token_ids=request.prompt_token_ids,
-        mm_features=None,
-        sampling_params=request.sampling_params,
-        pooling_params=None,
-        arrival_time=request.arrival_time,
-        lora_request=None,
-        cache_salt=request.cache_salt,
-        data_parallel_rank=None,
-        prompt_embeds=request.prompt_embeds,
-        client_index=request.client_index,
-        priority=request.priority,
-    )
 
 
 def _supported() -> None:

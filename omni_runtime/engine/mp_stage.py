@@ -46,12 +46,13 @@ from multiprocessing import resource_tracker
 from typing import Any
 
 from vllm.v1.engine import EngineCoreRequest
+from vllm.v1.request import Request
 
 from omni_runtime.adapters.input import (
     EXTRA_ARGS_KEY,
     InputAdapter,
-    OmniRequest,
     StageInput,
+    omni_state_of,
     slot_to_extra_args,
 )
 from omni_runtime.adapters.shm_wire import (
@@ -272,13 +273,18 @@ class MPStageEngine:
         self._unreleased = True
 
     @staticmethod
-    def _engine_core_request(request: OmniRequest) -> EngineCoreRequest:
-        params = copy.copy(request.sampling_params)
-        assert params is not None
-        params.extra_args = {
-            **(params.extra_args or {}),
-            EXTRA_ARGS_KEY: slot_to_extra_args(request.omni),
-        }
+    def _engine_core_request(request: Request) -> EngineCoreRequest:
+        """``request`` as vLLM's engine core client sends it, with its omni slot, if it has
+        one, in ``SamplingParams.extra_args`` (where the stage process takes it back out)."""
+        params = request.sampling_params
+        state = omni_state_of(request)
+        if state is not None:
+            params = copy.copy(params)
+            assert params is not None
+            params.extra_args = {
+                **(params.extra_args or {}),
+                EXTRA_ARGS_KEY: slot_to_extra_args(state),
+            }
         return EngineCoreRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
