@@ -30,6 +30,7 @@ os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
 
 from vllm import SamplingParams  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
+from vllm.v1.engine import EngineCoreRequest  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
@@ -61,14 +62,29 @@ def _ready(cls, n: int, omni: bool):
     h = block_hasher(cfg.block_size)
     sp = SamplingParams(max_tokens=ROUNDS + 50, ignore_eos=True)
     req: Request
-    # One adapter for the stage, as the stage engines hold one (``engine.stage``).
+    # Each side admits its requests the way its engine does: upstream's EngineCore rebuilds a
+    # ``Request`` from the client's ``EngineCoreRequest``; an omni stage engine validates a
+    # ``StageInput`` with its one input adapter (``engine.stage``). Both leave the message
+    # object behind as garbage between requests, as in a server.
     adapter = InputAdapter(TALKER, max_model_len=512, block_hasher=h, live_ids=sched.requests)
     for i in range(n):
         prompt = [7 + (i * 13 + j) % 400 for j in range(16)]
         if omni:
             req = adapter.build(StageInput(f"r{i}", sp, prompt_token_ids=prompt, arrival_time=0.0))
         else:
-            req = Request(f"r{i}", prompt, sp, None, arrival_time=0.0, block_hasher=h)
+            # As vLLM's EngineCore admits a request: from the client's EngineCoreRequest.
+            message = EngineCoreRequest(
+                request_id=f"r{i}",
+                prompt_token_ids=prompt,
+                mm_features=None,
+                sampling_params=sp,
+                pooling_params=None,
+                arrival_time=0.0,
+                lora_request=None,
+                cache_salt=None,
+                data_parallel_rank=None,
+            )
+            req = Request.from_engine_core_request(message, h)
         sched.add_request(req)
     _step(sched)  # prefill every request: from here on each step is N decodes
     return sched

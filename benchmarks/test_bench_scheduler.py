@@ -44,8 +44,11 @@ memory: upstream's ``schedule()`` ran 1-3% slower in the omni child while its re
 built with a fresh input adapter each and a slot drafted twice, whose discarded objects lay
 between each request's own. The child now holds one adapter for the stage, as a stage engine
 does, and the adapter builds each slot once and shares one empty mapping for requests without
-additional information. With that, n=1,024 read 1.008 against 1.047 just before (one run each,
-machine otherwise idle).
+additional information. Each side now admits its requests as its engine does (upstream from an
+``EngineCoreRequest``, as vLLM's ``EngineCore`` does; omni from a ``StageInput``), so both
+leave a message object behind per request. What is left is process to process: the same
+upstream ``schedule()`` code runs up to ~10% apart in two fresh children (single runs at
+n=1,024, GC off), which is why a figure takes the median over three pairs.
 
 Run with ``pytest benchmarks -o addopts="" --benchmark-enable -p no:cacheprovider``.
 """
