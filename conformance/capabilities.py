@@ -164,6 +164,11 @@ class ChunkDelivery(Protocol):
     # outcome before the abort crossed). The chunk ledger (C-43) then requires that an aborted
     # request got no EOF and that the ids it streamed are a prefix of its accepted ids, instead
     # of exactly one EOF and all of them.
+    #
+    # Optional: ``releases_on_final_fault`` (default False). True declares that a processor with
+    # a ``release(request_id)`` method is called there once for a request whose final call
+    # raised (the call in which it would have let go of the request's state itself), and for
+    # no other request; the send-path fault check (C-61) then holds the subject to it.
 
 
 @dataclass(frozen=True)

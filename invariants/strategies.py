@@ -67,6 +67,11 @@ class RecordingProcessor:
         self.policy = policy
         self.mutate_ids = mutate_ids
         self.calls: list[ProcessorCall] = []
+        self.released: list[str] = []
+
+    def release(self, request_id: str) -> None:
+        """Logged: a subject may ask a processor to let go of a request (C-61)."""
+        self.released.append(request_id)
 
     def record(self, request_id: str, payload: Any, is_final: bool, ids: list[int] | None) -> Any:
         self.calls.append(

@@ -23,11 +23,15 @@ With the fault planted:
   other requests complete with the outputs of a clean run"). Chunk boundaries and the positions
   that carry rows are not compared: a request that ends early frees its blocks, and the others
   may then be scheduled in other step sizes and meet other prefix-cache hits;
+* for a subject whose ``ChunkDelivery`` declares ``releases_on_final_fault``, the processor's
+  ``release`` is called once for the victim when its final call raised, and never otherwise;
 * once drained, every block is free and no omni state is left (C-06, C-04).
 
 Not applicable to a subject without ``chunk_delivery`` or without a ``processor_feature``.
-Positive control: mutant ``send_fault_fails_neighbours`` (a fault on one request of a step also
-fails the other requests of that step).
+Positive controls: mutants ``send_fault_fails_neighbours`` (a fault on one request of a step
+also fails the other requests of that step), ``fault_restarts_chunk_numbering`` (the EOF after a
+fault is numbered from 0 again) and ``final_fault_not_released`` (a processor whose final call
+raised is never asked to release the request).
 """
 
 from __future__ import annotations
@@ -206,6 +210,14 @@ def check_send_fault_stays_with_its_request(
             f"C-43: after {victim}'s processor raised on call {k} "
             f"({'final' if raised_final else 'not final'}), it was called "
             f"{[('final' if c.is_final else 'step') for c in after]} ({where})"
+        )
+    if getattr(delivery, "releases_on_final_fault", False):
+        # The subject says it asks a processor whose final call raised to let go of that
+        # request: exactly then, once, and never for anybody else.
+        want = [victim] if got.fired and calls[k].is_final else []
+        assert got.processor.released == want and clean.processor.released == [], (
+            f"C-61: the processor was asked to release {got.processor.released} (fault-free "
+            f"run: {clean.processor.released}), expected {want} ({where})"
         )
     views = sorted(got.chunks.get(victim, []), key=lambda v: v.seq)
     finals = [v for v in views if v.is_final]

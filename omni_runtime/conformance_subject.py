@@ -191,6 +191,9 @@ def payload_view(payload: Any) -> PayloadView | None:
 class OmniChunkDelivery:
     """The scheduler's ``ChunkTransferAdapter``: its sink, its chunks, its processor."""
 
+    # ``ChunkTransferAdapter`` asks a processor whose final call raised to release the request.
+    releases_on_final_fault = True
+
     processor_feature = Feature(
         "chunk-contracts",
         {"omni_stage": talker_stage(chunk_processor=None)},

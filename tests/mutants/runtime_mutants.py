@@ -570,6 +570,20 @@ def _fault_restarts_chunk_numbering():
     return _patch(ChunkTransferAdapter, "take_failures", make)
 
 
+def _final_fault_not_released():
+    """C-61: a processor whose final call for a request raised is never asked to release that
+    request, so whatever it buffered for it stays."""
+    from omni_runtime.sched.transfer import ChunkTransferAdapter
+
+    def make(orig: Any) -> Any:
+        def _release(self: Any, request_id: str) -> None:
+            return None
+
+        return _release
+
+    return _patch(ChunkTransferAdapter, "_release", make)
+
+
 def _recovery_fails_whole_step():
     """C-54: when a background build keeps failing, recovery fails every request of the step
     instead of pinning the fault on the request whose build raises."""
@@ -977,6 +991,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "send-path-faults",
         "after a send-path fault the request's EOF is numbered from 0 again",
         _fault_restarts_chunk_numbering,
+    ),
+    Mutant(
+        "final_fault_not_released",
+        "C-61",
+        "send-path-faults",
+        "a processor whose final call raised is never asked to release the request",
+        _final_fault_not_released,
     ),
     Mutant(
         "pinned_fault_fails_whole_step",
