@@ -9,7 +9,9 @@ of one request, the *victim* (vLLM never serves the last prompt position from th
 so the victim's prefill always embeds it).
 
 The subject's own scheduler and worker run the workload, stepped as vLLM's ``EngineCore`` steps
-them (``conformance.driver``), sync and async, with inline and background payloads:
+them (``conformance.driver``), sync and async, with inline and background payloads; some
+requests may end at this stage (drawn from the containment feature's final stages), so a step
+may carry no chunk at all, and the victim's error output then joins plain step outputs:
 
 * **persistent** — the hook raises on every forward that embeds the poison. The victim must end
   with exactly one terminal output whose finish reason is upstream's ``FinishReason.ERROR``;
@@ -27,13 +29,14 @@ the engine, and claiming they break C-61 here would be a verdict on something th
 drive.
 
 Positive controls: mutants ``pinned_fault_fails_whole_step`` (the runtime pins a fault on every
-request of the step instead of the one that causes it) and ``error_cause_dropped`` (the failed
-request's error output carries no cause, for a subject that names its ``cause_field``).
+request of the step instead of the one that causes it), ``error_cause_dropped`` (the failed
+request's error output carries no cause, for a subject that names its ``cause_field``) and
+``error_output_replaces_step_outputs`` (the error output replaces the step's other outputs).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -120,9 +123,11 @@ def run_workload(
     max_tokens: dict[str, int],
     fault: tuple[int, int | None] | None,
     again: tuple[str, list[int], int],
+    finals: dict[str, str | None],
 ) -> tuple[Outcome, Outcome, int]:
     """Run ``prompts`` (with ``fault`` = (poison, times) planted), drain, check conservation,
-    then run ``again`` alone with no fault. Returns both outcomes and the fault count."""
+    then run ``again`` alone with no fault. ``finals``: each request's final stage (a request
+    final at this stage sends nothing downstream). Returns both outcomes and the fault count."""
     field = getattr(containment, "cause_field", None) or "omni_error"
     scheduler = subject.build_scheduler(cfg)
     worker = subject.make_worker(cfg)
@@ -131,7 +136,9 @@ def run_workload(
         initial = vc.num_free_blocks(pool)
         driver = make_driver(scheduler, WorkerExecutor(worker))
         for i, (rid, prompt) in enumerate(prompts.items()):
-            op = AddRequest(rid, tuple(prompt), max_tokens=max_tokens[rid])
+            op = AddRequest(
+                rid, tuple(prompt), max_tokens=max_tokens[rid], final_stage=finals.get(rid)
+            )
             request = subject.make_request(op, prompt, cfg, scheduler, float(i))
             admit_request(subject, scheduler, request)
         first = Outcome()
@@ -173,6 +180,7 @@ def check_fault_stays_with_its_request(
     mode: str,
     materialization: str,
     persistent: bool,
+    final_here: Sequence[bool] = (),
 ) -> int:
     """Raise AssertionError on a C-61/C-62 violation; returns the steps run."""
     containment = require(subject, "fault_containment", "worker fault containment")
@@ -180,6 +188,13 @@ def check_fault_stays_with_its_request(
         subject, containment.feature(materialization), mode=mode, prefix=True
     )
     prompts = {f"f{i}": job_prompt(i, job) for i, job in enumerate(workload)}
+    # Requests final at this stage send nothing downstream: a step of only those has no chunk,
+    # and a failure reported in it is the only output change of that step.
+    here = next((f for f in containment.feature(materialization).final_stages if f), None)
+    finals = {
+        rid: here if i < len(final_here) and final_here[i] else None
+        for i, rid in enumerate(prompts)
+    }
     limits = {f"f{i}": job.max_tokens for i, job in enumerate(workload)}
     victim = f"f{victim_index % len(workload)}"
     # The poison must reach the embedding only through the victim's prompt: no other prompt may
@@ -193,7 +208,7 @@ def check_fault_stays_with_its_request(
         prompts[victim] = base + [poison]
         again = ("again", list(prompts[victim]), limits[victim])
         clean, clean_again, _ = run_workload(
-            subject, containment, cfg, prompts, limits, None, again
+            subject, containment, cfg, prompts, limits, None, again, finals
         )
         sampled = {t for out in (clean, clean_again) for ids in out.tokens.values() for t in ids}
         if poison not in sampled:
@@ -202,7 +217,9 @@ def check_fault_stays_with_its_request(
     else:
         raise AssertionError("no poison token the fault-free runs never sample in 8 tries")
     fault = (poison, None if persistent else 1)
-    got, got_again, faults = run_workload(subject, containment, cfg, prompts, limits, fault, again)
+    got, got_again, faults = run_workload(
+        subject, containment, cfg, prompts, limits, fault, again, finals
+    )
     assert faults > 0, "the planted fault never fired (the victim was never embedded)"
     # C-61 lets a request fail with the victim when it was scheduled onto the victim's unwritten
     # blocks as a prefix hit; only one that shares a whole block with the victim's prompt can be.
@@ -268,8 +285,8 @@ def test_a_model_fault_stays_with_its_request(
     total = [0]
 
     @suite_settings(8)
-    @given(jobs, st.integers(0, 5))
-    def prop(workload: list[Job], victim: int) -> None:
+    @given(jobs, st.integers(0, 5), st.lists(st.booleans(), max_size=6))
+    def prop(workload: list[Job], victim: int, final_here: list[bool]) -> None:
         total[0] += check_fault_stays_with_its_request(
             workload,
             victim,
@@ -277,6 +294,7 @@ def test_a_model_fault_stays_with_its_request(
             mode=mode,
             materialization=materialization,
             persistent=persistent,
+            final_here=final_here,
         )
 
     prop()

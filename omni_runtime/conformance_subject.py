@@ -24,6 +24,7 @@ which processor streams which ids, how a ``StagePayload`` reads as the suite's `
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
 import uuid
@@ -392,9 +393,11 @@ class OmniFaultContainment:
     cause_field = "omni_error"
 
     def feature(self, materialization: str) -> Feature:
-        return OmniRunnerProbes().payload_feature(
+        feature = OmniRunnerProbes().payload_feature(
             include_hidden=True, full_prefix=False, materialization=materialization
         )
+        # Requests may also end at the thinker (nothing of theirs goes downstream).
+        return dataclasses.replace(feature, final_stages=(None, "thinker"))
 
     def embedding(self, worker: Any) -> Any:
         return worker.model.get_input_embeddings()

@@ -220,9 +220,9 @@ def _fault_containment_probe(subject: Any) -> tuple[BaseException | None, int]:
     from invariants.test_reliability import check_fault_stays_with_its_request
 
     return _given_probe(
-        st.tuples(jobs, st.integers(0, 5)),
+        st.tuples(jobs, st.integers(0, 5), st.lists(st.booleans(), max_size=6)),
         lambda v, s: check_fault_stays_with_its_request(
-            v[0], v[1], s, mode="sync", materialization="inline", persistent=True
+            v[0], v[1], s, mode="sync", materialization="inline", persistent=True, final_here=v[2]
         ),
         lambda v: len(v[0]),
     )(subject)

@@ -584,6 +584,26 @@ def _final_fault_not_released():
     return _patch(ChunkTransferAdapter, "_release", make)
 
 
+def _error_output_replaces_step_outputs():
+    """C-61/C-62: the error output of a request failed outside upstream's pass goes into a new,
+    empty container, replacing the outputs the other requests emitted in that step (when no
+    chunk had made it an omni container already)."""
+    from omni_runtime.payload import OmniEngineCoreOutputs
+    from omni_runtime.sched.scheduler import OmniARScheduler
+
+    def make(orig: Any) -> Any:
+        def _report_errors(outputs: Any, errored: Any) -> Any:
+            for request, _ in errored:
+                eco = outputs.get(request.client_index)
+                if eco is not None and not isinstance(eco, OmniEngineCoreOutputs):
+                    outputs[request.client_index] = OmniEngineCoreOutputs()
+            return orig(outputs, errored)
+
+        return staticmethod(_report_errors)
+
+    return _patch(OmniARScheduler, "_report_errors", make)
+
+
 def _recovery_fails_whole_step():
     """C-54: when a background build keeps failing, recovery fails every request of the step
     instead of pinning the fault on the request whose build raises."""
@@ -998,6 +1018,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "send-path-faults",
         "a processor whose final call raised is never asked to release the request",
         _final_fault_not_released,
+    ),
+    Mutant(
+        "error_output_replaces_step_outputs",
+        "C-61/C-62",
+        "fault-containment",
+        "a request's error output replaces the step's other outputs instead of joining them",
+        _error_output_replaces_step_outputs,
     ),
     Mutant(
         "pinned_fault_fails_whole_step",
