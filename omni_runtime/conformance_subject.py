@@ -792,19 +792,20 @@ class ProcessStageBoundary:
     def __init__(self, subject: ProcessStageSubject) -> None:
         self.subject = subject
 
-    def chunk_crossings(self, scheduler: Any) -> list[Crossing]:
+    def _take(self, scheduler: Any, kind: str) -> list[Crossing]:
+        """The crossings of ``kind`` noted since the last call, handed over once."""
         wire = self.subject.wire(scheduler)
         if wire is None:
             return []
-        out, wire.chunks = wire.chunks, []
+        out: list[Crossing] = getattr(wire, kind)
+        setattr(wire, kind, [])
         return out
 
+    def chunk_crossings(self, scheduler: Any) -> list[Crossing]:
+        return self._take(scheduler, "chunks")
+
     def request_crossings(self, scheduler: Any) -> list[Crossing]:
-        wire = self.subject.wire(scheduler)
-        if wire is None:
-            return []
-        out, wire.requests = wire.requests, []
-        return out
+        return self._take(scheduler, "requests")
 
     def leftovers(self, scheduler: Any) -> dict[str, Any]:
         from omni_runtime.adapters.shm_wire import live_segments
