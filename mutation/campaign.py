@@ -23,11 +23,17 @@ mechanical mutations (flipped conditions, changed constants, dropped arguments, 
 
 mutmut writes its copy of the project into ``mutants/`` under its working directory, so the
 campaign runs in a work folder (default ``./mutation-work``) holding a copy of the repository's
-files, never in the checkout itself. Usage::
+files, never in the checkout itself. A whole campaign outlasts a working session and the work
+folder may not survive one, so its verdicts are also kept in the checkout
+(``mutation/state/<slice>/``: mutmut's per-file results and test stats, the clock, the
+re-checks), small enough to commit; ``resume`` and ``report`` rebuild a missing work folder from
+them. Usage::
 
-    python mutation/campaign.py run              # the whole campaign, then the report
+    python mutation/campaign.py run --rev HEAD   # the whole campaign over a commit, then the report
     python mutation/campaign.py run --slice ci   # payload.py only: the CI guard's slice
     python mutation/campaign.py resume           # go on with a stopped campaign
+    python mutation/campaign.py resume --rev NEW # move it to a later commit: only mutants of
+                                                 # functions that changed run again
     python mutation/campaign.py report           # the report of the last run, again
 
 ``run`` exits 0 when the score meets ``--min-score`` (default: none), 1 below it, 2 on bad input.
@@ -53,6 +59,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 LEDGER = REPO / "mutation" / "triage.toml"
+STATE = REPO / "mutation" / "state"
 DEFAULT_WORK = REPO / "mutation-work"
 MUTMUT_VERSION = "3.8.1"
 
@@ -355,7 +362,12 @@ def run_mutmut(
 
 
 def timed_mutmut(
-    work: Path, chosen: Slice, children: int, meta: dict[str, object], meta_path: Path
+    work: Path,
+    chosen: Slice,
+    children: int,
+    meta: dict[str, object],
+    meta_path: Path,
+    state: Path | None = None,
 ) -> None:
     """Run (or go on with) mutmut, keeping ``meta["seconds"]`` current in ``meta_path``.
 
@@ -371,6 +383,8 @@ def timed_mutmut(
         meta["seconds"] = base + time.monotonic() - started
         meta["complete"] = complete
         meta_path.write_text(json.dumps(meta, indent=1))
+        if state is not None:
+            save_state(work, chosen, state)
 
     def heartbeat() -> None:
         while not done.wait(30.0):
@@ -396,6 +410,105 @@ def timed_mutmut(
         done.set()
         beat.join()
     write(True)
+
+
+# ---- the campaign's state in the checkout ------------------------------------------------------
+
+# mutmut's own files that carry verdicts: per mutated file, the exit code of every mutant (keyed by
+# name, with the hash of each function: mutmut keeps a verdict only while its function is
+# unchanged); and which tests cover which function, with the tests' durations.
+_STATS = "mutmut-stats.json"
+
+
+def state_dir(root: Path, chosen: Slice) -> Path:
+    name = next(k for k, v in SLICES.items() if v is chosen)
+    return root / name
+
+
+def save_state(work: Path, chosen: Slice, root: Path) -> None:
+    """Copy the campaign's verdicts from the work folder into ``<root>/<slice>/``."""
+    dest = state_dir(root, chosen)
+    files = [(work / "campaign.json", dest / "campaign.json")]
+    files += [(f, dest / f.name) for f in sorted(work.glob("recheck-*.json"))]
+    files.append((work / "mutants" / _STATS, dest / _STATS))
+    files += [
+        (work / "mutants" / f"{t.path}.meta", dest / "meta" / f"{t.path}.meta")
+        for t in chosen.targets
+    ]
+    for src, to in files:
+        if src.is_file():
+            to.parent.mkdir(parents=True, exist_ok=True)
+            tmp = to.with_name(to.name + ".tmp")
+            shutil.copyfile(src, tmp)
+            tmp.replace(to)  # a reader (git add) never sees half a file
+
+
+# Generates the mutants (mutmut's first phase, without its test runs) in the work folder, so a
+# restored campaign's results, report diffs and ``resume`` see the same mutants a run would.
+_GENERATE = """
+import os
+from mutmut.__main__ import create_mutants, store_lines_covered_by_tests
+from mutmut.mutation.trampoline import set_mutant_under_test
+from mutmut.utils.file_utils import copy_also_copy_files, copy_src_dir, setup_source_paths
+set_mutant_under_test("mutant_generation")
+os.makedirs("mutants", exist_ok=True)
+copy_src_dir()
+copy_also_copy_files()
+setup_source_paths()
+store_lines_covered_by_tests()
+create_mutants(2)
+"""
+
+
+def commit_of(meta: dict[str, object]) -> str | None:
+    """The commit a campaign mutated, when it mutated one (not a working tree)."""
+    rev = str(meta.get("commit") or meta.get("rev") or "")
+    return rev if len(rev) == 40 and all(c in "0123456789abcdef" for c in rev) else None
+
+
+def restore(work: Path, chosen: Slice, rev: str | None, root: Path) -> None:
+    """Rebuild the work folder of the campaign kept in ``<root>/<slice>/``, over its own commit
+    or over ``rev``. Over a later commit mutmut keeps the verdicts of functions whose source is
+    unchanged; the mutants of changed functions have none and run on ``resume``."""
+    src = state_dir(root, chosen)
+    meta_file = src / "campaign.json"
+    if not meta_file.is_file():
+        raise CampaignError(f"{work}: no campaign to resume, and none kept in {src}; use 'run'")
+    meta = json.loads(meta_file.read_text())
+    commit = resolve(rev) if rev else commit_of(meta)
+    if commit is None:
+        raise CampaignError(
+            f"{src}: the kept campaign mutated a working tree ({meta.get('rev')}), which cannot "
+            "be rebuilt; pass --rev to move it to a commit"
+        )
+    profile = str(meta.get("profile", "ci"))
+    prepare(work, chosen, profile, commit)
+    for f in src.glob("recheck-*.json"):
+        shutil.copyfile(f, work / f.name)
+    if (src / _STATS).is_file():
+        shutil.copyfile(src / _STATS, work / "mutants" / _STATS)
+    for f in (src / "meta").rglob("*.meta"):
+        to = work / "mutants" / f.relative_to(src / "meta")
+        to.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(f, to)
+    proc = subprocess.run(
+        [sys.executable, "-c", _GENERATE], cwd=work, env=campaign_env(work), capture_output=True
+    )
+    if proc.returncode != 0:
+        tail = proc.stderr.decode(errors="replace")[-800:]
+        raise CampaignError(f"generating the mutants in {work} failed:\n{tail}")
+    if commit != commit_of(meta):
+        meta.update(rev=commit, commit=commit, complete=False)
+    (work / "campaign.json").write_text(json.dumps(meta, indent=1))
+
+
+def resolve(rev: str) -> str:
+    out = subprocess.run(
+        ["git", "rev-parse", "--verify", f"{rev}^{{commit}}"], cwd=REPO, capture_output=True
+    )
+    if out.returncode != 0:
+        raise CampaignError(f"--rev {rev}: not a commit of this repository")
+    return out.stdout.decode().strip()
 
 
 # ---- results ----------------------------------------------------------------------------------
@@ -614,7 +727,7 @@ def render(mutants: list[Mutant], stale: list[dict[str, object]], meta: dict[str
     lines = [
         "# Mutation score of the invariant suite",
         "",
-        f"mutmut {meta.get('mutmut')} on {meta.get('rev', '?')}, profile {meta.get('profile')} "
+        f"mutmut {meta.get('mutmut')} on {str(meta.get('rev', '?'))[:12]}, profile {meta.get('profile')} "
         f"(survivors re-checked under {meta.get('recheck')}"
         + (
             f", against the suite of {meta['suite_refreshed_from']}"
@@ -702,6 +815,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--rev", default=None, help="mutate this commit (default: the working tree)"
     )
+    parser.add_argument(
+        "--state",
+        type=Path,
+        default=STATE,
+        help="where the campaign's verdicts are kept across work folders (default mutation/state)",
+    )
     parser.add_argument("--children", type=int, default=2, help="mutmut workers (default 2)")
     # ``ci``, not ``smoke``: the first campaign ran ``smoke``, and survivors checked again under
     # ``ci`` died: its properties had drawn too few examples to meet the mutated case.
@@ -730,27 +849,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         meta_path = args.work / "campaign.json"
         if args.command == "run":
-            prepare(args.work, chosen, args.profile, args.rev)
+            commit = resolve(args.rev) if args.rev else None
+            prepare(args.work, chosen, args.profile, commit)
             meta: dict[str, object] = {
                 "mutmut": MUTMUT_VERSION,
                 "slice": args.slice,
-                "rev": args.rev or f"{git_head()} + working tree",
+                "rev": commit or f"{git_head()} + working tree",
                 "profile": args.profile,
                 "recheck": args.recheck,
                 "children": args.children,
                 "seconds": 0.0,
                 "complete": False,
             }
-            timed_mutmut(args.work, chosen, args.children, meta, meta_path)
+            timed_mutmut(args.work, chosen, args.children, meta, meta_path, args.state)
         elif args.command == "resume":
-            if not meta_path.is_file() or not (args.work / "mutants").is_dir():
-                raise CampaignError(f"{args.work}: no campaign to resume; use 'run' first")
+            if args.rev or not meta_path.is_file() or not (args.work / "mutants").is_dir():
+                restore(args.work, chosen, args.rev, args.state)
             meta = json.loads(meta_path.read_text())
             chosen = SLICES[str(meta.get("slice"))]
             meta["children"] = args.children
-            timed_mutmut(args.work, chosen, args.children, meta, meta_path)
+            timed_mutmut(args.work, chosen, args.children, meta, meta_path, args.state)
         elif not meta_path.is_file():
-            raise CampaignError(f"{meta_path}: no campaign in {args.work}; use 'run' first")
+            restore(args.work, chosen, None, args.state)
         meta = json.loads(meta_path.read_text())
         if meta.get("slice") != args.slice:
             chosen = SLICES[str(meta.get("slice"))]
@@ -762,6 +882,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         text, total = report(
             args.work, chosen, meta, recheck_profile, args.recheck_timeout, args.recheck_only
         )
+        save_state(args.work, chosen, args.state)
     except CampaignError as exc:
         print(f"mutation campaign: {exc}", file=sys.stderr)
         return 2

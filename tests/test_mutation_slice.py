@@ -4,7 +4,8 @@ The slice runs six mutants of C-45's trimming against the chunk contracts under 
 profile; all six must die. Two of them (rows blanked, start shifted) die only through the
 completeness check the full campaign led to, so weakening that check fails this test. The rest
 checks the parts of the campaign that turn mutmut's results into a score: statuses, the triage
-ledger (matching, stale entries, bad files), the re-check's verdicts and the report.
+ledger (matching, stale entries, bad files), the re-check's verdicts and the report, and the
+state kept in the checkout that lets a campaign outlive its work folder.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def test_ci_slice_kills_its_sample(tmp_path: Path) -> None:
             "ci",
             "--work",
             str(tmp_path / "work"),
+            "--state",
+            str(tmp_path / "state"),
             "--children",
             "1",
             "--profile",
@@ -164,3 +167,42 @@ def test_resume_runs_only_the_mutants_without_a_verdict(
     # A fresh campaign (no time spent yet) names its mutants by glob, as ``run`` does.
     campaign.timed_mutmut(tmp_path, chosen, 1, {"slice": "ci", "seconds": 0.0}, meta_path)
     assert ran[-1] is None
+
+
+def test_verdicts_outlive_the_work_folder(tmp_path: Path) -> None:
+    # A campaign longer than a session loses its work folder: the verdicts kept in the state
+    # folder rebuild it over the campaign's commit, and mutmut keeps them (their functions'
+    # hashes match), so resuming runs only the mutants that never got one.
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    chosen = campaign.SLICES["ci"]
+    state = tmp_path / "state"
+    kept = state / "ci"
+    kept.mkdir(parents=True)
+    meta = {"slice": "ci", "rev": head, "profile": "ci", "seconds": 60.0, "complete": False}
+    (kept / "campaign.json").write_text(json.dumps(meta))
+    campaign.restore(tmp_path / "one", chosen, None, state)  # nothing decided yet
+    assert {m.status for m in campaign.load_results(tmp_path / "one", chosen.targets)} == {
+        "not run"
+    }
+
+    meta_file = tmp_path / "one" / "mutants" / f"{chosen.targets[0].path}.meta"
+    data = json.loads(meta_file.read_text())
+    names = [name for name, _ in chosen.expected]
+    for name in names[:-1]:
+        data["exit_code_by_key"][name] = 1
+    meta_file.write_text(json.dumps(data))
+    campaign.save_state(tmp_path / "one", chosen, state)
+
+    campaign.restore(tmp_path / "two", chosen, None, state)
+    found = {m.name: m.status for m in campaign.load_results(tmp_path / "two", chosen.targets)}
+    assert [found[n] for n in names] == ["killed"] * (len(names) - 1) + ["not run"]
+    assert json.loads((tmp_path / "two" / "campaign.json").read_text())["seconds"] == 60.0
+    # The mutants exist again, so the report can show what each one changed.
+    assert campaign.mutant_change(tmp_path / "two", names[0]) == chosen.expected[0][1]
+
+    # A campaign over a working tree cannot be rebuilt: the error says so and how to go on.
+    (kept / "campaign.json").write_text(json.dumps(meta | {"rev": "abc + working tree"}))
+    with pytest.raises(campaign.CampaignError, match="pass --rev"):
+        campaign.restore(tmp_path / "three", chosen, None, state)
