@@ -21,6 +21,7 @@ What these tests prove:
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 from collections.abc import Callable
@@ -382,6 +383,47 @@ def test_a_one_off_background_error_is_rebuilt_away() -> None:
         assert calls[0] != threading.get_ident() == calls[1]
     finally:
         mat.shutdown()
+
+
+def test_background_builds_compute_with_the_runners_thread_count() -> None:
+    """A new thread computes with torch's process default thread count, not the one the worker
+    set; a producer's matmul split over another count sums in another order, so the background
+    payload's logits differed from the inline ones in the last bits (found by C-54's recovery
+    property under the ``ci`` profile, with one thread set and two cores). The builder now takes
+    the calling thread's count for every build."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(64, 512, bias=False)
+    builder = PayloadBuilder(include_hidden=True, producers={"logits": head})
+    sizes = [1 + k % 11 for k in range(40)]
+    ids = [f"r{k}" for k in range(len(sizes))]
+    starts = np.cumsum([0, *sizes])
+    n = np.array(sizes, dtype=np.int64)
+    plan = PayloadPlan(ids, starts, n, np.zeros_like(n), np.full_like(n, -1))
+    inputs = PayloadInputs(hidden=torch.randn(int(starts[-1]), 64))
+    before = torch.get_num_threads()
+    # Any count other than a new thread's default (OMP_NUM_THREADS, which this suite pins to 1;
+    # else the cores): the invariant suite sets 1 with the default left at the 2 cores.
+    torch.set_num_threads(2 if os.environ.get("OMP_NUM_THREADS") == "1" else 1)
+    mat = BackgroundMaterializer(builder)
+    try:
+        inline = builder.build(plan, inputs)
+        out = mat.finish(
+            OmniModelRunnerOutput(req_ids=ids, req_id_to_index={}, sampled_token_ids=[]),
+            plan,
+            inputs,
+        ).get_output()
+        assert out.omni_payloads is not None
+        differ = [
+            rid
+            for rid, x, y in zip(ids, inline, out.omni_payloads, strict=True)
+            if x is None
+            or y is None
+            or not torch.equal(x.multimodal["logits"], y.multimodal["logits"])
+        ]
+        assert not differ, f"C-50: background logits differ from inline ones for {differ}"
+    finally:
+        mat.shutdown()
+        torch.set_num_threads(before)
 
 
 def test_uncollected_background_error_is_not_lost() -> None:

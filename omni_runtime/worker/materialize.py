@@ -34,6 +34,8 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import torch
+
 from omni_runtime.adapters.output import PayloadBuilder, PayloadInputs, PayloadPlan
 from omni_runtime.payload import OmniModelRunnerOutput, StagePayload
 from omni_runtime.worker.recovery import describe
@@ -139,6 +141,7 @@ class BackgroundMaterializer:
         self._pool: ThreadPoolExecutor | None = None
         self._recent: deque[BackgroundOutput] = deque()
         self.builder_thread_ids: set[int] = set()
+        self._builder_threads: int | None = None  # torch threads last set on the builder thread
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -146,8 +149,17 @@ class BackgroundMaterializer:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="omni-payload")
         return self._pool
 
-    def _build(self, plan: PayloadPlan, inputs: PayloadInputs) -> list[StagePayload | None]:
+    def _build(
+        self, plan: PayloadPlan, inputs: PayloadInputs, threads: int
+    ) -> list[StagePayload | None]:
         self.builder_thread_ids.add(threading.get_ident())
+        # torch's intra-op thread count is per thread: a new thread computes with the process
+        # default, not what the worker set (``torch.set_num_threads``), and a matmul split over
+        # another count sums in another order. Producers (e.g. logits) would then differ from
+        # the inline build in the last bits (C-50); the builder computes as the runner does.
+        if threads != self._builder_threads:
+            torch.set_num_threads(threads)
+            self._builder_threads = threads
         return self.builder.build(plan, inputs)
 
     def finish(
@@ -156,7 +168,9 @@ class BackgroundMaterializer:
         self.raise_abandoned(keep=self.IN_FLIGHT)
         # Snapshot on the calling thread: after this line the runner's buffers are free.
         snap_plan, snap_inputs = plan.snapshot(), inputs.snapshot()
-        future = self._executor().submit(self._build, snap_plan, snap_inputs)
+        future = self._executor().submit(
+            self._build, snap_plan, snap_inputs, torch.get_num_threads()
+        )
         out = BackgroundOutput(
             output,
             future,
