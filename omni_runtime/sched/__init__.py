@@ -17,6 +17,7 @@ DECLARED_SCHEDULER_ATTRIBUTES: tuple[str, ...] = (
     "_freed_in_update",
     "_in_update",
     "_last_failed",
+    "_dropping",
 )
 
 __all__ = [

@@ -106,6 +106,15 @@ class FinalStageRequestSends:
         return result
 
 
+class SendsStaleSteps:
+    """C-45: the scheduler forgets which requests upstream put in drop mode (a prefix-cache reset
+    of running requests, a resumable stop with steps in flight), so the chunk-transfer decision
+    sends the payload of a step whose tokens upstream dropped as stale."""
+
+    def _mark_dropping(self, request: Any) -> None:
+        pass
+
+
 class RepeatsFinishedOutput:
     """C-62: a finished request's output is emitted twice (two terminal outcomes)."""
 
@@ -493,7 +502,7 @@ def _background_build_never_runs():
     import omni_runtime.worker.materialize as materialize
 
     def make(orig: Any) -> Any:
-        def _build(self: Any, plan: Any, inputs: Any) -> Any:
+        def _build(self: Any, plan: Any, inputs: Any, *args: Any) -> Any:
             raise RuntimeError("builder path broken")
 
         return _build
@@ -927,6 +936,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "chunk-contracts",
         "the processor is handed upstream's own id list, not a copy",
         _ids_not_copied,
+    ),
+    Mutant(
+        "stale_step_chunk_sent",
+        "C-45",
+        "chunk-contracts",
+        "the payload of a step upstream dropped as stale is still sent downstream",
+        _sub(scheduler_mixin=SendsStaleSteps),
     ),
     Mutant(
         "redelivery_after_preemption",
