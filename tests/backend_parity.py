@@ -69,6 +69,8 @@ def stage_inputs(max_tokens: int = 6, n: int = len(PROMPTS)) -> list[StageInput]
             ),
             prompt_token_ids=PROMPTS[i % len(PROMPTS)],
             final_stage_id="thinker" if i % 3 == 2 else "code2wav",
+            # A client's tracing context: vLLM hands it back on every output of the request.
+            trace_headers={"traceparent": f"00-{i + 1:032x}-{i + 1:016x}-01"},
         )
         for i in range(n)
     ]
@@ -117,16 +119,21 @@ def run_stage(engine: Any, items: list[StageInput], timeout: float = 60.0) -> di
         engine.add(item)
     ids: dict[str, list[int]] = {}
     reasons: dict[str, str] = {}
+    traces: dict[str, set[Any]] = {}
     chunks: list[StageChunk] = []
     deadline = time.monotonic() + timeout
     while engine.has_work():
         assert time.monotonic() < deadline, "stage did not finish"
         for out in engine.step().outputs:
             ids.setdefault(out.request_id, []).extend(out.new_token_ids)
+            headers = out.trace_headers
+            traces.setdefault(out.request_id, set()).add(
+                None if headers is None else tuple(sorted(headers.items()))
+            )
             if out.finish_reason is not None:
                 reasons[out.request_id] = out.finish_reason
         chunks.extend(sink.drain())
-    return {"ids": ids, "reasons": reasons, "chunks": chunks}
+    return {"ids": ids, "reasons": reasons, "traces": traces, "chunks": chunks}
 
 
 def chunks_by_request(chunks: list[StageChunk]) -> dict[str, list[tuple[Any, ...]]]:

@@ -120,6 +120,12 @@ BAD = [
         "unsupported type",
     ),
     (
+        "trace headers type",
+        dict(prompt_token_ids=[1], trace_headers={"traceparent": 7}),
+        "trace_headers",
+        "mapping of str to str",
+    ),
+    (
         "conditioning nan",
         dict(prompt_token_ids=[1], conditioning=torch.tensor([float("inf")])),
         "conditioning",

@@ -157,6 +157,9 @@ def test_thinker_outputs_and_chunks_are_bit_identical(async_scheduling, include_
     assert isinstance(ref["ids"], dict) and len(ref["ids"]) == len(PROMPTS)
     assert mp["ids"] == ref["ids"]
     assert mp["reasons"] == ref["reasons"]
+    # Every output of a request carries the tracing context its client sent, on both backends.
+    sent = {i.request_id: {tuple(sorted(i.trace_headers.items()))} for i in stage_inputs()}
+    assert ref["traces"] == sent and mp["traces"] == sent
     assert chunks_by_request(mp["chunks"]) == chunks_by_request(ref["chunks"])
     # The comparison has teeth: payload tensors did cross (or, token-only, none did).
     with_rows = [

@@ -153,6 +153,7 @@ def test_outputs_and_chunks_equal_in_process(ray_thinker: RayStageEngine) -> Non
     got = run_stage(ray_thinker, items)
     ref = _reference(stage_inputs())
     assert got["ids"] == ref["ids"] and got["reasons"] == ref["reasons"]
+    assert got["traces"] == ref["traces"]  # the clients' tracing context comes back too
     assert chunks_by_request(got["chunks"]) == chunks_by_request(ref["chunks"])
     assert ray_thinker.uses_shared_memory  # same host: descriptors, not pickled tensors
     assert not any(settled_clean(ray_thinker).values())

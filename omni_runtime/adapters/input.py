@@ -96,6 +96,9 @@ class StageInput:
     cache_salt: str | None = None
     priority: int = 0
     client_index: int = 0
+    # Tracing context from the client (e.g. W3C ``traceparent``): vLLM carries it on the request
+    # and returns it on the request's outputs.
+    trace_headers: Mapping[str, str] | None = None
 
 
 class InputAdapter:
@@ -161,6 +164,7 @@ class InputAdapter:
             arrival_time=item.arrival_time if item.arrival_time is not None else time.time(),
             cache_salt=item.cache_salt,
             priority=item.priority,
+            trace_headers=self._trace_headers(rid, item.trace_headers),
             block_hasher=self.block_hasher,
             omni=state,
         )
@@ -249,6 +253,15 @@ class InputAdapter:
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
             raise RequestRejected(rid, name, "contains NaN or infinite values")
         return value.detach().to("cpu").clone()
+
+    def _trace_headers(self, rid: str, headers: Mapping[str, str] | None) -> dict[str, str] | None:
+        if headers is None:
+            return None
+        if not isinstance(headers, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in headers.items()
+        ):
+            raise RequestRejected(rid, "trace_headers", "expected a mapping of str to str")
+        return dict(headers)
 
     def _additional(self, rid: str, info: Mapping[str, Any] | None) -> Mapping[str, Any]:
         if info is None:

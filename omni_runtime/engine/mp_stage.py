@@ -298,6 +298,7 @@ class MPStageEngine:
             prompt_embeds=request.prompt_embeds,
             client_index=request.client_index,
             priority=request.priority,
+            trace_headers=request.trace_headers,
         )
 
     def abort(self, request_ids: Iterable[str]) -> list[str]:
@@ -364,19 +365,9 @@ class MPStageEngine:
         if eco.outputs:
             result.executed = True
         for out in eco.outputs:
-            reason = None if out.finish_reason is None else str(out.finish_reason)
-            if reason is not None:
+            if out.finish_reason is not None:
                 self._held.discard(out.request_id)
-            result.outputs.append(
-                StageOutput(
-                    out.request_id,
-                    list(out.new_token_ids),
-                    reason,
-                    getattr(out, "omni_error", None),
-                    list(getattr(out, "omni_chunk_refs", None) or []),
-                    compat.cached_prompt_tokens(out),
-                )
-            )
+            result.outputs.append(StageOutput.of(out))
         # Chunks of a request refused earlier in this step stay unsent (C-61).
         pending = [c for c in chunks if c.request_id not in failures]
         failures.update(route_chunks(self.stage_id, self._sink, pending))

@@ -22,7 +22,7 @@ The code2wav stage lives in ``omni_runtime.engine.code2wav_stage``.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +55,22 @@ class StageOutput:
     chunk_refs: list[str] = field(default_factory=list)
     # Prompt tokens served by the prefix cache (on the request's first output only).
     num_cached_tokens: int | None = None
+    # The tracing context the request's client sent (``StageInput.trace_headers``), as vLLM
+    # returns it on each of the request's outputs.
+    trace_headers: Mapping[str, str] | None = None
+
+    @classmethod
+    def of(cls, out: Any) -> StageOutput:
+        """The stage's report of one of vLLM's ``EngineCoreOutput`` (plain or omni)."""
+        return cls(
+            out.request_id,
+            list(out.new_token_ids),
+            None if out.finish_reason is None else str(out.finish_reason),
+            getattr(out, "omni_error", None),
+            list(getattr(out, "omni_chunk_refs", None) or []),
+            compat.cached_prompt_tokens(out),
+            out.trace_headers,
+        )
 
 
 @dataclass
@@ -141,19 +157,7 @@ class StageEngine:
         except Exception as exc:  # a step fault fails only the requests it touched (C-61)
             return StageStep(self._fail_touched(exc), True, exc)
         result = StageStep(executed=bool(executed))
-        for out in compat.step_outputs(outputs):
-            reason = None if out.finish_reason is None else str(out.finish_reason)
-            refs = getattr(out, "omni_chunk_refs", None) or []
-            result.outputs.append(
-                StageOutput(
-                    out.request_id,
-                    list(out.new_token_ids),
-                    reason,
-                    getattr(out, "omni_error", None),
-                    list(refs),
-                    compat.cached_prompt_tokens(out),
-                )
-            )
+        result.outputs.extend(map(StageOutput.of, compat.step_outputs(outputs)))
         return result
 
     def _fail_touched(self, exc: BaseException) -> list[StageOutput]:
