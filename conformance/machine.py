@@ -49,6 +49,18 @@ def random_request(rng: Any, request_id: str) -> AddRequest:
     )
 
 
+def client_trace_headers(n: int, count: int) -> tuple[tuple[str, str], ...] | None:
+    """The tracing context a client of request number ``n`` sends (W3C trace context, as an
+    OpenTelemetry client would): none (``count`` 0), a ``traceparent``, or that and a
+    ``tracestate``. Distinct per request, so an output carrying another request's headers shows."""
+    if count <= 0:
+        return None
+    headers = [("traceparent", f"00-{n + 1:032x}-{(n * 7919) % 2**64 + 1:016x}-01")]
+    if count > 1:
+        headers.append(("tracestate", f"omni=r{n}"))
+    return tuple(headers)
+
+
 # The tight budget the suite runs with: 14 blocks of 16 tokens, so preemption and eviction happen.
 # Derive variants with ``TIGHT.with_(...)``.
 TIGHT = HarnessConfig(num_blocks=14, max_num_batched_tokens=48, max_num_seqs=6, max_model_len=128)
@@ -100,6 +112,10 @@ class LockstepMachine(RuleBasedStateMachine):
         final: st.DataObject,
     ) -> None:
         rid = f"r{self.counter}"
+        # Whether (and how) the client traces the request follows from the draws above, not
+        # from a draw of its own: a new draw would shift every example the suite's derandomized
+        # runs explore, and with them what its fixed example budgets reach.
+        trace_headers = client_trace_headers(self.counter, (length + salt) % 3)
         self.counter += 1
         prompt = tuple(100 + (salt * 37 + i) % 200 for i in range(length))
         final_stage = final.draw(st.sampled_from(self.final_stages))
@@ -112,6 +128,7 @@ class LockstepMachine(RuleBasedStateMachine):
                 stop_token_ids=STOP_IDS if stop else (),
                 ignore_eos=ignore_eos,
                 final_stage=final_stage,
+                trace_headers=trace_headers,
             )
         )
 

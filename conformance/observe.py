@@ -17,6 +17,7 @@ dotted key paths are the *field paths* that comparisons, the differences registr
                                  ``num_scheduled_tokens.<id>``, ``num_computed_tokens.<id>``,
                                  ``num_output_tokens.<id>``, ``block_ids.<id>``
 ``outputs.<id>.<field>``         new_token_ids, finish_reason, stop_reason, prefill_stats,
+                                 trace_headers (sorted pairs; only when the output has any),
                                  ``__type__`` (None for upstream's ``EngineCoreOutput``, else the
                                  subclass name) and any non-default trailing subclass field
                                  (``omni_chunk_refs``, ``omni_eof``); a second output for the same
@@ -101,6 +102,9 @@ def observe_outputs(outputs: dict[int, Any] | None) -> dict[str, Any]:
                 "prefill_stats": vc.prefill_stats_fields(out.prefill_stats),
                 "__type__": type_name,
             }
+            headers = vc.output_trace_headers(out)
+            if headers is not None:  # absent when unset: snapshots of untraced runs unchanged
+                entry["trace_headers"] = headers
             extra = vc.output_extra_fields(out)
             if extra:
                 entry.update(extra)

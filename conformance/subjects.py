@@ -162,6 +162,9 @@ class BaseSubject:
             pooling_params=None,
             arrival_time=arrival,
             block_hasher=block_hasher(cfg.block_size),
+            # As vLLM's engine builds it from the client's ``EngineCoreRequest``: a subject's
+            # hook must carry ``op.trace_headers`` into its request the way its engine does.
+            trace_headers=op.headers(),
         )
 
     def admit(self, scheduler: Any, request: Any) -> None:

@@ -4,8 +4,10 @@ A ``Trace`` is a ``HarnessConfig`` plus named shared prompt prefixes plus a list
 It is the unit of replay: every failure is written as a trace (JSON, see ``to_json``) and
 ``omni-conformance replay`` re-runs it. The operations are deliberately few:
 
-* ``AddRequest``      a request: prompt (after an optional shared prefix), sampling limits, and
-                      the omni metadata a subject may use (its final stage);
+* ``AddRequest``      a request: prompt (after an optional shared prefix), sampling limits, the
+                      tracing context its client sent (``trace_headers``, which upstream copies
+                      onto every output of the request), and the omni metadata a subject may use
+                      (its final stage);
 * ``Step``            one engine step (sync: schedule/execute/update; async: one
                       ``step_with_batch_queue`` iteration);
 * ``Abort``           ``finish_requests(ids, FINISHED_ABORTED)`` between steps, as EngineCore does;
@@ -38,6 +40,13 @@ class AddRequest:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = True
     final_stage: str | None = None
+    # (name, value) pairs, kept as a tuple so that the operation stays hashable; ``headers()``
+    # gives the mapping a request carries. None: the client sent none (upstream's default).
+    trace_headers: tuple[tuple[str, str], ...] | None = None
+
+    def headers(self) -> dict[str, str] | None:
+        """The trace headers as the mapping vLLM's ``Request.trace_headers`` holds."""
+        return None if self.trace_headers is None else dict(self.trace_headers)
 
     def describe(self) -> str:
         pre = f"{self.prefix}+" if self.prefix else ""
@@ -45,6 +54,7 @@ class AddRequest:
             f"add {self.request_id} prompt={pre}{len(self.prompt)} max_tokens={self.max_tokens}"
             f" stop={list(self.stop_token_ids)} ignore_eos={self.ignore_eos}"
             + (f" final_stage={self.final_stage}" if self.final_stage else "")
+            + (f" trace_headers={self.headers()}" if self.trace_headers is not None else "")
         )
 
 
@@ -92,10 +102,22 @@ OP_TYPES: dict[str, type] = {
 }
 
 
+def _as_lists(v: Any) -> Any:
+    return [_as_lists(x) for x in v] if isinstance(v, tuple) else v
+
+
+def _as_tuples(v: Any) -> Any:
+    return tuple(_as_tuples(x) for x in v) if isinstance(v, list) else v
+
+
 def op_to_dict(op: Op) -> dict[str, Any]:
     d: dict[str, Any] = {"op": op.kind}
     for k, v in asdict(op).items():
-        d[k] = list(v) if isinstance(v, tuple) else v
+        # A field left at its default is not written, so traces from before a field existed
+        # and traces after it read the same, and a trace shows only what was chosen.
+        if k == "trace_headers" and v is None:
+            continue
+        d[k] = _as_lists(v)
     return d
 
 
@@ -107,8 +129,7 @@ def op_from_dict(d: dict[str, Any]) -> Op:
     except KeyError:
         raise ValueError(f"trace: unknown op {kind!r}; known {sorted(OP_TYPES)}") from None
     for k, v in list(data.items()):
-        if isinstance(v, list):
-            data[k] = tuple(v)
+        data[k] = _as_tuples(v)
     return cls(**data)  # type: ignore[no-any-return]
 
 

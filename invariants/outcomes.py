@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from conformance import vllm_compat as vc
+
 # Abort states (``conformance.lockstep.Side.abort_state``) in which the abort ends the request;
 # in the others it finished already (its finished output is, or will be, its outcome) or is gone.
 ENDS_REQUEST = frozenset({"waiting", "running", "in_flight", "preempted"})
@@ -86,15 +88,38 @@ class Outcome:
     terminal: dict[str, list[str]] = field(default_factory=dict)
     causes: dict[str, str] = field(default_factory=dict)
     steps: int = 0
+    # The trace headers each request was sent with (``admitted``), and the distinct ones its
+    # outputs carried (sorted pairs, None for none).
+    sent: dict[str, tuple[tuple[str, str], ...] | None] = field(default_factory=dict)
+    carried: dict[str, set[tuple[tuple[str, str], ...] | None]] = field(default_factory=dict)
+
+    def admitted(self, op: Any) -> None:
+        """Note an ``AddRequest`` the run admits (its trace headers, for ``header_problems``)."""
+        headers = op.headers()
+        self.sent[op.request_id] = None if headers is None else tuple(sorted(headers.items()))
 
     def record(self, outputs: Mapping[int, Any] | None, cause_field: str) -> None:
         """One step's outputs (``Subject.receive_outputs``'s result)."""
         for eco in (outputs or {}).values():
             for out in eco.outputs:
                 self.tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                self.carried.setdefault(out.request_id, set()).add(vc.output_trace_headers(out))
                 if out.finish_reason is not None:
                     reason = getattr(out.finish_reason, "name", str(out.finish_reason))
                     self.terminal.setdefault(out.request_id, []).append(str(reason).lower())
                     cause = getattr(out, cause_field, None)
                     if cause:
                         self.causes[out.request_id] = str(cause)
+
+    def header_problems(self, clause: str) -> list[str]:
+        """Requests some output of which did not carry the trace headers the request was sent
+        with. Upstream copies a request's headers onto every output it makes for it, so a
+        client's tracing context reaches every output, an error that fails the request included.
+        """
+        return [
+            f"{clause}: an output of {rid} carried trace headers {sorted(got, key=repr)} but the "
+            f"request was sent with {self.sent[rid]}: upstream puts a request's trace headers on "
+            "every output it makes for it"
+            for rid, got in self.carried.items()
+            if rid in self.sent and got != {self.sent[rid]}
+        ]

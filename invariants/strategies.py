@@ -23,6 +23,7 @@ shapes of stage inputs from its ``InputAdapterProbe.spec``.
 from __future__ import annotations
 
 import zlib
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,9 +160,19 @@ class PayloadTokenSource(DeterministicTokenSource):
         self.delivery = delivery
         self.patterns = patterns
         self._prompt_len: dict[str, int] = {}
-        # Every position a row was attached for, per request (what C-45's trimming may drop
-        # only once delivered).
+        # Every position a row was attached for, per request.
         self.produced: dict[str, set[int]] = {}
+        # The positions C-45's trimming owes downstream: every position with a row, except one
+        # whose row first came in the recompute of a resumed request and lies below a row
+        # handed over before the preemption, from a step whose tokens the request kept. Its own
+        # step carried no row (a pattern skipped it, ``every_other``); sending it now would
+        # break C-45's order, so a runtime that trims by what it delivered rightly drops it.
+        # Rows of steps upstream dropped as stale excuse nothing: their tokens were not kept
+        # (the resumed request's tokens end before them), and a runtime must not send them.
+        self.owed: dict[str, set[int]] = {}
+        # The positions whose rows the processor has been handed so far, per request (set by
+        # the chunk machine); without it, rows produced stand in for rows handed.
+        self.handed: Callable[[str], Iterable[int]] | None = None
 
     def pattern_of(self, request_id: str) -> str:
         return self.patterns[stable_hash("pattern", request_id) % len(self.patterns)]
@@ -170,6 +181,13 @@ class PayloadTokenSource(DeterministicTokenSource):
         for new in so.scheduled_new_reqs:
             self._prompt_len[new.req_id] = vc.prompt_length(new)
         computed = vc.computed_before(so)
+        # Per resumed request, the positions it computed, with its tokens kept, before its
+        # preemption: all but its last token's.
+        resumed = {
+            rid: len(tokens) - 1
+            for rid in vc.resumed_ids(so)
+            if (tokens := vc.resumed_all_token_ids(so, rid)) is not None
+        }
         base = super().execute(so)
         rows: list[tuple[int, torch.Tensor] | None] = []
         for rid in base.req_ids:
@@ -188,7 +206,18 @@ class PayloadTokenSource(DeterministicTokenSource):
             rows.append(
                 (start, torch.stack([synthetic_row(rid, p) for p in range(start, start + n)]))
             )
-            self.produced.setdefault(rid, set()).update(range(start, start + n))
+            before = self.produced.setdefault(rid, set())
+            kept = resumed.get(rid)
+            # The last row handed over from a step whose tokens the request kept: the runtime
+            # rightly drops what first comes in below it now.
+            top = -1
+            if kept is not None:
+                seen = before if self.handed is None else self.handed(rid)
+                top = max((q for q in seen if q < kept), default=-1)
+            self.owed.setdefault(rid, set()).update(
+                p for p in range(start, start + n) if p > top and p not in before
+            )
+            before.update(range(start, start + n))
         for rid in so.finished_req_ids:
             self._prompt_len.pop(rid, None)
         return self.delivery.with_payloads(base, rows)

@@ -33,10 +33,16 @@ What can fail, and why:
   chunk arrives as it was sent and the boundary holds nothing between operations
   (``invariants.test_process_boundary``).
 
+A second, targeted property (``test_rows_survive_a_reset_with_steps_in_flight``) runs async
+workloads that reset the prefix cache with running requests while steps are in flight, so that
+upstream drops those steps' tokens as stale and the requests recompute: no row of a dropped step
+may reach the processor in their place, and every row the recompute owes must (C-45). The
+machine above reaches that path only rarely within its example budget.
+
 Not applicable to a subject without ``chunk_delivery`` or without a ``processor_feature``.
 Positive controls: mutants ``truthy_token_updates``, ``no_eof_when_processor_returns_none``,
 ``double_eof_on_abort``, ``final_stage_request_sends``, ``ids_not_copied``,
-``redelivery_after_preemption``, ``trim_loses_kept_rows``.
+``redelivery_after_preemption``, ``trim_loses_kept_rows``, ``stale_step_chunk_sent``.
 """
 
 from __future__ import annotations
@@ -45,12 +51,17 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from hypothesis.stateful import initialize
 
 from conformance.capabilities import ChunkDelivery, NotApplicable, require
 from conformance.plugin import covers
 from conformance.pristine import require_oracle_in_process
+from conformance.workload import AddRequest, ResetPrefixCache, Step
 from invariants.machines import (
+    PREFIXES,
+    AuditedLockstep,
     InvariantMachine,
     MachineRun,
     harness_config,
@@ -86,14 +97,20 @@ class ChunkMachine(InvariantMachine):
         self.spec = spec
         self.processor = spec.build()
         self.delivery.set_processor(self.session.sub.scheduler, self.processor)
+        self.source.handed = self._handed
         self.session.trace.meta["processor"] = spec.describe()
+
+    def _handed(self, rid: str) -> list[int]:
+        """The positions whose rows the processor has been handed for ``rid`` so far."""
+        assert self.processor is not None
+        return handed_positions(self.delivery, self.processor.calls_for(rid))
 
     def teardown(self) -> None:
         super().teardown()
         if self.session.failure is None and not self.session.problems and self.processor:
             assert self.spec is not None
             problems = processor_problems(
-                self.session, self.delivery, self.processor, self.spec, self.source.produced
+                self.session, self.delivery, self.processor, self.spec, self.source.owed
             )
             if problems:
                 raise AssertionError(
@@ -102,12 +119,22 @@ class ChunkMachine(InvariantMachine):
                 )
 
 
+def handed_positions(delivery: ChunkDelivery, calls: Any) -> list[int]:
+    """The positions of the rows in the payloads of ``calls``, in call order."""
+    handed: list[int] = []
+    for c in calls:
+        payload = delivery.payload_view(c.payload)
+        if payload is not None and payload.hidden is not None:
+            handed.extend(int(x) for x in payload.hidden[:, 1].tolist())
+    return handed
+
+
 def processor_problems(
     session: Any,
     delivery: ChunkDelivery,
     proc: RecordingProcessor,
     spec: ProcessorSpec,
-    produced: dict[str, set[int]] | None = None,
+    owed: dict[str, set[int]] | None = None,
 ) -> list[str]:
     problems: list[str] = []
     views: dict[str, list] = {}
@@ -163,17 +190,14 @@ def processor_problems(
             dup = sorted({x for x in seen if seen.count(x) > 1})
             problems.append(f"C-45: {rid}: positions delivered twice or out of order {dup or seen}")
         ended = str(entry.finish_reason or "").lower()
-        if produced is not None and ended and not entry.aborted and "abort" not in ended:
-            # Trimming drops only rows already handed over: every position the executor made
-            # a row for, and that the request computed (an output dropped as stale or past the
-            # request's end computed nothing), reaches the processor once.
+        if owed is not None and ended and not entry.aborted and "abort" not in ended:
+            # Trimming drops only rows already handed over: every position the executor owes
+            # downstream (``PayloadTokenSource.owed``: it made a row for it before any later
+            # position's), and that the request computed (an output dropped as stale or past
+            # the request's end computed nothing), reaches the processor once.
             computed = len(entry.prompt) + len(entry.emitted) - 1
-            expected = {p for p in produced.get(rid, ()) if p < computed}
-            handed: list[int] = []
-            for c in calls:
-                payload = delivery.payload_view(c.payload)
-                if payload is not None and payload.hidden is not None:
-                    handed.extend(int(x) for x in payload.hidden[:, 1].tolist())
+            expected = {p for p in owed.get(rid, ()) if p < computed}
+            handed = handed_positions(delivery, calls)
             missing = sorted(expected - set(handed))
             twice = sorted({p for p in handed if handed.count(p) > 1})
             if missing:
@@ -211,3 +235,62 @@ def test_chunk_contracts(request, conformance, conformance_subject, mode):
     # What the sessions really checked beyond the marker (C-46 where chunks cross a process).
     covers(request.node, run.clauses)
     raise_failure(outcome, run)
+
+
+def check_rows_survive_a_reset(
+    subject: Any, lengths: list[int], steps: int, spec: ProcessorSpec
+) -> int:
+    """One async workload: requests of ``lengths`` prompt tokens, ``steps`` steps, a reset of the
+    prefix cache with running requests (upstream drops the steps in flight as stale), then the
+    drain; raises AssertionError on a C-45 violation (or any other audited one). Returns the
+    operations run."""
+    delivery: ChunkDelivery = require(subject, "chunk_delivery", "chunk delivery")
+    require_oracle_in_process("the chunk machine's payload-carrying steps")
+    feature = delivery.processor_feature
+    if feature is None:
+        raise NotApplicable(f"subject {subject.name!r} provides no processor feature")
+    cfg = harness_config(feature, mode="async", prefix=True)
+    session = AuditedLockstep(cfg, subject, feature=feature, prefixes=PREFIXES)
+    try:
+        for side in (session.up, session.sub):
+            side.executor.inner = PayloadTokenSource(delivery)
+        source: PayloadTokenSource = session.sub.executor.inner
+        processor = spec.build()
+        delivery.set_processor(session.sub.scheduler, processor)
+        source.handed = lambda rid: handed_positions(delivery, processor.calls_for(rid))
+        ops = [
+            AddRequest(f"r{i}", tuple(100 + (7 * i + j) % 200 for j in range(n)), max_tokens=6)
+            for i, n in enumerate(lengths)
+        ]
+        ops += [Step()] * steps + [ResetPrefixCache(reset_running_requests=True)]
+        for op in ops:
+            session.apply(op)
+            if session.failure is not None or session.problems:
+                break
+        if session.failure is None and not session.problems:
+            session.drain()
+        if session.failure is not None:
+            raise AssertionError(f"first difference: {session.failure.headline()}")
+        problems = list(session.problems) or processor_problems(
+            session, delivery, processor, spec, source.owed
+        )
+        assert not problems, f"{spec.describe()}, lengths {lengths}, {steps} steps: {problems[0]}"
+        return len(ops)
+    finally:
+        session.shutdown()
+
+
+@pytest.mark.clauses("C-45")
+def test_rows_survive_a_reset_with_steps_in_flight(conformance_subject):
+    require(conformance_subject, "chunk_delivery", "chunk delivery")
+
+    @suite_settings(10)
+    @given(
+        st.lists(st.integers(1, 40), min_size=1, max_size=3),
+        st.integers(1, 4),
+        processor_specs,
+    )
+    def prop(lengths: list[int], steps: int, spec: ProcessorSpec) -> None:
+        check_rows_survive_a_reset(conformance_subject, lengths, steps, spec)
+
+    prop()

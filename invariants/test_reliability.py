@@ -22,6 +22,10 @@ may carry no chunk at all, and the victim's error output then joins plain step o
 * **transient** — the hook raises once. Nobody may fail, and every request's tokens must equal
   the fault-free run's exactly (identical batches, so identical arithmetic).
 
+Every request is sent with trace headers, and every output of it, the victim's error output
+included, must carry them, as upstream's outputs do (C-07 in the fault-free run, C-61 in the
+faulted one).
+
 A fault that escapes the worker (``execute_model``/``sample_tokens`` raising) fails the check:
 under vLLM's ``EngineCore`` such a step fails every request in it. A subject that does not
 declare containment is *not applicable*: many runtimes, upstream's included, leave step faults to
@@ -30,8 +34,9 @@ drive.
 
 Positive controls: mutants ``pinned_fault_fails_whole_step`` (the runtime pins a fault on every
 request of the step instead of the one that causes it), ``error_cause_dropped`` (the failed
-request's error output carries no cause, for a subject that names its ``cause_field``) and
-``error_output_replaces_step_outputs`` (the error output replaces the step's other outputs).
+request's error output carries no cause, for a subject that names its ``cause_field``),
+``error_output_replaces_step_outputs`` (the error output replaces the step's other outputs) and
+``error_output_drops_trace_headers`` (the error output carries no trace headers).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ from hypothesis import strategies as st
 
 from conformance.capabilities import FaultContainment, require, require_worker
 from conformance.driver import WorkerExecutor, make_driver
+from conformance.machine import client_trace_headers
 from conformance.subjects import admit_request, received_outputs
 from conformance.vllm_compat import state as vc
 from conformance.workload import AddRequest
@@ -135,13 +141,19 @@ def run_workload(
         pool = vc.block_pool(scheduler)
         initial = vc.num_free_blocks(pool)
         driver = make_driver(scheduler, WorkerExecutor(worker))
+        first = Outcome()
         for i, (rid, prompt) in enumerate(prompts.items()):
+            # Every request traced, so that the victim's error output must carry its headers.
             op = AddRequest(
-                rid, tuple(prompt), max_tokens=max_tokens[rid], final_stage=finals.get(rid)
+                rid,
+                tuple(prompt),
+                max_tokens=max_tokens[rid],
+                final_stage=finals.get(rid),
+                trace_headers=client_trace_headers(i, 1 + i % 2),
             )
             request = subject.make_request(op, prompt, cfg, scheduler, float(i))
             admit_request(subject, scheduler, request)
-        first = Outcome()
+            first.admitted(op)
         faults = 0
         if fault is None:
             _drain(subject, driver, scheduler, first, 400, field)
@@ -271,6 +283,9 @@ def check_fault_stays_with_its_request(
         f"C-61: {victim}'s prompt, run again after its fault, gives {got_again.tokens} and "
         f"{clean_again.tokens} after a fault-free run: a prefix-cache hit on KV never written"
     )
+    # A failed request's error output is an output of it like any other (C-61).
+    problems = clean.header_problems("C-07") + got.header_problems("C-61")
+    assert not problems, "; ".join(problems)
     return clean.steps + got.steps
 
 

@@ -45,6 +45,7 @@ from hypothesis import strategies as st
 
 from conformance.capabilities import ChunkDelivery, NotApplicable, require
 from conformance.driver import make_driver
+from conformance.machine import client_trace_headers
 from conformance.subjects import admit_request, received_outputs
 from conformance.vllm_compat import state as vc
 from conformance.workload import AddRequest
@@ -114,10 +115,13 @@ def run_workload(
     initial = vc.num_free_blocks(pool)
     driver = make_driver(scheduler, PayloadTokenSource(delivery))
     for i, (rid, prompt) in enumerate(prompts.items()):
-        op = AddRequest(rid, tuple(prompt), max_tokens=limits[rid])
+        op = AddRequest(
+            rid, tuple(prompt), max_tokens=limits[rid], trace_headers=client_trace_headers(i, 1)
+        )
         admit_request(
             subject, scheduler, subject.make_request(op, prompt, cfg, scheduler, float(i))
         )
+        run.admitted(op)
     while scheduler.has_requests() or driver.in_flight():
         if run.steps >= MAX_STEPS:
             raise AssertionError(f"C-62: the workload did not drain within {MAX_STEPS} steps")
@@ -227,6 +231,8 @@ def check_send_fault_stays_with_its_request(
     assert [v.seq for v in views] == list(range(len(views))), (
         f"C-43: {victim}'s chunks are numbered {[v.seq for v in views]} ({where})"
     )
+    problems = clean.header_problems("C-07") + got.header_problems("C-61")
+    assert not problems, f"{'; '.join(problems)} ({where})"
     return clean.steps + got.steps
 
 

@@ -527,6 +527,7 @@ class OmniSchedulerSubject(BaseSubject):
                 prompt_token_ids=prompt,
                 final_stage_id=op.final_stage,
                 arrival_time=arrival,
+                trace_headers=op.headers(),
             )
         )
 

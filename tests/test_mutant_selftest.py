@@ -240,11 +240,27 @@ def _send_path_faults_probe(subject: Any) -> tuple[BaseException | None, int]:
     )(subject)
 
 
+def _reset_in_flight_probe(subject: Any) -> tuple[BaseException | None, int]:
+    """What ``invariants/test_chunk_contracts.py::test_rows_survive_a_reset_with_steps_in_flight``
+    checks."""
+    from invariants.strategies import processor_specs
+    from invariants.test_chunk_contracts import check_rows_survive_a_reset
+
+    return _given_probe(
+        st.tuples(
+            st.lists(st.integers(1, 40), min_size=1, max_size=3), st.integers(1, 4), processor_specs
+        ),
+        lambda v, s: check_rows_survive_a_reset(s, *v),
+        lambda v: len(v[0]) + v[1] + 1,
+    )(subject)
+
+
 PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     "lockstep-off": _machine_probe("off"),
     "lockstep-token-updates": _machine_probe("token-updates"),
     "lockstep-hidden-inline": _machine_probe("hidden-inline"),
     "chunk-contracts": _chunk_probe,
+    "chunk-reset-in-flight": _reset_in_flight_probe,
     "malformed-inputs": _malformed_probe,
     "graph-independence": _jobs_probe(
         "check_graph_independence", "invariants.test_ar_inv_003_workers", include_hidden=True

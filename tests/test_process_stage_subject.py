@@ -94,6 +94,14 @@ def test_chunk_contracts(subject, mode):
     suite(_request_node(), LocalRecorder(subject), subject, mode)
 
 
+def test_rows_survive_a_reset_with_steps_in_flight(subject):
+    from invariants.test_chunk_contracts import (
+        test_rows_survive_a_reset_with_steps_in_flight as suite,
+    )
+
+    suite(subject)
+
+
 def test_stage_inputs_cross_unchanged(subject):
     from invariants.test_process_boundary import test_stage_inputs_cross_unchanged as suite
 

@@ -291,6 +291,7 @@ class VllmOmniSubject(BaseSubject):
             pooling_params=None,
             arrival_time=arrival,
             block_hasher=block_hasher(cfg.block_size),
+            trace_headers=op.headers(),
         )
 
     def differences(self) -> Sequence[DifferenceEntry]:

@@ -16,6 +16,7 @@ from conformance.vllm_compat.scheduler_output import (
     finished_ids,
     prompt_length,
     resumed_all_token_ids,
+    resumed_ids,
     schedule_fields,
 )
 from conformance.vllm_compat.state import (
@@ -35,6 +36,7 @@ from conformance.vllm_compat.state import (
     num_free_blocks,
     output_extra_fields,
     output_facts,
+    output_trace_headers,
     output_type_name,
     preemption_counts,
     prefill_stats_fields,
@@ -77,6 +79,7 @@ __all__ = [
     "finished_ids",
     "prompt_length",
     "resumed_all_token_ids",
+    "resumed_ids",
     "schedule_fields",
     "environment_versions",
     "finish_reason_name",
@@ -91,6 +94,7 @@ __all__ = [
     "num_cached_hashes",
     "num_free_blocks",
     "output_extra_fields",
+    "output_trace_headers",
     "output_facts",
     "output_type_name",
     "preemption_counts",

@@ -57,7 +57,14 @@ def finished_ids(so: Any) -> list[str]:
     return list(so.finished_req_ids)
 
 
+def resumed_ids(so: Any) -> set[str]:
+    """Requests the scheduler resumes this step (after a preemption), whose block tables the
+    worker must replace."""
+    return set(so.scheduled_cached_reqs.resumed_req_ids)
+
+
 def resumed_all_token_ids(so: Any, request_id: str) -> list[int] | None:
-    """A resumed request's full token list as the scheduler sends it (None if not resumed)."""
+    """A request's full token list as the scheduler sends it: for a resumed request, and for
+    one not scheduled in the step before (None when the output carries none for it)."""
     got = so.scheduled_cached_reqs.all_token_ids.get(request_id)
     return None if got is None else list(got)

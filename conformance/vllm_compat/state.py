@@ -297,6 +297,13 @@ def finish_reason_name(reason: Any) -> str | None:
     return None if reason is None else str(reason)
 
 
+def output_trace_headers(out: Any) -> tuple[tuple[str, str], ...] | None:
+    """The tracing context an output carries (``EngineCoreOutput.trace_headers``: upstream copies
+    the request's onto each of its outputs), as sorted (name, value) pairs; None when unset."""
+    headers = out.trace_headers
+    return None if headers is None else tuple(sorted(headers.items()))
+
+
 # ---- equality checks: both sides at once -------------------------------------------------
 #
 # Lock-step compares both sides after every operation, and nearly always they are equal. These
@@ -445,6 +452,7 @@ def same_outputs(a: dict[int, Any] | None, b: dict[int, Any] | None) -> bool:
         or x.request_id != y.request_id
         or x.new_token_ids != y.new_token_ids
         or x.stop_reason != y.stop_reason
+        or x.trace_headers != y.trace_headers
         or (
             (x.finish_reason is not None or y.finish_reason is not None)
             and finish_reason_name(x.finish_reason) != finish_reason_name(y.finish_reason)

@@ -613,6 +613,36 @@ def _error_output_replaces_step_outputs():
     return _patch(OmniARScheduler, "_report_errors", make)
 
 
+def _error_output_drops_trace_headers():
+    """C-61: the error output of a request failed outside upstream's pass goes out without the
+    request's trace headers (upstream puts them on every output of the request), so the
+    client's trace of a failed request never sees its end."""
+    from omni_runtime.sched.scheduler import OmniARScheduler
+
+    def make(orig: Any) -> Any:
+        def _report_errors(outputs: Any, errored: Any) -> Any:
+            outputs = orig(outputs, errored)
+            failed = {request.request_id for request, _ in errored}
+            for eco in outputs.values():
+                for out in eco.outputs:
+                    if out.request_id in failed and out.finish_reason is not None:
+                        out.trace_headers = None
+            return outputs
+
+        return staticmethod(_report_errors)
+
+    return _patch(OmniARScheduler, "_report_errors", make)
+
+
+def _trace_headers_dropped():
+    """C-07: the input adapter accepts a request's trace headers and leaves them out of the
+    vLLM request it builds, so the request's outputs carry none (upstream's carry the
+    client's)."""
+    from omni_runtime.adapters import InputAdapter
+
+    return _patch(InputAdapter, "_trace_headers", lambda _orig: lambda self, rid, headers: None)
+
+
 def _recovery_fails_whole_step():
     """C-54: when a background build keeps failing, recovery fails every request of the step
     instead of pinning the fault on the request whose build raises."""
@@ -940,7 +970,7 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "stale_step_chunk_sent",
         "C-45",
-        "chunk-contracts",
+        "chunk-reset-in-flight",
         "the payload of a step upstream dropped as stale is still sent downstream",
         _sub(scheduler_mixin=SendsStaleSteps),
     ),
@@ -1041,6 +1071,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "fault-containment",
         "a request's error output replaces the step's other outputs instead of joining them",
         _error_output_replaces_step_outputs,
+    ),
+    Mutant(
+        "error_output_drops_trace_headers",
+        "C-61",
+        "fault-containment",
+        "a request's error output leaves out the trace headers the request was sent with",
+        _error_output_drops_trace_headers,
+    ),
+    Mutant(
+        "trace_headers_dropped",
+        "C-07",
+        "lockstep-token-updates",
+        "the input adapter leaves a request's trace headers out of the request it builds",
+        _trace_headers_dropped,
     ),
     Mutant(
         "pinned_fault_fails_whole_step",
