@@ -95,8 +95,8 @@ class Outcome:
 
     def admitted(self, op: Any) -> None:
         """Note an ``AddRequest`` the run admits (its trace headers, for ``header_problems``)."""
-        headers = op.headers()
-        self.sent[op.request_id] = None if headers is None else tuple(sorted(headers.items()))
+        headers = op.trace_headers  # in the form ``vc.output_trace_headers`` reads an output's
+        self.sent[op.request_id] = None if headers is None else tuple(sorted(headers))
 
     def record(self, outputs: Mapping[int, Any] | None, cause_field: str) -> None:
         """One step's outputs (``Subject.receive_outputs``'s result)."""

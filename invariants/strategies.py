@@ -170,8 +170,8 @@ class PayloadTokenSource(DeterministicTokenSource):
         # Rows of steps upstream dropped as stale excuse nothing: their tokens were not kept
         # (the resumed request's tokens end before them), and a runtime must not send them.
         self.owed: dict[str, set[int]] = {}
-        # The positions whose rows the processor has been handed so far, per request (set by
-        # the chunk machine); without it, rows produced stand in for rows handed.
+        # The positions whose rows the processor has been handed so far, per request; set on the
+        # subject's source only (``attach_processor``), and ``owed`` is kept only where it is.
         self.handed: Callable[[str], Iterable[int]] | None = None
 
     def pattern_of(self, request_id: str) -> str:
@@ -183,11 +183,15 @@ class PayloadTokenSource(DeterministicTokenSource):
         computed = vc.computed_before(so)
         # Per resumed request, the positions it computed, with its tokens kept, before its
         # preemption: all but its last token's.
-        resumed = {
-            rid: len(tokens) - 1
-            for rid in vc.resumed_ids(so)
-            if (tokens := vc.resumed_all_token_ids(so, rid)) is not None
-        }
+        resumed = (
+            {
+                rid: len(tokens) - 1
+                for rid in vc.resumed_ids(so)
+                if (tokens := vc.resumed_all_token_ids(so, rid)) is not None
+            }
+            if self.handed is not None
+            else {}
+        )
         base = super().execute(so)
         rows: list[tuple[int, torch.Tensor] | None] = []
         for rid in base.req_ids:
@@ -207,16 +211,16 @@ class PayloadTokenSource(DeterministicTokenSource):
                 (start, torch.stack([synthetic_row(rid, p) for p in range(start, start + n)]))
             )
             before = self.produced.setdefault(rid, set())
-            kept = resumed.get(rid)
-            # The last row handed over from a step whose tokens the request kept: the runtime
-            # rightly drops what first comes in below it now.
-            top = -1
-            if kept is not None:
-                seen = before if self.handed is None else self.handed(rid)
-                top = max((q for q in seen if q < kept), default=-1)
-            self.owed.setdefault(rid, set()).update(
-                p for p in range(start, start + n) if p > top and p not in before
-            )
+            if self.handed is not None:
+                kept = resumed.get(rid)
+                # The last row handed over from a step whose tokens the request kept: the
+                # runtime rightly drops what first comes in below it now.
+                top = -1
+                if kept is not None:
+                    top = max((q for q in self.handed(rid) if q < kept), default=-1)
+                self.owed.setdefault(rid, set()).update(
+                    p for p in range(start, start + n) if p > top and p not in before
+                )
             before.update(range(start, start + n))
         for rid in so.finished_req_ids:
             self._prompt_len.pop(rid, None)

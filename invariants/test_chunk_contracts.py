@@ -96,14 +96,8 @@ class ChunkMachine(InvariantMachine):
     def choose_processor(self, spec: ProcessorSpec) -> None:
         self.spec = spec
         self.processor = spec.build()
-        self.delivery.set_processor(self.session.sub.scheduler, self.processor)
-        self.source.handed = self._handed
+        attach_processor(self.delivery, self.session, self.source, self.processor)
         self.session.trace.meta["processor"] = spec.describe()
-
-    def _handed(self, rid: str) -> list[int]:
-        """The positions whose rows the processor has been handed for ``rid`` so far."""
-        assert self.processor is not None
-        return handed_positions(self.delivery, self.processor.calls_for(rid))
 
     def teardown(self) -> None:
         super().teardown()
@@ -117,6 +111,15 @@ class ChunkMachine(InvariantMachine):
                     f"{self.spec.describe()}: {problems[0]}"
                     + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
                 )
+
+
+def attach_processor(
+    delivery: ChunkDelivery, session: Any, source: PayloadTokenSource, processor: Any
+) -> None:
+    """Give the subject's scheduler ``processor``, and tell the subject's payload source what
+    the processor has been handed (what ``PayloadTokenSource.owed`` is decided against)."""
+    delivery.set_processor(session.sub.scheduler, processor)
+    source.handed = lambda rid: handed_positions(delivery, processor.calls_for(rid))
 
 
 def handed_positions(delivery: ChunkDelivery, calls: Any) -> list[int]:
@@ -192,9 +195,9 @@ def processor_problems(
         ended = str(entry.finish_reason or "").lower()
         if owed is not None and ended and not entry.aborted and "abort" not in ended:
             # Trimming drops only rows already handed over: every position the executor owes
-            # downstream (``PayloadTokenSource.owed``: it made a row for it before any later
-            # position's), and that the request computed (an output dropped as stale or past
-            # the request's end computed nothing), reaches the processor once.
+            # downstream (``PayloadTokenSource.owed``), and that the request computed (an
+            # output dropped as stale or past the request's end computed nothing), reaches the
+            # processor once.
             computed = len(entry.prompt) + len(entry.emitted) - 1
             expected = {p for p in owed.get(rid, ()) if p < computed}
             handed = handed_positions(delivery, calls)
@@ -256,8 +259,7 @@ def check_rows_survive_a_reset(
             side.executor.inner = PayloadTokenSource(delivery)
         source: PayloadTokenSource = session.sub.executor.inner
         processor = spec.build()
-        delivery.set_processor(session.sub.scheduler, processor)
-        source.handed = lambda rid: handed_positions(delivery, processor.calls_for(rid))
+        attach_processor(delivery, session, source, processor)
         ops = [
             AddRequest(f"r{i}", tuple(100 + (7 * i + j) % 200 for j in range(n)), max_tokens=6)
             for i, n in enumerate(lengths)
