@@ -30,6 +30,7 @@ from conformance.compare import Comparison, FieldDifference, compare
 from conformance.config import HarnessConfig
 from conformance.differences import Registry
 from conformance.driver import AsyncDriver, Executor, SyncDriver, WorkerExecutor, make_driver
+from conformance.harness_faults import HarnessError, forget_pending, raise_pending
 from conformance.observe import Observation, same_state
 from conformance.pristine import oracle_placement
 from conformance.subjects import Subject, UpstreamSubject, admit_request, received_outputs
@@ -120,8 +121,14 @@ class Side:
                 self.chunks.extend(self.subject.drain_chunks(sched))
             else:  # pragma: no cover - the Op union is closed
                 raise TypeError(f"unknown op {op!r}")
-        except Exception as exc:  # a crash is an observable difference, not a harness error
+        except HarnessError:
+            raise_pending()  # the same error, remembered when it was raised
+            raise
+        except Exception as exc:  # the subject's crash is an observable difference
             extra["exception"] = f"{type(exc).__name__}: {exc}"[:300]
+        # The harness's own code may have raised where the subject caught it (a processor the
+        # subject's fault containment called): that stops the run, it is no observation.
+        raise_pending()
         observation = Observation(sched, self.subject, extra, outputs)
         self.last_observation = observation
         return observation
@@ -185,6 +192,7 @@ class Lockstep:
     ) -> None:
         if use_worker:
             config = subject.worker_config(config)
+        forget_pending()  # errors of an earlier session were raised to their own caller
         self.config = config
         self.subject = subject
         worker_src = subject if use_worker else None

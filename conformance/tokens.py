@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from conformance import vllm_compat as vc
+from conformance.harness_faults import harness_code
 
 # One position in STOP_PERIOD emits a stop token when the request allows one.
 STOP_PERIOD = 7
@@ -55,6 +56,7 @@ class DeterministicTokenSource:
             tok = 3 + (tok + 1 - 3) % (self.vocab - 3)
         return tok
 
+    @harness_code
     def execute(self, so: Any) -> Any:
         from vllm.v1.outputs import ModelRunnerOutput
 

@@ -32,6 +32,7 @@ from hypothesis import strategies as st
 
 from conformance import vllm_compat as vc
 from conformance.capabilities import ChunkDelivery, StageInputSpec
+from conformance.harness_faults import harness_code
 from conformance.machine import PREFIXES
 from conformance.tokens import DeterministicTokenSource
 
@@ -70,10 +71,12 @@ class RecordingProcessor:
         self.calls: list[ProcessorCall] = []
         self.released: list[str] = []
 
+    @harness_code
     def release(self, request_id: str) -> None:
         """Logged: a subject may ask a processor to let go of a request (C-61)."""
         self.released.append(request_id)
 
+    @harness_code
     def record(self, request_id: str, payload: Any, is_final: bool, ids: list[int] | None) -> Any:
         self.calls.append(
             ProcessorCall(request_id, payload, is_final, None if ids is None else tuple(ids), ids)
@@ -177,6 +180,7 @@ class PayloadTokenSource(DeterministicTokenSource):
     def pattern_of(self, request_id: str) -> str:
         return self.patterns[stable_hash("pattern", request_id) % len(self.patterns)]
 
+    @harness_code
     def execute(self, so: Any) -> Any:
         for new in so.scheduled_new_reqs:
             self._prompt_len[new.req_id] = vc.prompt_length(new)

@@ -6,6 +6,8 @@ and machines ``pytest -m invariants`` runs) with a fixed hypothesis budget, and 
 property fails with the mutant's clause. Hypothesis shrinks the failing program; its length in
 workload operations (requests + steps + aborts + resets for the lock-step machines, jobs for the
 runner-level properties, 1 for single-input properties) is recorded and must be at most 12.
+The failing programs are then replayed on the unmodified runtime; a kill counts only if they pass
+there (a property that fails the unmodified runtime too raised a false alarm, not a kill).
 
 Why this can fail: a mutant that survives means the invariant it names cannot see the defect
 (a check that never fails); a counterexample longer than 12 operations means the property or
@@ -26,6 +28,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
+from hypothesis.database import InMemoryExampleDatabase
 
 from conformance.clauses import unknown
 from tests.mutants import runtime_mutants as CATALOGUE
@@ -73,26 +76,26 @@ def _feature(subject: Any, name: str) -> Any:
 
 
 def _machine_probe(feature_name: str, mode: str = "sync", prefix: bool = True):
-    def probe(subject: Any) -> tuple[BaseException | None, int]:
+    def probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
         from invariants.machines import LocalRecorder, MachineRun, harness_config, run_machine
 
         feature = _feature(subject, feature_name)
         cfg = harness_config(feature, mode=mode, prefix=prefix)
         run = MachineRun(LocalRecorder(subject), subject, feature, cfg, f"mutant-{feature_name}")
-        outcome = run_machine(run, MUTANT_SETTINGS)
+        outcome = run_machine(run, cfg)
         return outcome.error, outcome.ops
 
     return probe
 
 
-def _chunk_probe(subject: Any) -> tuple[BaseException | None, int]:
+def _chunk_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
     from invariants.machines import LocalRecorder, run_machine
     from invariants.test_chunk_contracts import ChunkMachine, chunk_run
 
     ops = 0
     for mode in ("sync", "async"):
         run = chunk_run(LocalRecorder(subject), subject, mode)
-        outcome = run_machine(run, MUTANT_SETTINGS, ChunkMachine)
+        outcome = run_machine(run, cfg, ChunkMachine)
         if outcome.error is not None:
             return outcome.error, outcome.ops
         ops = outcome.ops
@@ -100,10 +103,10 @@ def _chunk_probe(subject: Any) -> tuple[BaseException | None, int]:
 
 
 def _given_probe(strategy: Any, check: Callable[..., Any], size: Callable[..., int]):
-    def probe(subject: Any) -> tuple[BaseException | None, int]:
+    def probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
         last = [0]
 
-        @settings(MUTANT_SETTINGS, max_examples=30)
+        @settings(cfg, max_examples=30)
         @given(strategy)
         def prop(value: Any) -> None:
             last[0] = size(value)
@@ -118,7 +121,7 @@ def _given_probe(strategy: Any, check: Callable[..., Any], size: Callable[..., i
     return probe
 
 
-def _malformed_probe(subject: Any) -> tuple[BaseException | None, int]:
+def _malformed_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
     from invariants.strategies import malformed_inputs
     from invariants.test_ar_inv_002_adapters import check_malformed
 
@@ -126,7 +129,7 @@ def _malformed_probe(subject: Any) -> tuple[BaseException | None, int]:
     scheduler = probe.scheduler()
     return _given_probe(
         malformed_inputs(probe.spec), lambda v, s: check_malformed(v, probe, scheduler), lambda v: 1
-    )(subject)
+    )(subject, cfg)
 
 
 def _static_probe(subject: Any, tmp: Path) -> tuple[BaseException | None, int]:
@@ -147,17 +150,17 @@ def _static_probe(subject: Any, tmp: Path) -> tuple[BaseException | None, int]:
 
 
 def _jobs_probe(check_name: str, module: str, **kw: Any):
-    def probe(subject: Any) -> tuple[BaseException | None, int]:
+    def probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
         from invariants.strategies import jobs
 
         mod = importlib.import_module(module)
         fn = getattr(mod, check_name)
-        return _given_probe(jobs, lambda w, s: fn(w, s, **kw), len)(subject)
+        return _given_probe(jobs, lambda w, s: fn(w, s, **kw), len)(subject, cfg)
 
     return probe
 
 
-def _builder_errors_probe(subject: Any) -> tuple[BaseException | None, int]:
+def _builder_errors_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
     from invariants.strategies import jobs
     from invariants.test_materialization import check_threads_and_errors
 
@@ -165,10 +168,10 @@ def _builder_errors_probe(subject: Any) -> tuple[BaseException | None, int]:
         st.tuples(jobs, st.integers(0, 3)),  # 0: no fault planted
         lambda v, s: check_threads_and_errors(v[0], v[1], s),
         lambda v: len(v[0]),
-    )(subject)
+    )(subject, cfg)
 
 
-def _builder_recovery_probe(subject: Any) -> tuple[BaseException | None, int]:
+def _builder_recovery_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
     from invariants.strategies import jobs
     from invariants.test_materialization import check_recovery_isolates_a_persistent_build_fault
 
@@ -176,10 +179,10 @@ def _builder_recovery_probe(subject: Any) -> tuple[BaseException | None, int]:
         st.tuples(jobs, st.integers(0, 5)),
         lambda v, s: check_recovery_isolates_a_persistent_build_fault(v[0], v[1], s),
         lambda v: len(v[0]),
-    )(subject)
+    )(subject, cfg)
 
 
-def _stage_inputs_probe(subject: Any) -> tuple[BaseException | None, int]:
+def _stage_inputs_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
     """What ``invariants/test_process_boundary.py`` checks: generated stage inputs cross."""
     from invariants.strategies import every_slot_kind, stage_inputs
     from invariants.test_process_boundary import check_stage_input_crosses
@@ -199,10 +202,10 @@ def _stage_inputs_probe(subject: Any) -> tuple[BaseException | None, int]:
         count[0] += 1
         check_stage_input_crosses(s, boundary, probe, scheduler, f"in{count[0]}", fields)
 
-    return _given_probe(stage_inputs(probe.spec), check, lambda v: 1)(subject)
+    return _given_probe(stage_inputs(probe.spec), check, lambda v: 1)(subject, cfg)
 
 
-def _registry_probe(subject: Any) -> tuple[BaseException | None, int]:
+def _registry_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
     """What ``invariants/test_registry.py`` checks: completeness, then each entry's witness
     (the length is the number of registry entries)."""
     from invariants.registry import registry_problems, witness_problems
@@ -214,7 +217,7 @@ def _registry_probe(subject: Any) -> tuple[BaseException | None, int]:
     return (AssertionError(problems[0]) if problems else None), len(entries)
 
 
-def _fault_containment_probe(subject: Any) -> tuple[BaseException | None, int]:
+def _fault_containment_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
     """What ``invariants/test_reliability.py`` checks, with a fault that persists (sync)."""
     from invariants.strategies import jobs
     from invariants.test_reliability import check_fault_stays_with_its_request
@@ -225,10 +228,10 @@ def _fault_containment_probe(subject: Any) -> tuple[BaseException | None, int]:
             v[0], v[1], s, mode="sync", materialization="inline", persistent=True, final_here=v[2]
         ),
         lambda v: len(v[0]),
-    )(subject)
+    )(subject, cfg)
 
 
-def _send_path_faults_probe(subject: Any) -> tuple[BaseException | None, int]:
+def _send_path_faults_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
     """What ``invariants/test_send_path_faults.py`` checks (sync)."""
     from invariants.strategies import jobs, processor_specs
     from invariants.test_send_path_faults import check_send_fault_stays_with_its_request
@@ -237,10 +240,10 @@ def _send_path_faults_probe(subject: Any) -> tuple[BaseException | None, int]:
         st.tuples(jobs, processor_specs, st.integers(0, 5), st.integers(0, 3)),
         lambda v, s: check_send_fault_stays_with_its_request(s, *v, mode="sync"),
         lambda v: len(v[0]),
-    )(subject)
+    )(subject, cfg)
 
 
-def _reset_in_flight_probe(subject: Any) -> tuple[BaseException | None, int]:
+def _reset_in_flight_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
     """What ``invariants/test_chunk_contracts.py::test_rows_survive_a_reset_with_steps_in_flight``
     checks."""
     from invariants.strategies import processor_specs
@@ -252,7 +255,7 @@ def _reset_in_flight_probe(subject: Any) -> tuple[BaseException | None, int]:
         ),
         lambda v, s: check_rows_survive_a_reset(s, *v),
         lambda v: len(v[0]) + v[1] + 1,
-    )(subject)
+    )(subject, cfg)
 
 
 PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
@@ -278,23 +281,40 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
 }
 
 
+def _message(error: BaseException | None) -> str:
+    return "" if error is None else f"{type(error).__name__}: {error}".splitlines()[0][:200]
+
+
 def run_mutant(mutant: Any, tmp: Path) -> Verdict:
     from omni_runtime.conformance_subject import OmniSubject
 
     start = time.monotonic()
+    # The failing examples hypothesis finds (the shrunk one first) are kept here, so the same
+    # programs can be replayed on the unmodified runtime below.
+    found = InMemoryExampleDatabase()
     with mutant.apply() as applied:
         subject = applied if isinstance(applied, OmniSubject) else OmniSubject()
         if mutant.probe == "static-payload-builders":
             error, ops = _static_probe(subject, tmp)
         else:
-            error, ops = PROBES[mutant.probe](subject)
-    message = "" if error is None else f"{type(error).__name__}: {error}".splitlines()[0][:200]
+            error, ops = PROBES[mutant.probe](subject, settings(MUTANT_SETTINGS, database=found))
+    message = _message(error)
     clauses = [c.strip() for c in mutant.clause.split("/")]
     # Caught = the property failed and its message names the mutant's clause (a crash of the
     # harness itself, or a failure for an unrelated reason, does not count as a kill).
     caught = error is not None and (
         any(c in message for c in clauses) or "first difference" in message
     )
+    if caught and mutant.probe != "static-payload-builders":
+        # A kill counts only if the unmodified runtime passes the same programs: otherwise the
+        # check raised a false alarm that the mutant merely happened to reach. (The static probe
+        # plants its own defect in a copy of the tree; its clean control is the layout check the
+        # suite runs on the real tree.)
+        replay = settings(MUTANT_SETTINGS, database=found, phases=(Phase.explicit, Phase.reuse))
+        clean_error, _ = PROBES[mutant.probe](OmniSubject(), replay)
+        if clean_error is not None:
+            caught = False
+            message = f"the unmodified runtime fails the same program: {_message(clean_error)}"
     return Verdict(
         mutant.name,
         mutant.clause,
@@ -361,3 +381,34 @@ def test_mutant_kill_table() -> None:
             f"{v.seconds:6.1f}"
         )
     assert killed == len(rows)
+
+
+def _planted(name: str, both: bool) -> Any:
+    """A mutant whose probe fails from value 500 on: on the mutant only, or (``both``) on the
+    unmodified runtime as well, as a property with a false alarm would."""
+    import contextlib
+
+    from omni_runtime.conformance_subject import OmniSubject
+
+    class Marked(OmniSubject):
+        pass
+
+    def check(value: int, subject: Any) -> None:
+        assert value < 500 or not (both or isinstance(subject, Marked)), f"C-01: {value}"
+
+    PROBES[name] = _given_probe(st.integers(0, 1000), check, lambda v: 1)
+    return CATALOGUE.Mutant(name, "C-01", name, "planted", lambda: contextlib.nullcontext(Marked()))
+
+
+@pytest.mark.parametrize("false_alarm", [False, True])
+def test_kill_needs_the_unmodified_runtime_to_pass(false_alarm: bool, tmp_path: Path) -> None:
+    """A failure the unmodified runtime shares is refused as a kill; the replay really reaches
+    the shrunk program (else the false alarm would pass on the unmodified runtime unseen)."""
+    name = f"planted-{false_alarm}"
+    try:
+        verdict = run_mutant(_planted(name, both=false_alarm), tmp_path)
+    finally:
+        del PROBES[name]
+    assert verdict.caught is not false_alarm, verdict
+    assert ("unmodified runtime fails the same program" in verdict.message) is false_alarm
+    assert "C-01: 500" in verdict.message, verdict.message  # shrunk to the boundary
