@@ -163,7 +163,8 @@ class PayloadTokenSource(DeterministicTokenSource):
         self.delivery = delivery
         self.patterns = patterns
         self._prompt_len: dict[str, int] = {}
-        # Every position a row was attached for, per request.
+        # Every position a row was attached for, per request (less those of steps a resumed
+        # request did not keep, ``execute``).
         self.produced: dict[str, set[int]] = {}
         # The positions C-45's trimming owes downstream: every position with a row, except one
         # whose row first came in the recompute of a resumed request and lies below a row
@@ -171,7 +172,8 @@ class PayloadTokenSource(DeterministicTokenSource):
         # step carried no row (a pattern skipped it, ``every_other``); sending it now would
         # break C-45's order, so a runtime that trims by what it delivered rightly drops it.
         # Rows of steps upstream dropped as stale excuse nothing: their tokens were not kept
-        # (the resumed request's tokens end before them), and a runtime must not send them.
+        # (the resumed request's tokens end before them), a runtime must not send them, and
+        # they are owed no more once the request resumes (``execute``).
         self.owed: dict[str, set[int]] = {}
         # The positions whose rows the processor has been handed so far, per request; set on the
         # subject's source only (``attach_processor``), and ``owed`` is kept only where it is.
@@ -196,6 +198,13 @@ class PayloadTokenSource(DeterministicTokenSource):
             if self.handed is not None
             else {}
         )
+        for rid, kept in resumed.items():
+            # Positions from ``kept`` on were computed only in steps the request did not keep
+            # (steps in flight that upstream dropped as stale): their rows are owed no more,
+            # and a row the recompute brings for one of them is owed afresh.
+            for positions in (self.owed.get(rid), self.produced.get(rid)):
+                if positions:
+                    positions.difference_update([p for p in positions if p >= kept])
         base = super().execute(so)
         rows: list[tuple[int, torch.Tensor] | None] = []
         for rid in base.req_ids:
