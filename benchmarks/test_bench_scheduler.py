@@ -55,6 +55,7 @@ Run with ``pytest benchmarks -o addopts="" --benchmark-enable -p no:cacheprovide
 
 from __future__ import annotations
 
+import shutil
 import statistics
 
 import pytest
@@ -132,3 +133,31 @@ def test_step_cost_vs_upstream(benchmark, n, mode, target):
         benchmark.pedantic(om.step, rounds=ROUNDS // 2 - 10, iterations=1)
     finally:
         om.close()
+
+
+@pytest.mark.parametrize("n", [64, 1024])
+@pytest.mark.parametrize("mode,target", [("omni-off", 1.10), ("chunk-transfer", 1.05)])
+def test_step_instructions_vs_upstream(benchmark, n, mode, target):
+    """The same step's cost in instructions (``step_instructions``): a figure that does not move
+    between runs, beside the wall-clock one above. pytest-benchmark times the omni side's
+    count (a valgrind run), which is how long the measurement takes, not the step."""
+    from step_instructions import COUNTED, count_step_instructions
+
+    if shutil.which("valgrind") is None:
+        pytest.skip("valgrind is not installed")
+    omni = mode == "chunk-transfer"
+    up = count_step_instructions("upstream", n, omni=False)
+    om = benchmark.pedantic(count_step_instructions, args=("omni", n, omni), rounds=1, iterations=1)
+    ratio = om / up
+    benchmark.extra_info.update(
+        running=n,
+        mode=mode,
+        upstream_instructions_per_step=up // COUNTED,
+        omni_instructions_per_step=om // COUNTED,
+        instruction_ratio=round(ratio, 4),
+        target=target,
+    )
+    print(
+        f"\n[{mode} n={n}] instructions per step: upstream {up // COUNTED:,}, "
+        f"omni {om // COUNTED:,}, ratio {ratio:.4f} (target <= {target})"
+    )
