@@ -12,8 +12,12 @@ instrumentation off (``--instr-atstart=no``), so importing vLLM and torch and bu
 scheduler run at valgrind's uninstrumented speed. The child then switches instrumentation on
 with ``callgrind_control -i on`` (asked from a helper process while the child keeps running
 Python, since callgrind answers only while its guest executes), and runs the counted steps
-inside ``operator.call``: ``--toggle-collect=_operator_call`` counts exactly the instructions
-executed inside that call, and nothing in a scheduler step calls ``operator.call`` itself.
+inside ``operator.call``, one call per step: ``--toggle-collect=_operator_call`` counts exactly
+the instructions executed inside those calls (nothing in a scheduler step calls
+``operator.call`` itself), and ``--dump-after=_operator_call`` writes each step's count to a file
+of its own. The figure per side is the median step, as in the wall-clock benchmark (with chunk
+transfer on, every 8th step also streams a codec chunk for every request, which the median
+leaves out and the mean, reported beside it, does not).
 
 Run as ``python benchmarks/step_instructions.py KIND N OMNI STEPS`` under valgrind (what
 ``count_step_instructions`` does); not collected by pytest.
@@ -64,16 +68,13 @@ def _child(kind: str, n: int, omni: bool, steps: int) -> None:
         _step(sched)
     _switch_instrumentation_on()
 
-    def counted() -> None:
-        for _ in range(steps):
-            _step(sched)
-
-    operator.call(counted)
+    for _ in range(steps):
+        operator.call(_step, sched)
 
 
-def count_step_instructions(kind: str, n: int, omni: bool, steps: int = COUNTED) -> int:
-    """Instructions (callgrind's ``Ir``) of ``steps`` scheduler steps of ``kind`` with ``n``
-    running requests, after ``WARMUP`` steps."""
+def count_step_instructions(kind: str, n: int, omni: bool, steps: int = COUNTED) -> list[int]:
+    """Instructions (callgrind's ``Ir``) of each of ``steps`` scheduler steps of ``kind`` with
+    ``n`` running requests, after ``WARMUP`` steps."""
     if shutil.which("valgrind") is None or shutil.which("callgrind_control") is None:
         raise FileNotFoundError("valgrind with callgrind is not installed")
     with tempfile.TemporaryDirectory(prefix="step-ir-") as tmp:
@@ -84,6 +85,7 @@ def count_step_instructions(kind: str, n: int, omni: bool, steps: int = COUNTED)
             "--instr-atstart=no",
             "--collect-atstart=no",
             "--toggle-collect=_operator_call",
+            "--dump-after=_operator_call",
             f"--callgrind-out-file={out}",
             sys.executable,
             __file__,
@@ -96,7 +98,14 @@ def count_step_instructions(kind: str, n: int, omni: bool, steps: int = COUNTED)
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"{kind} n={n}: valgrind exited {done.returncode}:\n{done.stderr}")
-        return _total_ir(out.read_text())
+        # One file per dump (``<out>.<n>``), then the final one with what followed the last step.
+        dumps = sorted(
+            Path(tmp).glob("callgrind.out.*"), key=lambda p: int(p.name.rsplit(".", 1)[1])
+        )
+        counts = [_total_ir(p.read_text()) for p in dumps]
+        if len(counts) != steps:
+            raise RuntimeError(f"{kind} n={n}: {len(counts)} step dumps for {steps} steps")
+        return counts
 
 
 def _total_ir(profile: str) -> int:
