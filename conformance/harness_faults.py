@@ -12,8 +12,13 @@ and the run goes on checking nothing).
 ``HarnessError`` (the original as its cause) and is also remembered, because the subject may
 catch it before the harness sees it. ``raise_pending`` re-raises a remembered one; the lock-step
 session calls it after every operation, and checks that drive a scheduler themselves call it
-after every step. A ``HarnessError`` is never a finding: it names the harness function that
-raised, and the run stops.
+after every step. Such an error names the harness function that raised, and the run stops.
+
+One case is the subject's after all. The token source reads the subject's ``SchedulerOutput``,
+and a malformed one can make it raise. The lock-step session runs the same code on upstream's
+output too, so it decides by that side: raised on upstream's input, it is the gate's bug and
+the run stops; raised on the subject's alone, the crash is observed and reported as the
+subject's difference, as any crash of the subject's own code would be (``Lockstep.apply``).
 """
 
 from __future__ import annotations

@@ -76,6 +76,9 @@ class Side:
     # The observation of the last operation: expired when the next one runs (its snapshot, if
     # never built, would read the later state).
     last_observation: Observation | None = None
+    # The harness's own code (the token source) raised during the last operation: the
+    # ``HarnessError``, its cause also observed as the side's exception (``Lockstep.apply``).
+    harness_error: HarnessError | None = None
 
     @property
     def mode(self) -> str:
@@ -91,6 +94,7 @@ class Side:
         """Run one operation; its observation (the snapshot is built when asked for)."""
         if self.last_observation is not None:
             self.last_observation.expire()
+        self.harness_error = None
         sched = self.scheduler
         extra: dict[str, Any] = {}
         outputs = None
@@ -121,9 +125,13 @@ class Side:
                 self.chunks.extend(self.subject.drain_chunks(sched))
             else:  # pragma: no cover - the Op union is closed
                 raise TypeError(f"unknown op {op!r}")
-        except HarnessError:
-            raise_pending()  # the same error, remembered when it was raised
-            raise
+        except HarnessError as exc:
+            forget_pending()  # it reached us directly
+            # Observed like any crash, as the exception the harness's code raised: it may be
+            # the subject's doing (its SchedulerOutput), which the other side decides.
+            self.harness_error = exc
+            cause = exc.__cause__ or exc
+            extra["exception"] = f"{type(cause).__name__}: {cause}"[:300]
         except Exception as exc:  # the subject's crash is an observable difference
             extra["exception"] = f"{type(exc).__name__}: {exc}"[:300]
         # The harness's own code may have raised where the subject caught it (a processor the
@@ -248,6 +256,11 @@ class Lockstep:
             prompt = self.trace.prompt_of(op)
         up = self.up.observe(op, prompt, self.config, arrival)
         sub = self.sub.observe(op, prompt, self.config, arrival)
+        # The harness's own code failed on upstream's input: a bug in the gate. On the subject's
+        # input alone it is the subject's doing, and the difference is reported as usual.
+        harness_error = getattr(self.up, "harness_error", None)
+        if harness_error is not None:
+            raise harness_error
         if isinstance(op, Abort):
             self.stats.update(f"abort_{state}" for state in self.up.last_abort_states.values())
         if isinstance(op, AddRequest):

@@ -4,6 +4,7 @@ Two places where harness code runs where a subject's fault would show: the token
 stands in for the model (a crash there used to be recorded as an observed difference, and a crash
 on both sides compared equal), and a generated chunk processor the subject's scheduler calls (the
 subject's fault containment used to fail the request, which reads as the subject's C-61 finding).
+A token-source crash on the subject's output alone stays the subject's difference.
 """
 
 from __future__ import annotations
@@ -37,6 +38,18 @@ def test_a_token_source_crash_is_a_harness_error_on_both_sides() -> None:
         for _ in range(4):
             session.apply(Step())
     assert session.failure is None  # no difference was reported about the subject
+
+
+def test_a_token_source_crash_on_the_subjects_output_alone_is_the_subjects_difference() -> None:
+    session = _session()
+    session.sub.executor.vocab = 3  # as if the subject's SchedulerOutput made the source raise
+    for _ in range(4):
+        if session.apply(Step()).failure is not None or session.failure is not None:
+            break
+    # Reported as the subject's difference at the step that crashed (no HarnessError raised).
+    assert session.failure is not None and session.failure.op == "step"
+    assert session.sub.last_observation is not None
+    assert "ZeroDivisionError" in session.sub.last_observation.extra["exception"]
 
 
 def test_a_processor_crash_the_subject_contains_is_still_a_harness_error() -> None:
