@@ -175,6 +175,9 @@ class PayloadTokenSource(DeterministicTokenSource):
         # (the resumed request's tokens end before them), a runtime must not send them, and
         # they are owed no more once the request resumes (``execute``).
         self.owed: dict[str, set[int]] = {}
+        # Per request resumed after a preemption: the last row handed over before it, from a
+        # step whose tokens it kept (what ``owed`` excuses below).
+        self._resume_top: dict[str, int] = {}
         # The positions whose rows the processor has been handed so far, per request; set on the
         # subject's source only (``attach_processor``), and ``owed`` is kept only where it is.
         self.handed: Callable[[str], Iterable[int]] | None = None
@@ -205,6 +208,10 @@ class PayloadTokenSource(DeterministicTokenSource):
             for positions in (self.owed.get(rid), self.produced.get(rid)):
                 if positions:
                     positions.difference_update([p for p in positions if p >= kept])
+            # The last row handed over from a step whose tokens the request kept: the runtime
+            # rightly drops what first comes in below it, in every step of the recompute (a
+            # long recompute is scheduled in chunks, over several steps).
+            self._resume_top[rid] = max((q for q in self.handed(rid) if q < kept), default=-1)
         base = super().execute(so)
         rows: list[tuple[int, torch.Tensor] | None] = []
         for rid in base.req_ids:
@@ -225,18 +232,14 @@ class PayloadTokenSource(DeterministicTokenSource):
             )
             before = self.produced.setdefault(rid, set())
             if self.handed is not None:
-                kept = resumed.get(rid)
-                # The last row handed over from a step whose tokens the request kept: the
-                # runtime rightly drops what first comes in below it now.
-                top = -1
-                if kept is not None:
-                    top = max((q for q in self.handed(rid) if q < kept), default=-1)
+                top = self._resume_top.get(rid, -1)
                 self.owed.setdefault(rid, set()).update(
                     p for p in range(start, start + n) if p > top and p not in before
                 )
             before.update(range(start, start + n))
         for rid in so.finished_req_ids:
             self._prompt_len.pop(rid, None)
+            self._resume_top.pop(rid, None)
         return self.delivery.with_payloads(base, rows)
 
 
