@@ -62,6 +62,8 @@ def harness_code(fn: F) -> F:
 
 def raise_pending() -> None:
     """Raise the first harness error remembered since the last call (and forget them all)."""
+    if not _pending:  # the common case, on every lock-step operation: no lock taken
+        return
     pending = forget_pending()
     if pending:
         raise pending[0]
