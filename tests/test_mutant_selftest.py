@@ -8,7 +8,7 @@ runtime; a kill counts only if they pass there (a property that fails the unmodi
 raised a false alarm, not a kill).
 
 Two lanes. ``test_mutant_is_killed`` (the CI lane) stops at the first failing program: finding
-it is the kill, and shrinking it was most of the time (double_eof_on_abort: 29 s without the
+it is the kill, and shrinking it was most of the time (double_eof_on_abort: 0.2 s without the
 shrink phase, 123 s with it). ``test_counterexample_is_short`` (marked ``exhaustive``, its own
 lane) also lets hypothesis shrink, and asserts the shrunk program is at most 12 workload
 operations long (requests + steps + aborts + resets for the lock-step machines, jobs for the
