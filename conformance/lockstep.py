@@ -513,9 +513,9 @@ class Shrinker:
     request (no shared prefix, shorter prompt, fewer max_tokens, no stop ids, ignore_eos, no
     final stage, no trace headers); move requests earlier (past the steps before them), which
     lets the steps that only waited for them go in the next round; trade a step for a block
-    more of some earlier request's prompt (KV-cache pressure with fewer operations). Every candidate is strictly
-    smaller (``_weight``) than the current trace, so the search ends, and each distinct
-    candidate runs at most once.
+    more of some earlier request's prompt (KV-cache pressure with fewer operations). Every
+    candidate is strictly smaller (``_weight``) than the current trace, so the search ends, and
+    each distinct candidate runs at most once.
 
     Bounded by ``time_budget`` seconds (default ``shrink_seconds()``) and optionally ``budget``
     runs; when a bound is hit the best trace found so far is the result, so a failure is always

@@ -90,9 +90,16 @@ def _machine_probe(feature_name: str, mode: str = "sync", prefix: bool = True):
         config = harness_config(feature, mode=mode, prefix=prefix)
         run = MachineRun(LocalRecorder(subject), subject, feature, config, f"mutant-{feature_name}")
         outcome = run_machine(run, cfg)
-        return outcome.error, outcome.ops
+        return _failure(outcome.error), outcome.ops
 
     return probe
+
+
+def _failure(error: BaseException | None) -> BaseException | None:
+    """A property's failure, or None. A replay (``run_mutant``) that had no program to run (the
+    mutant failed on a probe's fixed input, or in the chunk probe's other mode) is reported by
+    hypothesis as a skip: nothing failed."""
+    return None if isinstance(error, unittest.SkipTest) else error
 
 
 def _chunk_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
@@ -103,9 +110,7 @@ def _chunk_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int
     for mode in ("sync", "async"):
         run = chunk_run(LocalRecorder(subject), subject, mode)
         outcome = run_machine(run, cfg, ChunkMachine)
-        # A replay (``run_mutant``) in the mode that did not fail has no program of its own:
-        # hypothesis reports that as a skip, which is no failure.
-        if outcome.error is not None and not isinstance(outcome.error, unittest.SkipTest):
+        if _failure(outcome.error) is not None:
             return outcome.error, outcome.ops
         ops = outcome.ops
     return None, ops
@@ -124,7 +129,7 @@ def _given_probe(strategy: Any, check: Callable[..., Any], size: Callable[..., i
         try:
             prop()
         except Exception as exc:  # noqa: BLE001 - any failure of the property is a kill
-            return exc, last[0]
+            return _failure(exc), last[0]
         return None, last[0]
 
     return probe
@@ -337,9 +342,7 @@ def run_mutant(mutant: Any, tmp: Path, shrink: bool = True) -> Verdict:
         # suite runs on the real tree.)
         replay = settings(MUTANT_SETTINGS, database=found, phases=(Phase.explicit, Phase.reuse))
         clean_error, _ = PROBES[mutant.probe](_unmodified(subject), replay)
-        # A skip: the failure came before any generated program (a probe's fixed input), so
-        # hypothesis had nothing to replay; the fixed input itself ran again and passed.
-        if clean_error is not None and not isinstance(clean_error, unittest.SkipTest):
+        if clean_error is not None:
             caught = False
             message = f"the unmodified runtime fails the same program: {_message(clean_error)}"
     return Verdict(
