@@ -144,7 +144,15 @@ class ChunkDelivery(Protocol):
 
     def expected_tokens(self, feature: Feature, accepted: Sequence[int]) -> list[int] | None:
         """The ids the configured processor streams for a request that accepted ``accepted``
-        (None: this feature streams no ids)."""
+        (None: this feature streams no ids).
+
+        A delivery may also define ``expected_chunks(feature, steps, last_step_ends)``, optional
+        and read with ``getattr``: the id groups the configured processor delivers, chunk by
+        chunk and ending with the EOF's, for a request that accepted ``steps`` (its accepted
+        ids, one tuple per step that accepted any). ``last_step_ends``: the last of them
+        finished the request (a stop or its length), so its ids come with the final call; else
+        the request was aborted and the final call carries none. None: the feature promises no
+        grouping, only the ids."""
 
     @property
     def processor_feature(self) -> Feature | None:

@@ -8,7 +8,10 @@ During a session each request's prompt, accepted tokens and finish are recorded
 * C-43 — every other request got exactly one EOF, as its last chunk, with seqs ``0..n-1``
   (a request the caller aborted: none, when the subject declares ``abort_eof = False``, C-46);
 * C-40/C-44/C-45 — the ids the configured processor streamed equal what the subject says it
-  streams for the accepted ids (``ChunkDelivery.expected_tokens``), once each;
+  streams for the accepted ids (``ChunkDelivery.expected_tokens``), once each; where the subject
+  also says how its processor groups them into chunks (``expected_chunks``), every chunk carries
+  exactly its group, the EOF included: a chunk held back a step, or an EOF whose data is not ids,
+  is a difference;
 * with the real worker (``RunnerProbes`` + ``ModelReference``): the prefill conditioning crossed
   exactly once and is the row of the last prompt position (C-31); token-only stages delivered no
   hidden rows (C-30); otherwise hidden rows start at position 0 even after a prefix hit (C-55),
@@ -32,6 +35,8 @@ from invariants.reference import CachedReference
 class RequestLedger:
     prompt: list[int]
     emitted: list[int] = field(default_factory=list)
+    # The same ids, one tuple per step that accepted any: the grouping a processor saw them in.
+    steps: list[tuple[int, ...]] = field(default_factory=list)
     finish_reason: str | None = None
     aborted: bool = False
 
@@ -87,6 +92,8 @@ def ledger_problems(
                     f"C-40/C-44/C-45: {rid}: streamed ids {got[:12]}.. != accepted ids "
                     f"{want[:12]}.. ({len(got)} vs {len(want)})"
                 )
+            else:
+                problems.extend(grouping_problems(delivery, feature, rid, entry, chunks, parent_ends))
         if includes_hidden is not None and reference is not None:
             problems.extend(
                 payload_problems(session, rid, entry, chunks, includes_hidden, reference)
@@ -94,6 +101,47 @@ def ledger_problems(
     for rid in views:
         problems.append(f"C-42/C-43: chunks for unknown request {rid}")
     return problems
+
+
+def grouping_problems(
+    delivery: ChunkDelivery,
+    feature: Feature,
+    rid: str,
+    entry: RequestLedger,
+    chunks: list[ChunkView],
+    parent_ends: bool,
+) -> list[str]:
+    """C-40: the chunks carry the id groups the subject's processor promises, in order.
+
+    Read only once the ids themselves match, so a lost or repeated id is reported once, as such.
+    A chunk without ids (a payload crossing with nothing from the processor) is not a group;
+    an EOF without ids is, when the promise ends with one."""
+    expected_chunks = getattr(delivery, "expected_chunks", None)
+    if entry.aborted:
+        last_step_ends = False
+    elif entry.finish_reason in ("stop", "length"):
+        last_step_ends = True
+    else:
+        return []  # ended by an error: no grouping is promised for what its fault cut short
+    want = None if expected_chunks is None else expected_chunks(feature, entry.steps, last_step_ends)
+    if want is None:
+        return []
+    got = [c.token_ids for c in chunks if c.token_ids is not None or c.is_final]
+    if parent_ends:
+        # The EOF belongs to the caller: the groups before it, as far as they crossed.
+        want = want[: len(got)]
+    if got == want:
+        return []
+    at = next((i for i, (g, w) in enumerate(zip(got, want, strict=False)) if g != w), None)
+    if at is None:
+        at = min(len(got), len(want))
+    seen = "nothing" if at >= len(got) else (list(got[at]) if got[at] is not None else "no ids")
+    promised = "nothing" if at >= len(want) else list(want[at])
+    return [
+        f"C-40: {rid}: chunk {at} of its id stream carries {seen}, the processor's grouping "
+        f"promises {promised} ({len(got)} chunks with ids vs {len(want)} promised, over "
+        f"{len(entry.steps)} steps that accepted ids)"
+    ]
 
 
 def payload_problems(

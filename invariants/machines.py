@@ -132,6 +132,8 @@ class AuditedLockstep(Lockstep):
                 if entry is None:
                     continue
                 entry.emitted.extend(out["new_token_ids"])
+                if out["new_token_ids"]:
+                    entry.steps.append(tuple(out["new_token_ids"]))
                 if out.get("finish_reason") is not None:
                     entry.finish_reason = out["finish_reason"]
         if self.failure is None and self.audits:

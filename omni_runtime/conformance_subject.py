@@ -56,6 +56,8 @@ PACKAGE = Path(__file__).resolve().parent
 STAGES = ("thinker", "talker", "code2wav")
 # Codec ids the talker streams to code2wav; larger ids are the talker's control tokens.
 CODEC_VOCAB = 256
+# Codec ids per streamed chunk: the streamer's default, which the talker stage uses.
+CODEC_CHUNK = 8
 CODEC_STREAMER = "omni_runtime.sched.processors.CodecTokenStreamer"
 HIDDEN_FORWARDER = "omni_runtime.sched.processors.HiddenRowsForwarder"
 
@@ -223,6 +225,29 @@ class OmniChunkDelivery:
         if stage_of(feature).get("chunk_processor") != CODEC_STREAMER:
             return None
         return [t for t in accepted if 0 <= t < CODEC_VOCAB]
+
+    def expected_chunks(
+        self, feature: Feature, steps: Sequence[Sequence[int]], last_step_ends: bool
+    ) -> list[tuple[int, ...]] | None:
+        """What ``CodecTokenStreamer`` promises, written plainly: a step that leaves at least
+        ``CODEC_CHUNK`` audio ids buffered sends the largest multiple of it at once, and the EOF
+        carries the rest (possibly none), with the ids of the step that ended the request. The
+        streamer itself batches steps and spreads them lazily; this is the per-step reading it
+        must agree with."""
+        if stage_of(feature).get("chunk_processor") != CODEC_STREAMER:
+            return None
+        chunks: list[tuple[int, ...]] = []
+        buffered: list[int] = []
+        for i, ids in enumerate(steps):
+            buffered += [t for t in ids if 0 <= t < CODEC_VOCAB]
+            if last_step_ends and i == len(steps) - 1:
+                break
+            if len(buffered) >= CODEC_CHUNK:
+                cut = len(buffered) - len(buffered) % CODEC_CHUNK
+                chunks.append(tuple(buffered[:cut]))
+                del buffered[:cut]
+        chunks.append(tuple(buffered))
+        return chunks
 
     def set_processor(self, scheduler: Any, processor: Callable[..., Any]) -> None:
         scheduler.transfer.set_processor(processor)

@@ -634,6 +634,47 @@ def _error_output_drops_trace_headers():
     return _patch(OmniARScheduler, "_report_errors", make)
 
 
+def _codec_chunk_held_a_step():
+    """C-40: the codec streamer's batched path sends a full chunk one step late: a request whose
+    buffer holds exactly a chunk's worth waits for one more id (the ids still all arrive)."""
+    from omni_runtime.sched.processors import CodecTokenStreamer
+
+    def make(_orig: Any) -> Any:
+        def on_token_batch(self: Any, request_ids: Any, token_ids: Any, counts: Any) -> Any:
+            self._steps.append((request_ids, token_ids, counts))
+            self._spread()
+            out = {}
+            for rid in request_ids:
+                buf = self._buffers[rid]
+                if len(buf) > self.chunk_size:
+                    n = len(buf) - len(buf) % self.chunk_size
+                    out[rid] = torch.tensor(buf[:n], dtype=torch.long)
+                    self._buffers[rid] = buf[n:]
+            self._fill = max(map(len, self._buffers.values()), default=0)
+            return out
+
+        return on_token_batch
+
+    return _patch(CodecTokenStreamer, "on_token_batch", make)
+
+
+def _codec_eof_not_ids():
+    """C-40: the codec streamer's EOF with nothing left buffered carries an empty float tensor,
+    which downstream cannot read as codec ids (``torch.tensor([])`` without a dtype)."""
+    from omni_runtime.sched.processors import CodecTokenStreamer
+
+    def make(orig: Any) -> Any:
+        def call(self: Any, request_id: str, payload: Any, is_final: bool, **kw: Any) -> Any:
+            data = orig(self, request_id, payload, is_final, **kw)
+            if is_final and data.numel() == 0:
+                return torch.tensor([])
+            return data
+
+        return call
+
+    return _patch(CodecTokenStreamer, "__call__", make)
+
+
 def _trace_headers_dropped():
     """C-07: the input adapter accepts a request's trace headers and leaves them out of the
     vLLM request it builds, so the request's outputs carry none (upstream's carry the
@@ -1085,6 +1126,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "lockstep-token-updates",
         "the input adapter leaves a request's trace headers out of the request it builds",
         _trace_headers_dropped,
+    ),
+    Mutant(
+        "codec_chunk_held_a_step",
+        "C-40",
+        "lockstep-token-updates",
+        "the codec streamer sends a full chunk one step after it filled",
+        _codec_chunk_held_a_step,
+    ),
+    Mutant(
+        "codec_eof_not_ids",
+        "C-40",
+        "lockstep-token-updates",
+        "the codec streamer's empty EOF carries a float tensor, not codec ids",
+        _codec_eof_not_ids,
     ),
     Mutant(
         "pinned_fault_fails_whole_step",
