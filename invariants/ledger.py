@@ -93,7 +93,9 @@ def ledger_problems(
                     f"{want[:12]}.. ({len(got)} vs {len(want)})"
                 )
             else:
-                problems.extend(grouping_problems(delivery, feature, rid, entry, chunks, parent_ends))
+                problems.extend(
+                    grouping_problems(delivery, feature, rid, entry, chunks, parent_ends)
+                )
         if includes_hidden is not None and reference is not None:
             problems.extend(
                 payload_problems(session, rid, entry, chunks, includes_hidden, reference)
@@ -123,7 +125,9 @@ def grouping_problems(
         last_step_ends = True
     else:
         return []  # ended by an error: no grouping is promised for what its fault cut short
-    want = None if expected_chunks is None else expected_chunks(feature, entry.steps, last_step_ends)
+    want = (
+        None if expected_chunks is None else expected_chunks(feature, entry.steps, last_step_ends)
+    )
     if want is None:
         return []
     got = [c.token_ids for c in chunks if c.token_ids is not None or c.is_final]
