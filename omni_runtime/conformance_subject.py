@@ -214,9 +214,18 @@ class OmniChunkDelivery:
         ids = None
         if isinstance(chunk.data, torch.Tensor) and not chunk.data.is_floating_point():
             ids = tuple(int(t) for t in chunk.data.tolist())
-        return ChunkView(
-            chunk.request_id, chunk.seq, chunk.is_final, ids, payload_view(chunk.payload)
-        )
+        view = payload_view(chunk.payload)
+        data = chunk.data
+        if isinstance(data, dict) and view is not None:
+            # A processor's dict (``HiddenRowsForwarder``) is what the next stage reads its rows
+            # from (the orchestrator's ``_collect_rows``), so the suite reads them there too.
+            view = dataclasses.replace(
+                view,
+                hidden=data.get("hidden"),
+                start=data.get("start", -1),  # -1: no start crossed, which no row matches
+                conditioning=data.get("conditioning"),
+            )
+        return ChunkView(chunk.request_id, chunk.seq, chunk.is_final, ids, view)
 
     def payload_view(self, payload: Any) -> PayloadView | None:
         return payload_view(payload)

@@ -675,6 +675,23 @@ def _codec_eof_not_ids():
     return _patch(CodecTokenStreamer, "__call__", make)
 
 
+def _forwarder_renames_hidden():
+    """C-51: the thinker's ``HiddenRowsForwarder`` returns its rows under another key, so the
+    talker, which reads ``data["hidden"]``, gets none (the payload beside it still has them)."""
+    from omni_runtime.sched.processors import HiddenRowsForwarder
+
+    def make(orig: Any) -> Any:
+        def call(self: Any, request_id: str, payload: Any, is_final: bool) -> Any:
+            data = orig(self, request_id, payload, is_final)
+            if isinstance(data, dict):
+                data = {("rows" if k == "hidden" else k): v for k, v in data.items()}
+            return data
+
+        return call
+
+    return _patch(HiddenRowsForwarder, "__call__", make)
+
+
 def _trace_headers_dropped():
     """C-07: the input adapter accepts a request's trace headers and leaves them out of the
     vLLM request it builds, so the request's outputs carry none (upstream's carry the
@@ -1140,6 +1157,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "lockstep-token-updates",
         "the codec streamer's empty EOF carries a float tensor, not codec ids",
         _codec_eof_not_ids,
+    ),
+    Mutant(
+        "forwarder_renames_hidden",
+        "C-51",
+        "lockstep-hidden-inline",
+        "the thinker's forwarder hands its hidden rows downstream under another key",
+        _forwarder_renames_hidden,
     ),
     Mutant(
         "pinned_fault_fails_whole_step",
