@@ -11,8 +11,9 @@ shapes of stage inputs from its ``InputAdapterProbe.spec``.
 
 * ``RecordingProcessor`` — a chunk processor whose declaration (``requires_token_updates``:
   absent, ``True``, or a truthy non-``True`` value), signature (with or without
-  ``new_token_ids``) and return policy (payload, ``None`` at EOF, ``None`` always, mutate the ids
-  it was given) are generated; it logs every call so the chunk contracts can be checked.
+  ``new_token_ids``) and return policy (payload, ``None`` at EOF, ``None`` always, the ids, or
+  nested containers holding the payload, a tensor and the ids; mutate the ids it was given or
+  not) are generated; it logs every call so the chunk contracts can be checked.
 * ``PayloadTokenSource`` — the harness's deterministic token source plus one synthetic hidden row
   per scheduled position whose value encodes (request, position), so a redelivered or shifted
   row is recognisable without a model (C-45, C-51).
@@ -47,7 +48,7 @@ def stable_hash(*parts: Any) -> int:
 # Values of ``requires_token_updates``: only the first is a declaration (C-40); the others are
 # truthy or falsy non-True values that must leave the processor payload/EOF-triggered (C-41).
 TOKEN_UPDATE_DECLARATIONS: tuple[Any, ...] = (True, "absent", False, 1, "yes", [1], 1.0)
-RETURN_POLICIES = ("payload", "none_at_eof", "none_always", "tokens")
+RETURN_POLICIES = ("payload", "none_at_eof", "none_always", "tokens", "nested")
 
 
 @dataclass
@@ -88,6 +89,16 @@ class RecordingProcessor:
             return None
         if self.policy == "tokens":
             return tuple(ids or ())
+        if self.policy == "nested":
+            # Data of every shape a processor may hand over, each container holding the rest:
+            # what a stage process must carry across unchanged (C-46). A list at the top, not a
+            # dict: a dict is read as rows for the next stage.
+            ids_tensor = torch.tensor(list(ids or ()), dtype=torch.long)
+            return [
+                request_id,
+                (is_final, ids_tensor),
+                {"payload": payload, "ids": list(ids or ())},
+            ]
         return payload if payload is not None else ("eof" if is_final else "ids")
 
     def calls_for(self, request_id: str) -> list[ProcessorCall]:
