@@ -848,13 +848,19 @@ class ProcessStageBoundary:
         wire = self.subject.wire(scheduler)
         if wire is None:
             return {}
-        writer = getattr(scheduler, "writer", None)
+        # The rest is read as the parent reads it, through the stage's ``"audit"`` utility call
+        # (``MPStageEngine`` checks its stages for leaks with the same answer).
+        audit = scheduler("audit")
+        live = set(audit["scheduler_requests"])
         return {
             "shm_segments": live_segments(wire.prefix),
-            "chunks_written_not_flushed": len(writer) if writer is not None else 0,
+            "chunks_written_not_flushed": audit["outbox"],
             "chunks_flushed_not_read": len(wire.flushed),
             # Admitted by the parent but not released into upstream's queue.
-            "staged_requests": sorted(getattr(scheduler, "_staged", ())),
+            "staged_requests": audit["staged"],
+            # Send-path state of requests the scheduler no longer holds (finished or aborted).
+            "transfer_progress_of_gone_requests": sorted(set(audit["transfer_progress"]) - live),
+            "processor_buffers_of_gone_requests": sorted(set(audit["processor_buffers"]) - live),
         }
 
 

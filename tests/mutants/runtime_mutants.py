@@ -850,6 +850,24 @@ def _reader_keeps_segments():
     return _on_process_stage(_patch(shm_wire, "release_segments", make))
 
 
+def _codec_buffer_outlives_request():
+    """C-46/C-04: the codec streamer sends a request's EOF and keeps an (empty) buffer for it:
+    a stage process holds one entry per request it ever served, which its ``"audit"`` answer
+    (the parent's leak check) reports."""
+    from omni_runtime.sched.processors import CodecTokenStreamer
+
+    def make(orig: Any) -> Any:
+        def call(self: Any, request_id: str, payload: Any, is_final: bool, **kw: Any) -> Any:
+            data = orig(self, request_id, payload, is_final, **kw)
+            if is_final:
+                self._buffers[request_id] = []
+            return data
+
+        return call
+
+    return _on_process_stage(_patch(CodecTokenStreamer, "__call__", make))
+
+
 def _abort_keeps_unsent_chunks():
     """C-46/C-43: an abort between steps does not drop the EOF chunk the transfer adapter wrote
     for the aborted request: it waits in the writer and crosses with the next step's message,
@@ -1192,6 +1210,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "chunk-contracts",
         "the parent reads a step's chunks but never unlinks their shared-memory segment",
         _reader_keeps_segments,
+    ),
+    Mutant(
+        "codec_buffer_outlives_request",
+        "C-46",
+        "lockstep-token-updates",
+        "the codec streamer keeps a buffer for every request it ended, in a stage process",
+        _codec_buffer_outlives_request,
     ),
     Mutant(
         "abort_keeps_unsent_chunks",
