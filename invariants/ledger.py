@@ -34,11 +34,15 @@ from invariants.reference import CachedReference
 @dataclass
 class RequestLedger:
     prompt: list[int]
-    emitted: list[int] = field(default_factory=list)
-    # The same ids, one tuple per step that accepted any: the grouping a processor saw them in.
+    # The accepted ids, one tuple per step that accepted any: the grouping a processor saw them in.
     steps: list[tuple[int, ...]] = field(default_factory=list)
     finish_reason: str | None = None
     aborted: bool = False
+
+    @property
+    def emitted(self) -> list[int]:
+        """Every accepted id, in order."""
+        return [t for ids in self.steps for t in ids]
 
 
 def ledger_problems(

@@ -131,7 +131,6 @@ class AuditedLockstep(Lockstep):
                 entry = self.ledger.get(key.split("#", 1)[0])
                 if entry is None:
                     continue
-                entry.emitted.extend(out["new_token_ids"])
                 if out["new_token_ids"]:
                     entry.steps.append(tuple(out["new_token_ids"]))
                 if out.get("finish_reason") is not None:

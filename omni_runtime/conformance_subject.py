@@ -56,7 +56,8 @@ PACKAGE = Path(__file__).resolve().parent
 STAGES = ("thinker", "talker", "code2wav")
 # Codec ids the talker streams to code2wav; larger ids are the talker's control tokens.
 CODEC_VOCAB = 256
-# Codec ids per streamed chunk: the streamer's default, which the talker stage uses.
+# Codec ids per streamed chunk: the streamer's default, which the talker stage uses. Stated
+# here, not read from the class, so a changed default is a difference the gate reports.
 CODEC_CHUNK = 8
 CODEC_STREAMER = "omni_runtime.sched.processors.CodecTokenStreamer"
 HIDDEN_FORWARDER = "omni_runtime.sched.processors.HiddenRowsForwarder"
@@ -243,12 +244,12 @@ class OmniChunkDelivery:
         carries the rest (possibly none), with the ids of the step that ended the request. The
         streamer itself batches steps and spreads them lazily; this is the per-step reading it
         must agree with."""
-        if stage_of(feature).get("chunk_processor") != CODEC_STREAMER:
+        if self.expected_tokens(feature, []) is None:
             return None
         chunks: list[tuple[int, ...]] = []
         buffered: list[int] = []
         for i, ids in enumerate(steps):
-            buffered += [t for t in ids if 0 <= t < CODEC_VOCAB]
+            buffered += self.expected_tokens(feature, ids) or []
             if last_step_ends and i == len(steps) - 1:
                 break
             if len(buffered) >= CODEC_CHUNK:
