@@ -854,6 +854,9 @@ class ProcessStageBoundary:
         audit = scheduler("audit")
         live = set(audit["scheduler_requests"])
         return {
+            # The parent sees a stage's leaks only through this answer: a field that
+            # misreports what the stage holds makes its leak check blind there.
+            "audit_fields_misreported": _misreported(scheduler, audit),
             "shm_segments": live_segments(wire.prefix),
             "chunks_written_not_flushed": audit["outbox"],
             "chunks_flushed_not_read": len(wire.flushed),
@@ -863,6 +866,36 @@ class ProcessStageBoundary:
             "transfer_progress_of_gone_requests": sorted(set(audit["transfer_progress"]) - live),
             "processor_buffers_of_gone_requests": sorted(set(audit["processor_buffers"]) - live),
         }
+
+
+def _misreported(scheduler: Any, audit: Mapping[str, Any]) -> list[str]:
+    """The fields of a stage's ``"audit"`` answer that disagree with what it holds: upstream's
+    queues and block pool read through the gate's vLLM accessors, and the send path's state
+    read from the objects the answer summarises."""
+    from conformance.vllm_compat.state import (
+        block_pool,
+        live_request_ids,
+        num_free_blocks,
+        scheduler_queues,
+    )
+
+    queues = scheduler_queues(scheduler)
+    transfer = scheduler.transfer
+    pending = getattr(
+        transfer.processor if transfer is not None else None, "pending_request_ids", None
+    )
+    writer = scheduler.writer
+    held = {
+        "scheduler_requests": sorted(live_request_ids(scheduler)),
+        "running": queues["running"],
+        "waiting": len(queues["waiting"]),
+        "finished_unsent": queues["finished_pending"],
+        "free_blocks": num_free_blocks(block_pool(scheduler)),
+        "transfer_progress": sorted(transfer.progress) if transfer is not None else [],
+        "processor_buffers": sorted(pending()) if pending is not None else [],
+        "outbox": len(writer) if writer is not None else 0,
+    }
+    return sorted(k for k, v in held.items() if audit.get(k) != v)
 
 
 class ProcessStageDelivery(OmniChunkDelivery):

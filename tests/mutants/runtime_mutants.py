@@ -868,6 +868,24 @@ def _codec_buffer_outlives_request():
     return _on_process_stage(_patch(CodecTokenStreamer, "__call__", make))
 
 
+def _audit_hides_codec_buffers():
+    """C-46: the stage's ``"audit"`` answer reports no processor buffers (as if it looked the
+    streamer's ``pending_request_ids`` up under another name): the parent's leak check is then
+    blind to everything a codec streamer holds."""
+    from omni_runtime.sched.process_stage import ProcessStageScheduler
+
+    def make(orig: Any) -> Any:
+        def call(self: Any, query: str) -> Any:
+            answer = orig(self, query)
+            if query == "audit":
+                answer = {**answer, "processor_buffers": []}
+            return answer
+
+        return call
+
+    return _on_process_stage(_patch(ProcessStageScheduler, "__call__", make))
+
+
 def _abort_keeps_unsent_chunks():
     """C-46/C-43: an abort between steps does not drop the EOF chunk the transfer adapter wrote
     for the aborted request: it waits in the writer and crosses with the next step's message,
@@ -1217,6 +1235,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "lockstep-token-updates",
         "the codec streamer keeps a buffer for every request it ended, in a stage process",
         _codec_buffer_outlives_request,
+    ),
+    Mutant(
+        "audit_hides_codec_buffers",
+        "C-46",
+        "lockstep-token-updates",
+        "a stage process's audit answer reports no codec buffers, whatever the streamer holds",
+        _audit_hides_codec_buffers,
     ),
     Mutant(
         "abort_keeps_unsent_chunks",
