@@ -53,13 +53,18 @@ class Feature:
 
     ``additional_config`` is merged into ``HarnessConfig.additional_config``; ``final_stages``
     are the values the workload may draw for ``AddRequest.final_stage``; ``use_worker`` runs the
-    subject's real worker on both sides instead of the harness's token source.
+    subject's real worker on both sides instead of the harness's token source; ``token_edges``
+    are ids where the subject's handling of sampled ids changes (the ends of an id range it
+    treats apart), which the harness's token source then samples at a fixed share of positions
+    (``conformance.tokens.EDGE_PERIOD``): uniform sampling over the vocabulary rarely or never
+    reaches them.
     """
 
     name: str
     additional_config: Mapping[str, Any] = field(default_factory=dict)
     final_stages: tuple[str | None, ...] = (None,)
     use_worker: bool = False
+    token_edges: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, name: str, cfg: Mapping[str, Any]) -> Feature:
@@ -69,6 +74,7 @@ class Feature:
             dict(cfg.get("additional_config") or {}),
             tuple(cfg.get("final_stages") or (None,)),
             bool(cfg.get("use_worker", False)),
+            tuple(int(t) for t in cfg.get("token_edges") or ()),
         )
 
 

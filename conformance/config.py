@@ -42,6 +42,8 @@ class HarnessConfig:
     model: str = str(TINY_MODEL)
     seed: int = 0
     additional_config: dict[str, Any] = field(default_factory=dict)
+    # Ids the token source samples at a fixed share of positions (``Feature.token_edges``).
+    token_edges: tuple[int, ...] = ()
 
     def with_(self, **changes: Any) -> HarnessConfig:
         return replace(self, **changes)
@@ -58,6 +60,7 @@ class HarnessConfig:
         data = dict(data)
         if data.get("model") == BUNDLED_TINY:
             data["model"] = str(TINY_MODEL)
+        data["token_edges"] = tuple(data.get("token_edges", ()))  # a list in JSON
         return cls(**data)
 
     def model_shape(self) -> dict[str, Any]:

@@ -183,7 +183,7 @@ def make_side(subject: Subject, cfg: HarnessConfig, worker: Subject | None) -> S
         executor = WorkerExecutor(worker.make_worker(cfg))
     else:
         vocab = int(cfg.model_shape().get("vocab_size", 512))
-        executor = DeterministicTokenSource(vocab=vocab)
+        executor = DeterministicTokenSource(vocab=vocab, edges=cfg.token_edges)
     return Side(subject, scheduler, make_driver(scheduler, executor), executor)
 
 

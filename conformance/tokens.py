@@ -10,6 +10,9 @@ A sampled token is a pure function of (request id, position), so two schedulers 
 the same work get the same tokens whatever else happens. Where a request's sampling params ask
 for stop ids (or EOS is not ignored), a small deterministic share of positions yields a stop
 token, so stop handling (and, under async scheduling, the wasted step after a stop) is exercised.
+Where the configuration names token edges (``HarnessConfig.token_edges``: ids where the subject's
+handling changes, such as the ends of a codec vocabulary), one position in ``EDGE_PERIOD`` samples
+one of them instead, which a uniform draw over the vocabulary rarely or never does.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from conformance.harness_faults import harness_code
 # One position in STOP_PERIOD emits a stop token when the request allows one.
 STOP_PERIOD = 7
 EOS_PERIOD = 11
+# One position in EDGE_PERIOD samples a token edge, where the configuration names any.
+EDGE_PERIOD = 5
 
 
 def token_at(request_id: str, position: int, vocab: int = 512) -> int:
@@ -39,9 +44,12 @@ class _ReqView:
 
 
 class DeterministicTokenSource:
-    def __init__(self, vocab: int = 512, stop_period: int = STOP_PERIOD) -> None:
+    def __init__(
+        self, vocab: int = 512, stop_period: int = STOP_PERIOD, edges: tuple[int, ...] = ()
+    ) -> None:
         self.vocab = vocab
         self.stop_period = stop_period
+        self.edges = tuple(t for t in edges if 0 <= t < vocab)
         self._reqs: dict[str, _ReqView] = {}
 
     def choose(self, view: _ReqView, request_id: str, position: int) -> int:
@@ -51,6 +59,8 @@ class DeterministicTokenSource:
         if view.eos is not None and h % EOS_PERIOD == 1:
             return view.eos
         tok = token_at(request_id, position, self.vocab)
+        if self.edges and (h >> 4) % EDGE_PERIOD == 0:
+            tok = self.edges[(h >> 12) % len(self.edges)]
         # Keep ordinary tokens distinct from stop ids so stops happen only where chosen above.
         while tok in view.stop_ids or tok == view.eos:
             tok = 3 + (tok + 1 - 3) % (self.vocab - 3)

@@ -57,6 +57,7 @@ def harness_config(feature: Feature, *, mode: str, prefix: bool, **over: Any) ->
         async_scheduling=mode == "async",
         enable_prefix_caching=prefix,
         additional_config=dict(feature.additional_config),
+        token_edges=feature.token_edges,
         **over,
     )
 

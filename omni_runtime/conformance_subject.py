@@ -95,15 +95,30 @@ def thinker_stage(
     }
 
 
-def _feature(name: str, stage: dict[str, Any], finals: tuple[str | None, ...], worker: bool):
+def _feature(
+    name: str,
+    stage: dict[str, Any],
+    finals: tuple[str | None, ...],
+    worker: bool,
+    edges: tuple[int, ...] = (),
+):
     return name, {
         "additional_config": {"omni_stage": stage},
         "final_stages": list(finals),
         "use_worker": worker,
+        "token_edges": list(edges),
     }
 
 
-TOKEN_UPDATES = _feature("token-updates", talker_stage(), (None, "talker", "code2wav"), False)
+# The codec streamer keeps ids in [0, CODEC_VOCAB) as audio and drops the rest: the harness
+# samples both ends of that range and the first id past it.
+TOKEN_UPDATES = _feature(
+    "token-updates",
+    talker_stage(),
+    (None, "talker", "code2wav"),
+    False,
+    (0, CODEC_VOCAB - 1, CODEC_VOCAB),
+)
 WORKER_FEATURES = dict(
     [
         _feature(

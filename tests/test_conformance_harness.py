@@ -131,6 +131,28 @@ def test_stop_tokens_only_where_the_request_allows_them():
     assert 10 < sum(t in (5, 6) for t in chosen) < 60
 
 
+def test_token_edges_are_sampled_and_replay_from_a_trace_config():
+    from conformance.tokens import EDGE_PERIOD, _ReqView
+
+    edges = (0, 255, 256)
+    src = DeterministicTokenSource(edges=edges)
+    view = _ReqView(num_tokens=0, stop_ids=(), eos=None)
+    chosen = [src.choose(view, "r", p) for p in range(400)]
+    # Each edge at about one position in 3 * EDGE_PERIOD; a uniform draw over 509 ids would
+    # give 0 never and 255 or 256 about once in 400 positions.
+    for edge in edges:
+        assert 400 // (6 * EDGE_PERIOD) < chosen.count(edge) < 400 // EDGE_PERIOD
+    # Stop ids keep their share and their positions: an edge never replaces a chosen stop.
+    stops = _ReqView(num_tokens=0, stop_ids=(5, 6), eos=None)
+    plain = DeterministicTokenSource()
+    assert [src.choose(stops, "r", p) in (5, 6) for p in range(400)] == [
+        plain.choose(stops, "r", p) in (5, 6) for p in range(400)
+    ]
+    # The edges are part of the configuration a trace records.
+    cfg = HarnessConfig(token_edges=edges)
+    assert HarnessConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
 def test_schedule_snapshot_is_copied_right_away():
     sched = _scheduler(HarnessConfig())
     _add(sched, "a", 20)
