@@ -675,6 +675,36 @@ def _codec_eof_not_ids():
     return _patch(CodecTokenStreamer, "__call__", make)
 
 
+@contextlib.contextmanager
+def _codec_drops_id_zero() -> Iterator[None]:
+    """C-40: the codec streamer takes codec id 0 for a control id and drops it (an off-by-one
+    at the low end of its audio range), so that id never reaches the decoder."""
+    from omni_runtime.sched.processors import CodecTokenStreamer
+
+    def as_control(self: Any, ids: Any) -> Any:
+        return None if ids is None else [self.codec_vocab if t == 0 else t for t in ids]
+
+    def make_call(orig: Any) -> Any:
+        def call(self: Any, request_id: str, payload: Any, is_final: bool, **kw: Any) -> Any:
+            if "new_token_ids" in kw:
+                kw["new_token_ids"] = as_control(self, kw["new_token_ids"])
+            return orig(self, request_id, payload, is_final, **kw)
+
+        return call
+
+    def make_batch(orig: Any) -> Any:
+        def on_token_batch(self: Any, request_ids: Any, token_ids: Any, counts: Any) -> Any:
+            return orig(self, request_ids, as_control(self, token_ids), counts)
+
+        return on_token_batch
+
+    with (
+        _patch(CodecTokenStreamer, "__call__", make_call),
+        _patch(CodecTokenStreamer, "on_token_batch", make_batch),
+    ):
+        yield
+
+
 def _forwarder_renames_hidden():
     """C-51: the thinker's ``HiddenRowsForwarder`` returns its rows under another key, so the
     talker, which reads ``data["hidden"]``, gets none (the payload beside it still has them)."""
@@ -1186,6 +1216,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "lockstep-token-updates",
         "the codec streamer sends a full chunk one step after it filled",
         _codec_chunk_held_a_step,
+    ),
+    Mutant(
+        "codec_drops_id_zero",
+        "C-40",
+        "lockstep-token-updates",
+        "the codec streamer drops codec id 0 as if it were a control id",
+        _codec_drops_id_zero,
     ),
     Mutant(
         "codec_eof_not_ids",
