@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import fnmatch
 import json
 import os
@@ -654,6 +655,18 @@ def collect_tests(work: Path) -> set[str]:
     return {line.strip() for line in proc.stdout.splitlines() if "::" in line}
 
 
+def _merge_into(path: Path, cache: dict[str, str]) -> None:
+    """Write ``cache`` into ``path`` together with what other re-checks wrote there since it was
+    read (re-checks of disjoint globs may run side by side), atomically."""
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        on_disk = json.loads(path.read_text()) if path.is_file() else {}
+        cache.update({k: v for k, v in on_disk.items() if k not in cache})
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
+        tmp.replace(path)
+
+
 def recheck(
     work: Path, mutants: list[Mutant], profile: str, timeout: float, only: str | None = None
 ) -> None:
@@ -684,7 +697,7 @@ def recheck(
                 cache[key] = {0: "survived", 1: "killed"}.get(code, f"exit {code}")
             except subprocess.TimeoutExpired:
                 cache[key] = "timeout"
-            cache_path.write_text(json.dumps(cache, indent=1, sort_keys=True))
+            _merge_into(cache_path, cache)
         m.recheck = cache[key]
     for m in mutants:  # earlier re-checks of mutants this one skipped still count
         key = f"{m.name} {' | '.join(m.change)}"
