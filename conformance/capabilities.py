@@ -253,7 +253,8 @@ class RunnerProbes(Protocol):
         multimodal: bool = False,
     ) -> Feature:
         """A worker feature whose runner delivers hidden rows (or, not ``include_hidden``,
-        token-only payloads with the prefill conditioning)."""
+        token-only payloads with the prefill conditioning); ``multimodal``: per-token
+        multimodal outputs too, which both payload modes deliver (C-30)."""
 
     def includes_hidden(self, feature: Feature) -> bool: ...
 

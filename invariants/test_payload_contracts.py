@@ -53,12 +53,16 @@ def probes_of(subject: Any) -> RunnerProbes:
     return require(subject, "runner_probes", "runner probes")
 
 
-def check_token_only(workload: list[Job], subject: Any, *, prefix: bool = True) -> int:
+def check_token_only(
+    workload: list[Job], subject: Any, *, prefix: bool = True, multimodal: bool = False
+) -> int:
     probes = probes_of(subject)
     cfg_h, cfg_t = (
         worker_harness_config(
             subject,
-            probes.payload_feature(include_hidden=hidden, full_prefix=hidden),
+            probes.payload_feature(
+                include_hidden=hidden, full_prefix=hidden, multimodal=multimodal
+            ),
             mode="sync",
             prefix=prefix,
         )
@@ -82,7 +86,7 @@ def check_token_only(workload: list[Job], subject: Any, *, prefix: bool = True) 
             if computed[rid] < plen <= computed[rid] + n:
                 crossing.add(rid)
         tp = probes.payloads(tok)
-        if not crossing:
+        if not crossing and not multimodal:
             assert tp is None, (
                 f"C-50: step {step}: token-only step with nothing to deliver built "
                 f"{sum(p is not None for p in tp)} payload objects ({len(tp)} slots)"
@@ -107,6 +111,8 @@ def check_token_only(workload: list[Job], subject: Any, *, prefix: bool = True) 
                     f"C-51: step {step}: token-only payload of {rid} covers "
                     f"[{t.start}, +{t.num_tokens}), scheduled [{computed[rid]}, +{n})"
                 )
+            if multimodal:
+                check_multimodal(step, rid, n, h, t)
             hc = h.conditioning
             tc = None if t is None else t.conditioning
             if hc is not None or rid in crossing:
@@ -123,16 +129,44 @@ def check_token_only(workload: list[Job], subject: Any, *, prefix: bool = True) 
             probes.shutdown(r)
 
 
+def check_multimodal(step: int, rid: str, n: int, h: Any, t: Any) -> None:
+    """C-30/C-51: a stage with per-token multimodal outputs delivers them for exactly the
+    scheduled positions in both payload modes, and the token-only runner's (computed for the
+    whole batch before the build) are the include-hidden builder's (computed from each
+    request's rows), up to float rounding of the different batch shapes."""
+    assert h.multimodal, f"C-51: step {step}: include-hidden payload of {rid} has no outputs"
+    assert t is not None and set(t.multimodal) == set(h.multimodal), (
+        f"C-30: step {step}: token-only payload of {rid} carries outputs "
+        f"{None if t is None else sorted(t.multimodal)}, include-hidden {sorted(h.multimodal)}"
+    )
+    for name, hv in h.multimodal.items():
+        tv = t.multimodal[name]
+        assert tv is not None and hv.shape[0] == n and tv.shape == hv.shape, (
+            f"C-51: step {step}: {rid}'s {name} rows: token-only "
+            f"{None if tv is None else tuple(tv.shape)}, include-hidden {tuple(hv.shape)}, "
+            f"{n} scheduled"
+        )
+        assert torch.allclose(tv, hv, rtol=1e-5, atol=1e-5), (
+            f"C-30: step {step}: {rid}'s {name} differs between payload modes"
+        )
+
+
 @pytest.mark.clauses("C-30", "C-31", "C-50", "C-51", "C-55")
-@pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "noprefix"])
-def test_token_only_payloads(conformance_subject, prefix):
+@pytest.mark.parametrize(
+    ("prefix", "multimodal"),
+    [(True, False), (False, False), (True, True)],
+    ids=["prefix", "noprefix", "multimodal"],
+)
+def test_token_only_payloads(conformance_subject, prefix, multimodal):
     probes_of(conformance_subject)
     total = [0]
 
     @suite_settings(20)
     @given(jobs)
     def prop(workload: list[Job]) -> None:
-        total[0] += check_token_only(workload, conformance_subject, prefix=prefix)
+        total[0] += check_token_only(
+            workload, conformance_subject, prefix=prefix, multimodal=multimodal
+        )
 
     prop()
     assert total[0] > 0

@@ -283,6 +283,9 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
         "check_graph_independence", "invariants.test_ar_inv_003_workers", include_hidden=True
     ),
     "token-only": _jobs_probe("check_token_only", "invariants.test_payload_contracts"),
+    "token-only-multimodal": _jobs_probe(
+        "check_token_only", "invariants.test_payload_contracts", multimodal=True
+    ),
     "inline-vs-background": _jobs_probe(
         "check_inline_equals_background", "invariants.test_materialization"
     ),

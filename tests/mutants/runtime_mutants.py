@@ -459,6 +459,21 @@ def _payload_slot_shifted():
     return _patch(PayloadBuilder, "build", make)
 
 
+def _token_only_drops_multimodal():
+    """C-30: the token-only builder ignores the per-token multimodal outputs the runner computed
+    for the batch (as if it read them only from hidden rows, which token-only mode has none
+    of): a stage configured with multimodal outputs delivers them only in include-hidden mode."""
+    from omni_runtime.adapters.output import PayloadBuilder
+
+    def make(orig: Any) -> Any:
+        def build(self: Any, plan: Any, inputs: Any) -> Any:
+            return orig(self, plan, dataclasses.replace(inputs, multimodal_rows={}))
+
+        return build
+
+    return _patch(PayloadBuilder, "build", make)
+
+
 def _prefix_merge_missing_rows():
     from omni_runtime.adapters.output import PayloadBuilder
 
@@ -1041,6 +1056,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "graph-independence",
         "sampled tokens depend on the stages that follow",
         _sub(runner_cls=_runner_reads_stage_graph),
+    ),
+    Mutant(
+        "token_only_drops_multimodal",
+        "C-30",
+        "token-only-multimodal",
+        "token-only mode builds payloads without the per-token multimodal outputs",
+        _token_only_drops_multimodal,
     ),
     Mutant(
         "token_only_builds_hidden",
