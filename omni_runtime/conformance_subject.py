@@ -60,6 +60,8 @@ CODEC_VOCAB = 256
 # here, not read from the class, so a changed default is a difference the gate reports.
 CODEC_CHUNK = 8
 CODEC_STREAMER = "omni_runtime.sched.processors.CodecTokenStreamer"
+# The client index of a stage process's one client (the parent's ``MPStageEngine``).
+PARENT_CLIENT = 0
 HIDDEN_FORWARDER = "omni_runtime.sched.processors.HiddenRowsForwarder"
 
 
@@ -993,6 +995,10 @@ class ProcessStageSubject(OmniSubject):
         received: dict[int, Any] = {}
         chunks: list[Any] = []
         for client, message in outputs.items():
+            if client != PARENT_CLIENT:
+                # vLLM's engine process sends each message to its client's socket, and a stage
+                # process has one client, its parent: a message keyed to another never arrives.
+                continue
             frames = _as_sent(encoder.encode(message))
             decoded = decoder.decode(frames)
             received[client] = decoded

@@ -931,6 +931,22 @@ def _audit_hides_codec_buffers():
     return _on_process_stage(_patch(ProcessStageScheduler, "__call__", make))
 
 
+def _chunks_to_a_client_nobody_is():
+    """C-46: a step with chunks but no request output (a prefill chunk's rows) puts its chunk
+    descriptors on a message for client 1; a stage process has one client, index 0, so vLLM's
+    engine process never delivers it."""
+    import omni_runtime.sched.process_stage as process_stage
+
+    def make(orig: Any) -> Any:
+        def _with_chunks(outputs: Any, descriptors: Any) -> Any:
+            # An empty step's message is built on a placeholder for client 1.
+            return orig(outputs or {1: None}, descriptors)
+
+        return _with_chunks
+
+    return _on_process_stage(_patch(process_stage, "_with_chunks", make))
+
+
 def _abort_keeps_unsent_chunks():
     """C-46/C-43: an abort between steps does not drop the EOF chunk the transfer adapter wrote
     for the aborted request: it waits in the writer and crosses with the next step's message,
@@ -1301,6 +1317,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "lockstep-token-updates",
         "a stage process's audit answer reports no codec buffers, whatever the streamer holds",
         _audit_hides_codec_buffers,
+    ),
+    Mutant(
+        "chunks_to_a_client_nobody_is",
+        "C-46",
+        "chunk-contracts",
+        "a step's chunks without outputs go on a message for a client the stage does not have",
+        _chunks_to_a_client_nobody_is,
     ),
     Mutant(
         "abort_keeps_unsent_chunks",
