@@ -59,9 +59,16 @@ def probes_of(subject: Any) -> RunnerProbes:
     return require(subject, "runner_probes", "runner probes")
 
 
-def stage_config(subject: Any, probes: RunnerProbes, materialization: str) -> Any:
+def stage_config(
+    subject: Any, probes: RunnerProbes, materialization: str, *, include_hidden: bool = True
+) -> Any:
+    """A stage with per-token multimodal outputs: built from the hidden rows in include-hidden
+    mode, handed to the builder by the runner in token-only mode (both snapshot paths)."""
     feature = probes.payload_feature(
-        include_hidden=True, full_prefix=True, materialization=materialization, multimodal=True
+        include_hidden=include_hidden,
+        full_prefix=include_hidden,
+        materialization=materialization,
+        multimodal=True,
     )
     return worker_harness_config(subject, feature, mode="sync", prefix=True)
 
@@ -94,11 +101,15 @@ class _Checked:
             ) from exc
 
 
-def check_inline_equals_background(workload: list[Job], subject: Any) -> int:
+def check_inline_equals_background(
+    workload: list[Job], subject: Any, *, include_hidden: bool = True
+) -> int:
     probes = probes_of(subject)
-    cfg_i = stage_config(subject, probes, "inline")
+    cfg_i = stage_config(subject, probes, "inline", include_hidden=include_hidden)
     inline = subject.make_worker(cfg_i)
-    background = subject.make_worker(stage_config(subject, probes, "background"))
+    background = subject.make_worker(
+        stage_config(subject, probes, "background", include_hidden=include_hidden)
+    )
     probes.defer_background_builds(background)
     scribble = scribbler(probes)
     execs = [RunnerExec(inline, scribble), _Checked(RunnerExec(background, scribble))]
@@ -130,14 +141,17 @@ def check_inline_equals_background(workload: list[Job], subject: Any) -> int:
 
 
 @pytest.mark.clauses("C-50", "C-52", "C-53")
-def test_inline_equals_background_under_buffer_reuse(conformance_subject):
+@pytest.mark.parametrize("include_hidden", [True, False], ids=["hidden", "token-only"])
+def test_inline_equals_background_under_buffer_reuse(conformance_subject, include_hidden):
     probes_of(conformance_subject)
     total = [0]
 
     @suite_settings(30)
     @given(jobs)
     def prop(workload: list[Job]) -> None:
-        total[0] += check_inline_equals_background(workload, conformance_subject)
+        total[0] += check_inline_equals_background(
+            workload, conformance_subject, include_hidden=include_hidden
+        )
 
     prop()
     assert total[0] > 0

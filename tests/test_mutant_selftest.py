@@ -289,6 +289,9 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     "inline-vs-background": _jobs_probe(
         "check_inline_equals_background", "invariants.test_materialization"
     ),
+    "inline-vs-background-token-only": _jobs_probe(
+        "check_inline_equals_background", "invariants.test_materialization", include_hidden=False
+    ),
     "builder-errors": _builder_errors_probe,
     "builder-recovery": _builder_recovery_probe,
     "registry": _registry_probe,

@@ -486,6 +486,21 @@ def _prefix_merge_missing_rows():
     return _patch(PayloadBuilder, "build", make)
 
 
+def _snapshot_drops_multimodal():
+    """C-52: the background snapshot copies hidden, conditioning and prefix rows but forgets
+    the per-token multimodal outputs a token-only runner hands over, so background payloads
+    lack them."""
+    from omni_runtime.adapters.output import PayloadInputs
+
+    def make(orig: Any) -> Any:
+        def snapshot(self: Any) -> Any:
+            return dataclasses.replace(orig(self), multimodal_rows={})
+
+        return snapshot
+
+    return _patch(PayloadInputs, "snapshot", make)
+
+
 @contextlib.contextmanager
 def _background_no_snapshot() -> Iterator[None]:
     from omni_runtime.adapters.output import PayloadInputs, PayloadPlan
@@ -1156,6 +1171,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "token-only",
         "empty payload slots are compacted, shifting later payloads",
         _payload_slot_shifted,
+    ),
+    Mutant(
+        "snapshot_drops_multimodal",
+        "C-52",
+        "inline-vs-background-token-only",
+        "the background snapshot forgets the token-only runner's per-token multimodal outputs",
+        _snapshot_drops_multimodal,
     ),
     Mutant(
         "background_no_snapshot",
