@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import sys
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -121,6 +121,8 @@ class RecordingSink:
         self._chunks: deque[Any] = deque()
         self.violations: list[str] = []
         self.sent = 0
+        # The chunks sent since the machine last took them (``take_recent``): one operation's.
+        self.recent: list[Any] = []
 
     def send(self, chunk: Any) -> None:
         self.sent += 1
@@ -136,6 +138,11 @@ class RecordingSink:
                     break
                 frame = frame.f_back
         self._chunks.append(chunk)
+        self.recent.append(chunk)
+
+    def take_recent(self) -> list[Any]:
+        out, self.recent = self.recent, []
+        return out
 
     def drain(self) -> list[Any]:
         out = list(self._chunks)
@@ -144,6 +151,31 @@ class RecordingSink:
 
     def __len__(self) -> int:
         return len(self._chunks)
+
+
+def chunk_ref_problems(
+    delivery: Any, outputs: Mapping[str, Any], chunks: Sequence[Any], where: str
+) -> list[str]:
+    """C-43: a step's output of a request names exactly the chunks that step delivered for it,
+    for a subject whose outputs name chunks (``ChunkDelivery.output_refs_field`` and ``ref``,
+    optional): the next stage finds a request's chunks through them. Requests without an output
+    in the step (an EOF after an abort or a free) are not asked."""
+    field_name = getattr(delivery, "output_refs_field", None)
+    ref = getattr(delivery, "ref", None)
+    if field_name is None or ref is None:
+        return []
+    delivered: dict[str, set[str]] = {}
+    for chunk in chunks:
+        delivered.setdefault(delivery.view(chunk).request_id, set()).add(ref(chunk))
+    named: dict[str, set[str]] = {}
+    for key, out in outputs.items():
+        named.setdefault(key.split("#", 1)[0], set()).update(out.get(field_name) or ())
+    return [
+        f"C-43: {where}: {rid}'s output names chunks {sorted(refs)}, "
+        f"the step delivered {sorted(delivered.get(rid, set()))}"
+        for rid, refs in sorted(named.items())
+        if refs != delivered.get(rid, set())
+    ]
 
 
 PayloadReader = Callable[[Any], "list[PayloadView | None] | None"]

@@ -43,6 +43,7 @@ from invariants.audits import (
     RecordingSink,
     audit_requests,
     audit_scheduler,
+    chunk_ref_problems,
     crossing_problems,
     leftover_problems,
 )
@@ -120,9 +121,11 @@ class AuditedLockstep(Lockstep):
                 self.terminal.aborted(rid, self.sub.last_abort_states.get(rid, "unknown"))
         # Only the outputs: the rest of the snapshots is built only when the sides differ.
         up_outputs, sub_outputs = self.last_outputs if isinstance(op, Step) else ({}, {})
+        recent = self.sink.take_recent() if self.sink is not None else []
         if isinstance(op, Step):
             where = f"step {len(self.trace.ops) - 1} ({op.describe()})"
             self.terminal.emitted(sub_outputs, where)
+            self.problems.extend(chunk_ref_problems(self.delivery, sub_outputs, recent, where))
         # C-62 is read from the subject's own outputs, so it is recorded even when this operation
         # also differs from upstream: a duplicated outcome is then named by its own clause
         # (``audits_hold`` runs before the difference check).

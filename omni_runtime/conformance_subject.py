@@ -248,6 +248,13 @@ class OmniChunkDelivery:
     def payload_view(self, payload: Any) -> PayloadView | None:
         return payload_view(payload)
 
+    # The step's output of a request names the chunk the step delivered for it
+    # (``OmniEngineCoreOutput.omni_chunk_refs``): the orchestrator routes chunks by it.
+    output_refs_field = "omni_chunk_refs"
+
+    def ref(self, chunk: Any) -> str:
+        return str(chunk.ref)
+
     def expected_tokens(self, feature: Feature, accepted: Sequence[int]) -> list[int] | None:
         if stage_of(feature).get("chunk_processor") != CODEC_STREAMER:
             return None

@@ -688,6 +688,21 @@ def _codec_chunk_held_a_step():
     return _patch(CodecTokenStreamer, "on_token_batch", make)
 
 
+def _batched_chunks_unnamed():
+    """C-43: chunks a batching processor returned are sent, but the step's outputs do not name
+    them (the batch path forgets to report what it sent), so the next stage cannot find them
+    through the outputs."""
+    from omni_runtime.sched.transfer import ChunkTransferAdapter
+
+    def make(orig: Any) -> Any:
+        def _run_batch(self: Any, batch: Any, request_ids: Any, new_ids: Any, sent: Any) -> None:
+            orig(self, batch, request_ids, new_ids, {})
+
+        return _run_batch
+
+    return _patch(ChunkTransferAdapter, "_run_batch", make)
+
+
 def _codec_eof_not_ids():
     """C-40: the codec streamer's EOF with nothing left buffered carries an empty float tensor,
     which downstream cannot read as codec ids (``torch.tensor([])`` without a dtype)."""
@@ -1283,6 +1298,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "lockstep-token-updates",
         "the codec streamer drops codec id 0 as if it were a control id",
         _codec_drops_id_zero,
+    ),
+    Mutant(
+        "batched_chunks_unnamed",
+        "C-43",
+        "lockstep-token-updates",
+        "chunks from a processor's batch call are sent but no output names them",
+        _batched_chunks_unnamed,
     ),
     Mutant(
         "codec_eof_not_ids",
