@@ -159,7 +159,8 @@ def chunk_ref_problems(
     """C-43: a step's output of a request names exactly the chunks that step delivered for it,
     for a subject whose outputs name chunks (``ChunkDelivery.output_refs_field`` and ``ref``,
     optional): the next stage finds a request's chunks through them. Requests without an output
-    in the step (an EOF after an abort or a free) are not asked."""
+    in the step (an EOF after an abort or a free) are not asked, nor is a request the step
+    failed: its error output reports the failure (C-61) and names no chunk."""
     field_name = getattr(delivery, "output_refs_field", None)
     ref = getattr(delivery, "ref", None)
     if field_name is None or ref is None:
@@ -168,13 +169,17 @@ def chunk_ref_problems(
     for chunk in chunks:
         delivered.setdefault(delivery.view(chunk).request_id, set()).add(ref(chunk))
     named: dict[str, set[str]] = {}
+    failed: set[str] = set()
     for key, out in outputs.items():
-        named.setdefault(key.split("#", 1)[0], set()).update(out.get(field_name) or ())
+        rid = key.split("#", 1)[0]
+        named.setdefault(rid, set()).update(out.get(field_name) or ())
+        if str(out.get("finish_reason")).lower() == "error":
+            failed.add(rid)
     return [
         f"C-43: {where}: {rid}'s output names chunks {sorted(refs)}, "
         f"the step delivered {sorted(delivered.get(rid, set()))}"
         for rid, refs in sorted(named.items())
-        if refs != delivered.get(rid, set())
+        if rid not in failed and refs != delivered.get(rid, set())
     ]
 
 

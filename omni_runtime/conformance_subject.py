@@ -249,7 +249,7 @@ class OmniChunkDelivery:
         return payload_view(payload)
 
     # The step's output of a request names the chunk the step delivered for it
-    # (``OmniEngineCoreOutput.omni_chunk_refs``): the orchestrator routes chunks by it.
+    # (``OmniEngineCoreOutput.omni_chunk_refs``, what a consumer of the outputs reads).
     output_refs_field = "omni_chunk_refs"
 
     def ref(self, chunk: Any) -> str:
@@ -800,6 +800,9 @@ class StageProcessWire:
         self.sent: list[dict[str, Any]] = []  # sent since the last flush
         self.flushed: list[dict[str, Any]] = []  # on a message the parent has not read yet
         self.received: list[Any] = []  # read by the parent, waiting for ``drain_chunks``
+        # Segments a message named outside the stage's prefix: the parent sweeps a dead stage's
+        # segments by that prefix, so these would outlive it.
+        self.unswept: list[str] = []
         self.sink: Any = None  # the harness's sink, once installed: read chunks go there
         self.chunks: list[Crossing] = []
         self.requests: list[Crossing] = []
@@ -882,6 +885,7 @@ class ProcessStageBoundary:
             # misreports what the stage holds makes its leak check blind there.
             "audit_fields_misreported": _misreported(scheduler, audit),
             "shm_segments": live_segments(wire.prefix),
+            "segments_outside_the_stage_prefix": wire.unswept,
             "chunks_written_not_flushed": audit["outbox"],
             "chunks_flushed_not_read": len(wire.flushed),
             # Admitted by the parent but not released into upstream's queue.
@@ -1001,6 +1005,7 @@ class ProcessStageSubject(OmniSubject):
         encoder, decoder = MsgpackEncoder(), MsgpackDecoder(ShmEngineCoreOutputs)
         received: dict[int, Any] = {}
         chunks: list[Any] = []
+        named: list[str] = []
         for client, message in outputs.items():
             if client != PARENT_CLIENT:
                 # vLLM's engine process sends each message to its client's socket, and a stage
@@ -1010,9 +1015,11 @@ class ProcessStageSubject(OmniSubject):
             decoded = decoder.decode(frames)
             received[client] = decoded
             if getattr(decoded, "omni_chunks", None):
+                named.extend(d.segment for d in decoded.omni_chunks if d.segment is not None)
                 chunks.extend(read_chunks(decoded.omni_chunks))
         wire = self.wire(scheduler)
         if wire is not None:
+            wire.unswept.extend(sorted({n for n in named if not n.startswith(wire.prefix)}))
             wire.read(chunks)
         return received
 

@@ -977,6 +977,21 @@ def _chunks_to_a_client_nobody_is():
     return _on_process_stage(_patch(process_stage, "_with_chunks", make))
 
 
+def _segments_outside_the_prefix():
+    """C-46: the stage's chunk writer names its segments after the stage id instead of the
+    prefix its configuration gives (the parent's), so a parent sweeping a dead stage's segments
+    by that prefix would leave them all behind."""
+    from omni_runtime.adapters.shm_wire import ShmChunkWriter
+
+    def make(orig: Any) -> Any:
+        def __init__(self: Any, prefix: str, *args: Any, **kwargs: Any) -> None:
+            orig(self, "omni-talker", *args, **kwargs)
+
+        return __init__
+
+    return _on_process_stage(_patch(ShmChunkWriter, "__init__", make))
+
+
 def _abort_keeps_unsent_chunks():
     """C-46/C-43: an abort between steps does not drop the EOF chunk the transfer adapter wrote
     for the aborted request: it waits in the writer and crosses with the next step's message,
@@ -1368,6 +1383,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "chunk-contracts",
         "a step's chunks without outputs go on a message for a client the stage does not have",
         _chunks_to_a_client_nobody_is,
+    ),
+    Mutant(
+        "segments_outside_the_prefix",
+        "C-46",
+        "chunk-contracts",
+        "a stage's chunk segments are named outside the prefix its parent sweeps by",
+        _segments_outside_the_prefix,
     ),
     Mutant(
         "abort_keeps_unsent_chunks",
