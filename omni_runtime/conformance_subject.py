@@ -248,6 +248,13 @@ class OmniChunkDelivery:
     def payload_view(self, payload: Any) -> PayloadView | None:
         return payload_view(payload)
 
+    def batching_processors(self) -> dict[str, Callable[[], Any]]:
+        """The shipped processors that define ``on_token_batch`` (C-40: a batch is the
+        per-request calls at once)."""
+        from omni_runtime.sched.processors import CodecTokenStreamer
+
+        return {"CodecTokenStreamer": CodecTokenStreamer}
+
     # The step's output of a request names the chunk the step delivered for it
     # (``OmniEngineCoreOutput.omni_chunk_refs``, what a consumer of the outputs reads).
     output_refs_field = "omni_chunk_refs"

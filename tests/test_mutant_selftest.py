@@ -272,6 +272,23 @@ def _reset_in_flight_probe(subject: Any, cfg: settings) -> tuple[BaseException |
     )(subject, cfg)
 
 
+def _batching_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
+    """What ``invariants/test_processor_batching.py`` checks."""
+    from invariants.test_processor_batching import (
+        batching_processors,
+        check_batching,
+        edges_of,
+        step_lists,
+    )
+
+    makers = batching_processors(subject)
+    return _given_probe(
+        st.tuples(st.sampled_from(sorted(makers)), step_lists(edges_of(subject))),
+        lambda v, s: check_batching(makers[v[0]], v[0], v[1]),
+        lambda v: len(v[1]),
+    )(subject, cfg)
+
+
 PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     "lockstep-off": _machine_probe("off"),
     "lockstep-token-updates": _machine_probe("token-updates"),
@@ -297,6 +314,7 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     "registry": _registry_probe,
     "fault-containment": _fault_containment_probe,
     "send-path-faults": _send_path_faults_probe,
+    "processor-batching": _batching_probe,
     "stage-inputs-cross": _stage_inputs_probe,
 }
 

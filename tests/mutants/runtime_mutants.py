@@ -703,6 +703,21 @@ def _batched_chunks_unnamed():
     return _patch(ChunkTransferAdapter, "_run_batch", make)
 
 
+def _batch_reads_one_id_each():
+    """C-40: the codec streamer's batch call ignores ``counts`` and reads one id per request, so
+    on a step that accepted several ids for a request (speculative decoding) the batch keeps
+    other ids than that request's per-request call would."""
+    from omni_runtime.sched.processors import CodecTokenStreamer
+
+    def make(orig: Any) -> Any:
+        def on_token_batch(self: Any, request_ids: Any, token_ids: Any, counts: Any) -> Any:
+            return orig(self, request_ids, token_ids, None)
+
+        return on_token_batch
+
+    return _patch(CodecTokenStreamer, "on_token_batch", make)
+
+
 def _codec_eof_not_ids():
     """C-40: the codec streamer's EOF with nothing left buffered carries an empty float tensor,
     which downstream cannot read as codec ids (``torch.tensor([])`` without a dtype)."""
@@ -1320,6 +1335,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "lockstep-token-updates",
         "chunks from a processor's batch call are sent but no output names them",
         _batched_chunks_unnamed,
+    ),
+    Mutant(
+        "batch_reads_one_id_each",
+        "C-40",
+        "processor-batching",
+        "the codec streamer's batch call reads one id per request whatever counts says",
+        _batch_reads_one_id_each,
     ),
     Mutant(
         "codec_eof_not_ids",
