@@ -687,7 +687,9 @@ def recheck(
             continue
         key = f"{m.name} {' | '.join(m.change)}"
         if key not in cache:
-            tests = sorted(tests_by_function.get(m.function, ())) + new_tests
+            # The suite's newer tests first: they were added to kill survivors, and the run
+            # stops at the first failure.
+            tests = new_tests + sorted(tests_by_function.get(m.function, ()))
             env = campaign_env(work) | {"MUTANT_UNDER_TEST": m.name}
             cmd = [sys.executable, "-m", "pytest", *pytest_args(profile), *tests]
             try:
