@@ -92,6 +92,12 @@ def check_malformed(case: Malformed, probe: Any, scheduler: Any) -> None:
         assert field.startswith(case.field.split("[")[0]) and (
             "[" not in case.field or field == case.field
         ), f"C-13: {case.describe()}: error names field {field!r}, expected {case.field!r}"
+        # What a client reads is the message: it must name both as well.
+        text = str(exc)
+        assert rid in text and field in text, (
+            f"C-13: {case.describe()}: the error's message {text!r} does not name the request "
+            f"{rid!r} and the field {field!r}"
+        )
     else:
         raise AssertionError(
             f"C-13: {case.describe()}: adapter accepted the input as {type(request).__name__} "

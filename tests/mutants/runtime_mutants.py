@@ -445,6 +445,21 @@ def _adapter_accepts_nan_embeds():
     return _patch(InputAdapter, "_prompt", make)
 
 
+def _rejection_message_blank():
+    """C-13: the input adapter's rejection carries the request id and the field as attributes,
+    but its message (what a client is shown) says only what was wrong."""
+    from omni_runtime.adapters.input import RequestRejected
+
+    def make(orig: Any) -> Any:
+        def __init__(self: Any, request_id: str, field_name: str, problem: str) -> None:
+            orig(self, request_id, field_name, problem)
+            self.args = (problem,)
+
+        return __init__
+
+    return _patch(RequestRejected, "__init__", make)
+
+
 def _payload_slot_shifted():
     from omni_runtime.adapters.output import PayloadBuilder
 
@@ -1097,6 +1112,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "malformed-inputs",
         "NaN/inf prompt embeds are silently cleaned instead of rejected",
         _adapter_accepts_nan_embeds,
+    ),
+    Mutant(
+        "rejection_message_blank",
+        "C-13",
+        "malformed-inputs",
+        "a rejected input's message names neither the request nor the field",
+        _rejection_message_blank,
     ),
     Mutant(
         "payload_built_in_scheduler",
