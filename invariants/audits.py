@@ -158,29 +158,46 @@ def chunk_ref_problems(
 ) -> list[str]:
     """C-43: a step's output of a request names exactly the chunks that step delivered for it,
     for a subject whose outputs name chunks (``ChunkDelivery.output_refs_field`` and ``ref``,
-    optional): the next stage finds a request's chunks through them. Requests without an output
+    optional), and, with ``output_eof_field``, flags the step that delivered its EOF: the next
+    stage finds a request's chunks, and its end, through them. Requests without an output
     in the step (an EOF after an abort or a free) are not asked, nor is a request the step
     failed: its error output reports the failure (C-61) and names no chunk."""
     field_name = getattr(delivery, "output_refs_field", None)
     ref = getattr(delivery, "ref", None)
     if field_name is None or ref is None:
         return []
+    eof_field = getattr(delivery, "output_eof_field", None)
     delivered: dict[str, set[str]] = {}
+    ended: set[str] = set()
     for chunk in chunks:
-        delivered.setdefault(delivery.view(chunk).request_id, set()).add(ref(chunk))
+        view = delivery.view(chunk)
+        delivered.setdefault(view.request_id, set()).add(ref(chunk))
+        if view.is_final:
+            ended.add(view.request_id)
     named: dict[str, set[str]] = {}
+    flagged: set[str] = set()
     failed: set[str] = set()
     for key, out in outputs.items():
         rid = key.split("#", 1)[0]
         named.setdefault(rid, set()).update(out.get(field_name) or ())
+        if eof_field is not None and out.get(eof_field):
+            flagged.add(rid)
         if str(out.get("finish_reason")).lower() == "error":
             failed.add(rid)
-    return [
+    problems = [
         f"C-43: {where}: {rid}'s output names chunks {sorted(refs)}, "
         f"the step delivered {sorted(delivered.get(rid, set()))}"
         for rid, refs in sorted(named.items())
         if rid not in failed and refs != delivered.get(rid, set())
     ]
+    if eof_field is not None:
+        problems += [
+            f"C-43: {where}: {rid}'s output says {eof_field}={rid in flagged}, the step "
+            f"{'delivered' if rid in ended else 'did not deliver'} its EOF"
+            for rid in sorted(named)
+            if rid not in failed and (rid in flagged) != (rid in ended)
+        ]
+    return problems
 
 
 PayloadReader = Callable[[Any], "list[PayloadView | None] | None"]

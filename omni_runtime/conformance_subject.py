@@ -258,6 +258,7 @@ class OmniChunkDelivery:
     # The step's output of a request names the chunk the step delivered for it
     # (``OmniEngineCoreOutput.omni_chunk_refs``, what a consumer of the outputs reads).
     output_refs_field = "omni_chunk_refs"
+    output_eof_field = "omni_eof"
 
     def ref(self, chunk: Any) -> str:
         return str(chunk.ref)

@@ -733,6 +733,20 @@ def _batch_reads_one_id_each():
     return _patch(CodecTokenStreamer, "on_token_batch", make)
 
 
+def _eof_not_flagged_on_output():
+    """C-43: the step that delivers a request's EOF names the chunk on its output but leaves
+    ``omni_eof`` unset, so a reader of the outputs never learns the request's stream ended."""
+    import omni_runtime.sched.scheduler as scheduler
+
+    def make(orig: Any) -> Any:
+        def omni_output_from(base: Any, refs: Any, eof: bool) -> Any:
+            return orig(base, refs, False)
+
+        return omni_output_from
+
+    return _patch(scheduler, "omni_output_from", make)
+
+
 def _codec_eof_not_ids():
     """C-40: the codec streamer's EOF with nothing left buffered carries an empty float tensor,
     which downstream cannot read as codec ids (``torch.tensor([])`` without a dtype)."""
@@ -1364,6 +1378,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "processor-batching",
         "the codec streamer's batch call reads one id per request whatever counts says",
         _batch_reads_one_id_each,
+    ),
+    Mutant(
+        "eof_not_flagged_on_output",
+        "C-43",
+        "lockstep-token-updates",
+        "the output of the step that delivered a request's EOF does not say so (omni_eof)",
+        _eof_not_flagged_on_output,
     ),
     Mutant(
         "codec_eof_not_ids",
