@@ -94,6 +94,7 @@ class AuditedLockstep(Lockstep):
         self.ledger: dict[str, RequestLedger] = {}
         self.terminal = TerminalOutcomes()
         self.problems: list[str] = []
+        self.ref_problems: list[str] = []  # C-43: outputs against the chunks of their step
         self.checkers: list[CheckingExecutor] = []
         for side in self.local_sides():
             checker = CheckingExecutor(side.executor, probes.payloads if probes else None)
@@ -125,7 +126,9 @@ class AuditedLockstep(Lockstep):
         if isinstance(op, Step):
             where = f"step {len(self.trace.ops) - 1} ({op.describe()})"
             self.terminal.emitted(sub_outputs, where)
-            self.problems.extend(chunk_ref_problems(self.delivery, sub_outputs, recent, where))
+            # Reported with the chunk ledger at the end (``teardown_problems``): a chunk that
+            # should not have been sent at all is named by its own clause first.
+            self.ref_problems.extend(chunk_ref_problems(self.delivery, sub_outputs, recent, where))
         # C-62 is read from the subject's own outputs, so it is recorded even when this operation
         # also differs from upstream: a duplicated outcome is then named by its own clause
         # (``audits_hold`` runs before the difference check).
@@ -208,6 +211,7 @@ class AuditedLockstep(Lockstep):
                 includes_hidden=probes.includes_hidden(self.feature) if probes else None,
                 reference=ref,
             )
+        problems += self.ref_problems
         if check_reference and ref is not None:
             problems += hf_problems(self, ref)
         return problems
