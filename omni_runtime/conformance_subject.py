@@ -927,7 +927,7 @@ def _misreported(scheduler: Any, audit: Mapping[str, Any]) -> list[str]:
         "waiting": len(queues["waiting"]),
         "finished_unsent": queues["finished_pending"],
         "free_blocks": num_free_blocks(block_pool(scheduler)),
-        "transfer_progress": sorted(transfer.progress) if transfer is not None else [],
+        "transfer_progress": sorted(transfer.live_request_ids()) if transfer is not None else [],
         "processor_buffers": sorted(pending()) if pending is not None else [],
         "outbox": len(writer) if writer is not None else 0,
     }
@@ -1013,7 +1013,7 @@ class ProcessStageSubject(OmniSubject):
         encoder, decoder = MsgpackEncoder(), MsgpackDecoder(ShmEngineCoreOutputs)
         received: dict[int, Any] = {}
         chunks: list[Any] = []
-        named: list[str] = []
+        wire = self.wire(scheduler)
         for client, message in outputs.items():
             if client != PARENT_CLIENT:
                 # vLLM's engine process sends each message to its client's socket, and a stage
@@ -1023,11 +1023,11 @@ class ProcessStageSubject(OmniSubject):
             decoded = decoder.decode(frames)
             received[client] = decoded
             if getattr(decoded, "omni_chunks", None):
-                named.extend(d.segment for d in decoded.omni_chunks if d.segment is not None)
+                if wire is not None:
+                    segments = {d.segment for d in decoded.omni_chunks if d.segment is not None}
+                    wire.unswept += sorted(n for n in segments if not n.startswith(wire.prefix))
                 chunks.extend(read_chunks(decoded.omni_chunks))
-        wire = self.wire(scheduler)
         if wire is not None:
-            wire.unswept.extend(sorted({n for n in named if not n.startswith(wire.prefix)}))
             wire.read(chunks)
         return received
 
