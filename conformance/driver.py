@@ -9,11 +9,16 @@ and other operations happen between driver steps, which is where ``EngineCore`` 
 An executor turns a ``SchedulerOutput`` into a ``ModelRunnerOutput``: the deterministic token
 source, or a real worker (anything with ``execute_model``/``sample_tokens``) via
 ``WorkerExecutor``. Executors run at submission time, in submission order, as a worker does.
+An executor may also ``submit`` a step: its output is then collected only when the driver needs
+it (``collect``), as vLLM's uni executor resolves a worker's ``AsyncModelRunnerOutput`` only when
+``EngineCore`` takes the batch's future off its queue. Under async scheduling a worker therefore
+finishes step N+1 before step N's output is collected, as it does in vLLM.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -24,18 +29,49 @@ class Executor(Protocol):
     def execute(self, so: Any) -> Any: ...
 
 
+def collect(out: Any) -> Any:
+    """A step's output as the engine reads it: an uncollected output (anything with
+    ``get_output``, vLLM's ``AsyncModelRunnerOutput`` or a ``Deferred``) is resolved now."""
+    get_output = getattr(out, "get_output", None)
+    return get_output() if get_output is not None else out
+
+
+def submit(executor: Any, so: Any) -> Any:
+    """Run ``so`` on ``executor``, leaving its output uncollected where the executor can."""
+    method = getattr(executor, "submit", None)
+    return method(so) if method is not None else executor.execute(so)
+
+
+class Deferred:
+    """An output that ``resolve`` produces when it is collected (once)."""
+
+    def __init__(self, resolve: Callable[[], Any]) -> None:
+        self._resolve: Callable[[], Any] | None = resolve
+        self._value: Any = None
+
+    def get_output(self) -> Any:
+        if self._resolve is not None:
+            resolve, self._resolve = self._resolve, None
+            self._value = resolve()
+        return self._value
+
+
 class WorkerExecutor:
     """Drives a ``WorkerBase``-like object the way the uni executor does."""
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
 
-    def execute(self, so: Any) -> Any:
+    def submit(self, so: Any) -> Any:
+        """Execute and sample; the output is returned as the worker gave it (an async output
+        stays uncollected, like the uni executor's non-blocking future)."""
         out = self.worker.execute_model(so)
         if out is None:
             out = self.worker.sample_tokens(None)
-        get_output = getattr(out, "get_output", None)
-        return get_output() if get_output is not None else out
+        return out
+
+    def execute(self, so: Any) -> Any:
+        return collect(self.submit(so))
 
 
 @dataclass
@@ -58,7 +94,7 @@ class SyncDriver:
             return StepObservation(None, None, False)
         so = sched.schedule()
         scheduled = observe_schedule(so)
-        mro = self.executor.execute(so)
+        mro = collect(submit(self.executor, so))
         return StepObservation(scheduled, sched.update_from_output(so, mro), True)
 
     def in_flight(self) -> int:
@@ -80,14 +116,17 @@ class AsyncDriver:
         if sched.has_requests():
             so = sched.schedule()
             scheduled = observe_schedule(so)
-            mro = self.executor.execute(so)
+            # Collected when the batch leaves the queue (``EngineCore.step_with_batch_queue``
+            # calls the future's ``result()`` there), not now.
+            pending = submit(self.executor, so)
             executed = so.total_num_scheduled_tokens > 0
-            self.queue.appendleft((so, mro))
+            self.queue.appendleft((so, pending))
             if len(self.queue) < self.depth and (executed or sched.has_requests()):
                 return StepObservation(scheduled, None, False)
         elif not self.queue:
             return StepObservation(None, None, False)
-        so, mro = self.queue.pop()
+        so, pending = self.queue.pop()
+        mro = collect(pending)
         return StepObservation(scheduled, sched.update_from_output(so, mro), True)
 
     def in_flight(self) -> int:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from conformance.capabilities import DeclaredAttributes, PayloadView
+from conformance.driver import Deferred, collect, submit
 
 _SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
 
@@ -216,9 +217,19 @@ class CheckingExecutor:
         self.problems: list[str] = []
         self.calls = 0
 
-    def execute(self, so: Any) -> Any:
+    def submit(self, so: Any) -> Any:
+        """The inner executor's step, checked when the driver collects it (a worker's async
+        output is collected a step later under async scheduling, as in vLLM)."""
         self.calls += 1
-        out = self.inner.execute(so)
+        pending = submit(self.inner, so)
+        if getattr(pending, "get_output", None) is None:
+            return self._checked(so, pending)
+        return Deferred(lambda: self._checked(so, collect(pending)))
+
+    def execute(self, so: Any) -> Any:
+        return collect(self.submit(so))
+
+    def _checked(self, so: Any, out: Any) -> Any:
         expected = list(so.num_scheduled_tokens) if so.total_num_scheduled_tokens else []
         got = list(out.req_ids)
         if got != expected:

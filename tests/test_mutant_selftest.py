@@ -293,6 +293,7 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     "lockstep-off": _machine_probe("off"),
     "lockstep-token-updates": _machine_probe("token-updates"),
     "lockstep-hidden-inline": _machine_probe("hidden-inline"),
+    "lockstep-hidden-background-async": _machine_probe("hidden-background", mode="async"),
     "chunk-contracts": _chunk_probe,
     "chunk-reset-in-flight": _reset_in_flight_probe,
     "malformed-inputs": _malformed_probe,

@@ -555,6 +555,26 @@ def _background_build_never_runs():
     return _patch(materialize.BackgroundMaterializer, "_build", make)
 
 
+def _background_one_build_slot():
+    """C-51/C-52: the background materializer keeps one build slot: an output still waiting to
+    be collected reads whatever build was submitted last. Invisible while every step is
+    collected before the next is executed; under async scheduling vLLM collects step N only
+    after step N+1 has been sampled, and step N then carries step N+1's payloads."""
+    import omni_runtime.worker.materialize as materialize
+
+    def make(orig: Any) -> Any:
+        def finish(self: Any, output: Any, plan: Any, inputs: Any) -> Any:
+            out = orig(self, output, plan, inputs)
+            for pending in self._recent:
+                if not pending.collected:
+                    pending._future = out._future
+            return out
+
+        return finish
+
+    return _patch(materialize.BackgroundMaterializer, "finish", make)
+
+
 def _trim_loses_kept_rows():
     """C-45: trimming rows already delivered also drops the rows it should keep (the payload
     keeps its positions, not its hidden rows)."""
@@ -1287,6 +1307,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "builder-errors",
         "background builds always fail and recovery silently rebuilds them on the caller",
         _background_build_never_runs,
+    ),
+    Mutant(
+        "background_one_build_slot",
+        "C-51",
+        "lockstep-hidden-background-async",
+        "an uncollected background output reads the last build submitted, not its own step's",
+        _background_one_build_slot,
     ),
     Mutant(
         "recovery_fails_whole_step",
