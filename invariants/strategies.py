@@ -413,7 +413,12 @@ class Job:
 # The workload language's shared prefixes (``conformance.machine.PREFIXES``), numbered for ``Job``.
 PREFIX_TOKENS: dict[int, list[int]] = {0: [], 1: list(PREFIXES["sys"]), 2: list(PREFIXES["doc"])}
 
-jobs = st.lists(
+# Batches whose shape random draws meet rarely, but where a runner's bookkeeping changes: the
+# first request's last prompt position is row 0 of the step (a one-token prompt first in the
+# batch: row 0 is a real row, not "none"), with a second request's last prompt row after it.
+EDGE_JOBS: tuple[tuple[Job, ...], ...] = ((Job(0, 1, 3, None), Job(0, 4, 2, None)),)
+
+jobs = st.sampled_from(EDGE_JOBS).map(list) | st.lists(
     st.builds(
         Job,
         prefix=st.integers(0, 2),

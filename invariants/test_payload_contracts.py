@@ -115,6 +115,16 @@ def check_token_only(
                 check_multimodal(step, rid, n, h, t)
             hc = h.conditioning
             tc = None if t is None else t.conditioning
+            if rid in crossing:
+                # The row of the last prompt position, as the include-hidden run computed it.
+                row = h.hidden[sched.requests[rid].num_prompt_tokens - 1 - h.start]
+                assert tc is not None, (
+                    f"C-31: step {step}: {rid}'s prefill conditioning is missing in token-only mode"
+                )
+                assert torch.equal(tc, row), (
+                    f"C-31: step {step}: {rid}'s token-only conditioning is not the row of its "
+                    "last prompt position"
+                )
             if hc is not None or rid in crossing:
                 assert tc is not None or hc is None, (
                     f"C-31: step {step}: {rid}'s prefill conditioning is missing in token-only mode"

@@ -246,6 +246,22 @@ def _conditioning_dropped_token_only() -> type:
     return ConditioningDroppedTokenOnly
 
 
+def _conditioning_row_zero_falsy() -> type:
+    base = _runner_base()
+    _require(base, "_finish_payloads")
+
+    class ConditioningRowZeroFalsy(base):  # type: ignore[misc,valid-type]
+        """C-31: the runner tests a conditioning row for truth, so a request whose last prompt
+        position is the step's first row (a one-token prompt first in its batch) loses its
+        conditioning, in both payload modes alike."""
+
+        def _finish_payloads(self, output: Any, step: Any, *args: Any, **kwargs: Any) -> Any:
+            step.conditioning_rows = [r if r else -1 for r in step.conditioning_rows]
+            return super()._finish_payloads(output, step, *args, **kwargs)
+
+    return ConditioningRowZeroFalsy
+
+
 def _payloads_on_empty_steps() -> type:
     class PayloadsOnEmptySteps(_runner_base()):  # type: ignore[misc]
         """C-50: a do-nothing postprocess makes every step build per-request payload objects."""
@@ -1202,6 +1218,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "token-only",
         "token-only mode still copies and delivers hidden rows",
         _sub(runner_cls=_token_only_builds_hidden),
+    ),
+    Mutant(
+        "conditioning_row_zero_falsy",
+        "C-31",
+        "token-only",
+        "a prefill conditioning on the step's first row is taken for none, in both payload modes",
+        _sub(runner_cls=_conditioning_row_zero_falsy),
     ),
     Mutant(
         "conditioning_dropped_token_only",
