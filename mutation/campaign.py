@@ -515,6 +515,11 @@ def resolve(rev: str) -> str:
 # ---- results ----------------------------------------------------------------------------------
 
 
+# Verdicts a re-check may overturn. "no tests" is mutmut's record of which tests called the
+# function when the campaign began; tests added to the suite since may call it.
+RECHECKED = ("survived", "timeout", "no tests")
+
+
 @dataclasses.dataclass
 class Mutant:
     name: str
@@ -531,10 +536,12 @@ class Mutant:
     @property
     def final(self) -> str:
         """The report's verdict: mutmut's, corrected by the ledger and the re-check."""
-        if self.status not in ("survived", "timeout"):
+        if self.status not in RECHECKED:
             return self.status
         if self.recheck in ("killed", "timeout"):
             return "killed"  # a failing test, or a suite that hangs even with minutes to spare
+        if self.status == "no tests" and self.recheck is None:
+            return "no tests"  # and no test the suite gained since covers it either
         if self.recheck is None and self.status == "timeout":
             return "timeout"  # mutmut's wall-clock limit, not re-checked: no verdict yet
         return "equivalent" if self.equivalent else "survived"
@@ -670,8 +677,8 @@ def _merge_into(path: Path, cache: dict[str, str]) -> None:
 def recheck(
     work: Path, mutants: list[Mutant], profile: str, timeout: float, only: str | None = None
 ) -> None:
-    """Run each survivor the ledger does not explain, and each timeout, again: its covering tests
-    under ``profile``, with ``timeout`` seconds of wall clock. Results are kept in the work folder
+    """Run each survivor the ledger does not explain, each timeout, and each mutant no test
+    called when the campaign recorded its coverage, again: its covering tests under ``profile``, with ``timeout`` seconds of wall clock. Results are kept in the work folder
     (keyed by mutant and change), so ``report`` does not redo them."""
     stats = json.loads((work / "mutants" / "mutmut-stats.json").read_text())
     tests_by_function = stats["tests_by_mangled_function_name"]
@@ -681,7 +688,7 @@ def recheck(
     cache_path = work / f"recheck-{profile}.json"
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     for m in mutants:
-        if m.status not in ("survived", "timeout") or m.equivalent:
+        if m.status not in RECHECKED or m.equivalent:
             continue
         if only is not None and not any(fnmatch.fnmatch(m.name, g) for g in only.split(",")):
             continue
@@ -690,6 +697,8 @@ def recheck(
             # The suite's newer tests first: they were added to kill survivors, and the run
             # stops at the first failure.
             tests = new_tests + sorted(tests_by_function.get(m.function, ()))
+            if not tests:
+                continue  # still nothing calls it
             env = campaign_env(work) | {"MUTANT_UNDER_TEST": m.name}
             cmd = [sys.executable, "-m", "pytest", *pytest_args(profile), *tests]
             try:
@@ -782,7 +791,7 @@ def report(
     recheck_only: str | None = None,
 ) -> tuple[str, float]:
     mutants = load_results(work, chosen.targets)
-    wanted = [m.name for m in mutants if m.status in ("survived", "timeout")]
+    wanted = [m.name for m in mutants if m.status in RECHECKED]
     changes = mutant_changes(work, [*wanted, *(name for name, _ in chosen.expected)])
     for m in mutants:
         m.change = changes.get(m.name, ())
