@@ -286,10 +286,12 @@ class MaterializationProbe(Protocol):
 
     def fail_build(self, number: int, error: BaseException) -> None: ...
 
+    # The threads the subject's background builds ran on, as the subject records them.
     def builder_threads(self) -> set[int]: ...
 
     # Optional: ``build_threads``, the thread id of every build call as the probe saw it (the
-    # check then does not take the subject's word for where builds ran).
+    # check then does not take the subject's word for where builds ran, and, in a run without
+    # a fault, holds ``builder_threads()`` to naming every one of them).
     # Optional: ``fail_request(request_id, error)`` makes every build whose batch holds that
     # request raise ``error`` (a fault that persists, for the C-54 recovery property); a probe
     # without it leaves that property not applicable.

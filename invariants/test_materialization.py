@@ -32,7 +32,7 @@ What can fail, and why:
 
 Not applicable to a subject without a real worker and runner probes. Positive controls: mutants
 ``background_no_snapshot``, ``builder_error_swallowed``, ``connector_collected_on_builder``,
-``background_build_never_runs``, ``recovery_fails_whole_step``.
+``background_build_never_runs``, ``builder_threads_unrecorded``, ``recovery_fails_whole_step``.
 """
 
 from __future__ import annotations
@@ -219,6 +219,13 @@ def check_threads_and_errors(workload: list[Job], fail_at: int, subject: Any) ->
         assert main not in observed, (
             f"C-54: {observed.count(main)} of {len(observed)} builds ran on the calling thread "
             "in a run without any fault: the background builder path failed and recovery hid it"
+        )
+        # The subject's record of its builder threads is what the check above the probe's
+        # reads: it must name the threads the builds ran on, or that check passes vacuously.
+        unrecorded = set(observed) - probe.builder_threads()
+        assert not unrecorded, (
+            f"C-54: builds ran on {len(unrecorded)} thread(s) the subject's builder_threads() "
+            "does not name"
         )
     if fail_at and probe.builds >= fail_at and not raised:
         assert recovered, f"C-54: the builder error of build {fail_at} was lost"

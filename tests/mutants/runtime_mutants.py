@@ -591,6 +591,23 @@ def _background_one_build_slot():
     return _patch(materialize.BackgroundMaterializer, "finish", make)
 
 
+def _builder_threads_unrecorded():
+    """C-54: the background materializer no longer records the threads its builds run on, so
+    the gate's check that no build ran on the caller reads an empty record."""
+    import omni_runtime.worker.materialize as materialize
+
+    def make(orig: Any) -> Any:
+        def _build(self: Any, *args: Any) -> Any:
+            try:
+                return orig(self, *args)
+            finally:
+                self.builder_thread_ids.clear()
+
+        return _build
+
+    return _patch(materialize.BackgroundMaterializer, "_build", make)
+
+
 def _trim_loses_kept_rows():
     """C-45: trimming rows already delivered also drops the rows it should keep (the payload
     keeps its positions, not its hidden rows)."""
@@ -1337,6 +1354,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "lockstep-hidden-background-async",
         "an uncollected background output reads the last build submitted, not its own step's",
         _background_one_build_slot,
+    ),
+    Mutant(
+        "builder_threads_unrecorded",
+        "C-54",
+        "builder-errors",
+        "the materializer's record of its builder threads stays empty",
+        _builder_threads_unrecorded,
     ),
     Mutant(
         "recovery_fails_whole_step",
