@@ -92,11 +92,43 @@ class Outcome:
     # outputs carried (sorted pairs, None for none).
     sent: dict[str, tuple[tuple[str, str], ...] | None] = field(default_factory=dict)
     carried: dict[str, set[tuple[tuple[str, str], ...] | None]] = field(default_factory=dict)
+    # The chunks each request sent downstream (``ChunkView``s), for a subject that delivers them.
+    chunks: dict[str, list[Any]] = field(default_factory=dict)
 
     def admitted(self, op: Any) -> None:
         """Note an ``AddRequest`` the run admits (its trace headers, for ``header_problems``)."""
         headers = op.trace_headers  # in the form ``vc.output_trace_headers`` reads an output's
         self.sent[op.request_id] = None if headers is None else tuple(sorted(headers))
+
+    def record_chunks(self, subject: Any, scheduler: Any) -> None:
+        """The chunks the step sent (``Subject.drain_chunks``), where the subject delivers any."""
+        delivery = subject.chunk_delivery()
+        if delivery is None:
+            return
+        for chunk in subject.drain_chunks(scheduler):
+            view = delivery.view(chunk)
+            self.chunks.setdefault(view.request_id, []).append(view)
+
+    def chunk_problems(self, final_here: Mapping[str, bool], clause: str) -> list[str]:
+        """C-42/C-43 over the run: a request that ends at this stage sent no chunk; every other
+        one exactly one EOF, as its last chunk, its chunks numbered from 0 (under ``clause``, the
+        clause that makes the request's end go downstream)."""
+        problems = []
+        for rid in self.terminal:
+            views = sorted(self.chunks.get(rid, []), key=lambda v: v.seq)
+            if final_here.get(rid):
+                if views:
+                    problems.append(f"C-42: {rid} ends at this stage, yet sent {len(views)} chunks")
+                continue
+            ends = [v for v in views if v.is_final]
+            how = " (it failed)" if self.terminal[rid] == ["error"] else ""
+            if len(ends) != 1 or not views[-1].is_final:
+                problems.append(f"{clause}: {rid}{how} got {len(ends)} EOF chunks of {len(views)}")
+            elif [v.seq for v in views] != list(range(len(views))):
+                problems.append(
+                    f"{clause}: {rid}{how}'s chunks are numbered {[v.seq for v in views]}"
+                )
+        return problems
 
     def record(self, outputs: Mapping[int, Any] | None, cause_field: str) -> None:
         """One step's outputs (``Subject.receive_outputs``'s result)."""

@@ -24,7 +24,9 @@ may carry no chunk at all, and the victim's error output then joins plain step o
 
 Every request is sent with trace headers, and every output of it, the victim's error output
 included, must carry them, as upstream's outputs do (C-07 in the fault-free run, C-61 in the
-faulted one).
+faulted one). For a subject that delivers chunks, every request's end goes downstream, the
+victim's error included: one EOF as its last chunk, chunks numbered from 0 (C-43; C-61 in the
+faulted run), and none for a request that ends at this stage (C-42).
 
 A fault that escapes the worker (``execute_model``/``sample_tokens`` raising) fails the check:
 under vLLM's ``EngineCore`` such a step fails every request in it. A subject that does not
@@ -36,7 +38,8 @@ Positive controls: mutants ``pinned_fault_fails_whole_step`` (the runtime pins a
 request of the step instead of the one that causes it), ``error_cause_dropped`` (the failed
 request's error output carries no cause, for a subject that names its ``cause_field``),
 ``error_output_replaces_step_outputs`` (the error output replaces the step's other outputs) and
-``error_output_drops_trace_headers`` (the error output carries no trace headers).
+``error_output_drops_trace_headers`` (the error output carries no trace headers) and
+``failed_request_eof_discarded`` (a stage process drops the victim's error EOF).
 """
 
 from __future__ import annotations
@@ -119,6 +122,7 @@ def _drain(
         outcome.steps += 1
         # What the engine's caller receives: the cause must survive whatever the outputs cross.
         outcome.record(received_outputs(subject, scheduler, obs.outputs), cause_field)
+        outcome.record_chunks(subject, scheduler)
 
 
 def run_workload(
@@ -283,8 +287,11 @@ def check_fault_stays_with_its_request(
         f"C-61: {victim}'s prompt, run again after its fault, gives {got_again.tokens} and "
         f"{clean_again.tokens} after a fault-free run: a prefix-cache hit on KV never written"
     )
-    # A failed request's error output is an output of it like any other (C-61).
+    # A failed request's error output is an output of it like any other (C-61), and its end
+    # goes downstream like any other: one EOF, as its last chunk (C-43).
+    here_only = {rid: finals[rid] is not None for rid in prompts}
     problems = clean.header_problems("C-07") + got.header_problems("C-61")
+    problems += clean.chunk_problems(here_only, "C-43") + got.chunk_problems(here_only, "C-61")
     assert not problems, "; ".join(problems)
     return clean.steps + got.steps
 

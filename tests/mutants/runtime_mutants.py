@@ -1098,6 +1098,25 @@ def _abort_keeps_unsent_chunks():
     return _on_process_stage(_patch(ShmChunkWriter, "discard", lambda _orig: lambda self: None))
 
 
+def _failed_request_eof_discarded():
+    """C-61/C-43: the stage process drops its writer's unsent chunks on every finish, also the
+    one inside a step where a request the worker pinned a fault on is failed: the error EOF the
+    transfer adapter just wrote for it never crosses, and downstream waits for that request
+    forever."""
+    from omni_runtime.sched.process_stage import ProcessStageScheduler
+
+    def make(orig: Any) -> Any:
+        def finish_requests(self: Any, request_ids: Any, finished_status: Any) -> Any:
+            finished = orig(self, request_ids, finished_status)
+            if self.writer is not None:
+                self.writer.discard()
+            return finished
+
+        return finish_requests
+
+    return _on_process_stage(_patch(ProcessStageScheduler, "finish_requests", make))
+
+
 def _slot_bool_tensor_as_bytes():
     """C-46: the stage process rebuilds a boolean tensor of a request's slot as uint8 (its wire
     bytes are the same, its dtype is not)."""
@@ -1522,6 +1541,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "chunk-contracts",
         "a step's chunks without outputs go on a message for a client the stage does not have",
         _chunks_to_a_client_nobody_is,
+    ),
+    Mutant(
+        "failed_request_eof_discarded",
+        "C-61",
+        "fault-containment",
+        "a stage process drops the error EOF of a request failed inside a step",
+        _failed_request_eof_discarded,
     ),
     Mutant(
         "segments_outside_the_prefix",
