@@ -44,6 +44,9 @@ class HarnessConfig:
     additional_config: dict[str, Any] = field(default_factory=dict)
     # Ids the token source samples at a fixed share of positions (``Feature.token_edges``).
     token_edges: tuple[int, ...] = ()
+    # Draft tokens per step (speculative decoding, sync only): vLLM schedules what the token
+    # source drafted and the source verifies them (``conformance.tokens``). 0: off.
+    num_speculative_tokens: int = 0
 
     def with_(self, **changes: Any) -> HarnessConfig:
         return replace(self, **changes)
@@ -132,6 +135,19 @@ def build_vllm_config(
         additional_config=dict(cfg.additional_config),
     )
     vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks
+    if cfg.num_speculative_tokens:
+        from vllm.config import SpeculativeConfig
+
+        # n-gram: a method that needs no draft model. The harness's token source drafts in its
+        # place; the scheduler only reads how many drafts a step may carry.
+        vllm_config.speculative_config = SpeculativeConfig(
+            method="ngram",
+            num_speculative_tokens=cfg.num_speculative_tokens,
+            prompt_lookup_min=1,
+            prompt_lookup_max=cfg.num_speculative_tokens,
+            target_model_config=model_config,
+            target_parallel_config=vllm_config.parallel_config,
+        )
     return vllm_config
 
 

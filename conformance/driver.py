@@ -95,7 +95,14 @@ class SyncDriver:
         so = sched.schedule()
         scheduled = observe_schedule(so)
         mro = collect(submit(self.executor, so))
-        return StepObservation(scheduled, sched.update_from_output(so, mro), True)
+        outputs = sched.update_from_output(so, mro)
+        if so.total_num_scheduled_tokens and sched.vllm_config.speculative_config is not None:
+            # ``EngineCore.post_step``: the drafts for the next step, after the update.
+            take = getattr(self.executor, "take_draft_token_ids", None)
+            drafts = take() if take is not None else None
+            if drafts is not None:
+                sched.update_draft_token_ids(drafts)
+        return StepObservation(scheduled, outputs, True)
 
     def in_flight(self) -> int:
         return 0

@@ -183,7 +183,9 @@ def make_side(subject: Subject, cfg: HarnessConfig, worker: Subject | None) -> S
         executor = WorkerExecutor(worker.make_worker(cfg))
     else:
         vocab = int(cfg.model_shape().get("vocab_size", 512))
-        executor = DeterministicTokenSource(vocab=vocab, edges=cfg.token_edges)
+        executor = DeterministicTokenSource(
+            vocab=vocab, edges=cfg.token_edges, num_drafts=cfg.num_speculative_tokens
+        )
     return Side(subject, scheduler, make_driver(scheduler, executor), executor)
 
 

@@ -13,6 +13,14 @@ token, so stop handling (and, under async scheduling, the wasted step after a st
 Where the configuration names token edges (``HarnessConfig.token_edges``: ids where the subject's
 handling changes, such as the ends of a codec vocabulary), one position in ``EDGE_PERIOD`` samples
 one of them instead, which a uniform draw over the vocabulary rarely or never does.
+
+Under speculative decoding (``HarnessConfig.num_speculative_tokens``) the source is also the
+drafter: after each step it proposes, for every request that sampled, the next tokens
+(``take_draft_token_ids``, which ``EngineCore.post_step`` reads), each one right or wrong by a
+fixed hash of its position, and when a step verifies the drafts vLLM scheduled it accepts the
+longest right prefix and samples one token after it, as a rejection sampler with a greedy target
+does. Every token is still the pure function of (request id, position) above, so how many drafts
+a step accepts depends only on the positions, on both sides alike.
 """
 
 from __future__ import annotations
@@ -29,6 +37,9 @@ STOP_PERIOD = 7
 EOS_PERIOD = 11
 # One position in EDGE_PERIOD samples a token edge, where the configuration names any.
 EDGE_PERIOD = 5
+# One draft in DRAFT_MISS_PERIOD is wrong (and with it the rest of its step's drafts): steps
+# accept anything from none to all of their drafts.
+DRAFT_MISS_PERIOD = 3
 
 
 def token_at(request_id: str, position: int, vocab: int = 512) -> int:
@@ -45,12 +56,18 @@ class _ReqView:
 
 class DeterministicTokenSource:
     def __init__(
-        self, vocab: int = 512, stop_period: int = STOP_PERIOD, edges: tuple[int, ...] = ()
+        self,
+        vocab: int = 512,
+        stop_period: int = STOP_PERIOD,
+        edges: tuple[int, ...] = (),
+        num_drafts: int = 0,
     ) -> None:
         self.vocab = vocab
         self.stop_period = stop_period
         self.edges = tuple(t for t in edges if 0 <= t < vocab)
+        self.num_drafts = num_drafts
         self._reqs: dict[str, _ReqView] = {}
+        self._drafted: list[str] = []  # the last step's requests, in its order
 
     def choose(self, view: _ReqView, request_id: str, position: int) -> int:
         h = zlib.crc32(f"stop:{request_id}:{position}".encode())
@@ -88,20 +105,51 @@ class DeterministicTokenSource:
                 view.num_tokens = len(all_ids)
 
         req_ids = list(so.num_scheduled_tokens)
+        drafts = vc.scheduled_drafts(so)
         sampled: list[list[int]] = []
         for rid in req_ids:
             view = self._reqs.get(rid)
-            end = computed.get(rid, 0) + so.num_scheduled_tokens[rid]
+            # Drafts sit at the end of what is scheduled: the step verifies them.
+            proposed = drafts.get(rid, ())
+            end = computed.get(rid, 0) + so.num_scheduled_tokens[rid] - len(proposed)
             if view is None or end < view.num_tokens:
                 sampled.append([])  # partial prefill chunk: nothing to sample yet
                 continue
-            sampled.append([self.choose(view, rid, end)])
-            view.num_tokens = end + 1
+            ids = [self.choose(view, rid, end)]
+            for draft in proposed:
+                if draft != ids[-1]:
+                    break
+                ids.append(self.choose(view, rid, end + len(ids)))
+            sampled.append(ids)
+            view.num_tokens = end + len(ids)
+        self._drafted = req_ids
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
         )
+
+    @harness_code
+    def take_draft_token_ids(self) -> Any:
+        """The drafts for the next step of every request the last step ran (none for a partial
+        prefill): the next ``num_drafts`` tokens, the first wrong one where the position's hash
+        says so. None without speculative decoding, as a worker without a drafter returns."""
+        if not self.num_drafts:
+            return None
+        drafts: list[list[int]] = []
+        for rid in self._drafted:
+            view = self._reqs.get(rid)
+            proposed: list[int] = []
+            if view is not None:
+                for k in range(self.num_drafts):
+                    position = view.num_tokens + k
+                    token = self.choose(view, rid, position)
+                    if zlib.crc32(f"draft:{rid}:{position}".encode()) % DRAFT_MISS_PERIOD == 0:
+                        proposed.append(3 + (token + 1 - 3) % (self.vocab - 3))
+                        break
+                    proposed.append(token)
+            drafts.append(proposed)
+        return vc.draft_token_ids(self._drafted, drafts)
 
     def live_ids(self) -> set[str]:
         return set(self._reqs)

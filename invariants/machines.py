@@ -358,10 +358,19 @@ def raise_failure(outcome: MachineOutcome, run: MachineRun | None = None) -> Non
 
 
 def lockstep_run(
-    recorder: Any, subject: Any, feature: Feature, name: str, *, mode: str, prefix: bool, **kw: Any
+    recorder: Any,
+    subject: Any,
+    feature: Feature,
+    name: str,
+    *,
+    mode: str,
+    prefix: bool,
+    speculative: int = 0,
+    **kw: Any,
 ) -> MachineRun:
-    """The run of a lock-step property of ``feature`` under ``harness_config(feature, ...)``."""
-    cfg = harness_config(feature, mode=mode, prefix=prefix)
+    """The run of a lock-step property of ``feature`` under ``harness_config(feature, ...)``,
+    with ``speculative`` draft tokens per step (sync scheduling only, as vLLM's engine)."""
+    cfg = harness_config(feature, mode=mode, prefix=prefix, num_speculative_tokens=speculative)
     return MachineRun(recorder, subject, feature, cfg, name, **kw)
 
 

@@ -20,6 +20,11 @@ What can fail, and why:
 * at teardown, after draining: free blocks back to the initial count and no request held (C-06),
   every request the subject accepted ended with a terminal outcome (C-62),
   and the chunk ledger (C-40..C-45, C-51, C-55) for features with a downstream;
+* ``test_lockstep_parity_speculative``: the same under speculative decoding (sync, as vLLM's
+  engine drives it): the harness's token source drafts up to ``SPEC_DRAFTS`` tokens per step and
+  verifies the drafts vLLM scheduled, so steps accept several tokens of a request at once (a
+  processor that asks for token updates gets them as one list) and reject the rest (the
+  scheduler takes its computed positions back);
 * ``test_model_parity_with_reference``: greedy tokens of the subject's real worker differ from
   its independent model reference (C-08), under chunked prefill, preemption, prefix caching
   on/off and both scheduling modes.
@@ -49,6 +54,9 @@ pytestmark = [pytest.mark.invariants]
 # Together they compare well over 20,000 lock-step steps within the ci time budget.
 CI_EXAMPLES = 50
 CI_EXAMPLES_WORKER = 12
+# Draft tokens per step, and examples per token-source feature, under speculative decoding.
+SPEC_DRAFTS = 3
+CI_EXAMPLES_SPEC = 25
 
 
 # The audit clauses (C-10..C-12, C-21, C-30..C-55) are credited only when the subject declared
@@ -63,6 +71,28 @@ def test_lockstep_parity(request, conformance, conformance_subject, feature, mod
     outcome = run_machine(run, suite_settings(budget))
     covers(request.node, run.clauses)
     raise_failure(outcome, run)
+
+
+@pytest.mark.clauses("C-01", "C-02", "C-04", "C-05", "C-06", "C-07", "C-20", "C-62")
+@pytest.mark.parametrize("prefix", [True, False], ids=["prefix", "noprefix"])
+def test_lockstep_parity_speculative(request, conformance, conformance_subject, prefix):
+    """Every token-source feature (a real worker drafts nothing) under speculative decoding."""
+    clauses: set[str] = set()
+    for feature in features_of(conformance_subject, worker=False):
+        name = f"AR-INV-001-{feature.name}-spec{SPEC_DRAFTS}-{prefix}"
+        run = lockstep_run(
+            conformance,
+            conformance_subject,
+            feature,
+            name,
+            mode="sync",
+            prefix=prefix,
+            speculative=SPEC_DRAFTS,
+        )
+        outcome = run_machine(run, suite_settings(CI_EXAMPLES_SPEC))
+        clauses |= set(run.clauses)
+        raise_failure(outcome, run)
+    covers(request.node, clauses)
 
 
 @pytest.mark.clauses("C-08")

@@ -153,6 +153,37 @@ def test_token_edges_are_sampled_and_replay_from_a_trace_config():
     assert HarnessConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
 
 
+def test_speculative_decoding_changes_steps_not_tokens():
+    """Drafting and verifying must leave every request's tokens what one token a step gives
+    (tokens are a function of position), while steps accept several and reject some."""
+    from conformance.driver import SyncDriver
+
+    def run(drafts: int) -> tuple[dict[str, list[int]], list[int]]:
+        cfg = HarnessConfig(num_speculative_tokens=drafts)
+        sched = UpstreamSubject().build_scheduler(cfg)
+        for rid, n, stop in (("a", 20, ()), ("b", 33, (5, 6)), ("c", 5, ())):
+            op = AddRequest(rid, tuple(range(10, 10 + n)), max_tokens=24, stop_token_ids=stop)
+            sched.add_request(UpstreamSubject().make_request(op, list(op.prompt), cfg, sched, 0.0))
+        driver = SyncDriver(sched, DeterministicTokenSource(num_drafts=drafts))
+        tokens: dict[str, list[int]] = {}
+        per_step: list[int] = []
+        while sched.has_requests():
+            for eco in (driver.step().outputs or {}).values():
+                for out in eco.outputs:
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                    per_step.append(len(out.new_token_ids))
+        return tokens, per_step
+
+    plain, one_each = run(0)
+    spec, several = run(3)
+    assert spec == plain
+    assert max(one_each) == 1 and max(several) == 4  # three drafts accepted, plus one sampled
+    assert len(several) < len(one_each)
+    # A replayed trace drafts as its run did.
+    cfg = HarnessConfig(num_speculative_tokens=3)
+    assert HarnessConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
 def test_schedule_snapshot_is_copied_right_away():
     sched = _scheduler(HarnessConfig())
     _add(sched, "a", 20)

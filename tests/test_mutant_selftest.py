@@ -82,12 +82,16 @@ def _feature(subject: Any, name: str) -> Any:
     return {f.name: f for f in features_of(subject)}[name]
 
 
-def _machine_probe(feature_name: str, mode: str = "sync", prefix: bool = True):
+def _machine_probe(
+    feature_name: str, mode: str = "sync", prefix: bool = True, speculative: int = 0
+):
     def probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
         from invariants.machines import LocalRecorder, MachineRun, harness_config, run_machine
 
         feature = _feature(subject, feature_name)
-        config = harness_config(feature, mode=mode, prefix=prefix)
+        config = harness_config(
+            feature, mode=mode, prefix=prefix, num_speculative_tokens=speculative
+        )
         run = MachineRun(LocalRecorder(subject), subject, feature, config, f"mutant-{feature_name}")
         outcome = run_machine(run, cfg)
         return _failure(outcome.error), outcome.ops
@@ -294,6 +298,7 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     "lockstep-token-updates": _machine_probe("token-updates"),
     "lockstep-hidden-inline": _machine_probe("hidden-inline"),
     "lockstep-hidden-background-async": _machine_probe("hidden-background", mode="async"),
+    "lockstep-speculative": _machine_probe("token-updates", speculative=3),
     "chunk-contracts": _chunk_probe,
     "chunk-reset-in-flight": _reset_in_flight_probe,
     "malformed-inputs": _malformed_probe,

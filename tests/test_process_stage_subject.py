@@ -79,6 +79,12 @@ def test_lockstep_parity(subject, feature, mode, prefix):
     )
 
 
+def test_lockstep_parity_speculative(subject):
+    from invariants.test_ar_inv_001_parity import test_lockstep_parity_speculative as suite
+
+    suite(_request_node(), LocalRecorder(subject), subject, True)
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("feature", WORKER_FEATURES)
 def test_lockstep_parity_with_the_worker(subject, feature, mode):

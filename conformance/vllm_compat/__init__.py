@@ -13,11 +13,13 @@ its public surface. Supporting another vLLM release is a change inside this pack
 
 from conformance.vllm_compat.scheduler_output import (
     computed_before,
+    draft_token_ids,
     finished_ids,
     prompt_length,
     resumed_all_token_ids,
     resumed_ids,
     schedule_fields,
+    scheduled_drafts,
 )
 from conformance.vllm_compat.state import (
     ADMISSION_QUEUES,
@@ -76,11 +78,13 @@ __all__ = [
     "block_table",
     "check_vllm",
     "computed_before",
+    "draft_token_ids",
     "finished_ids",
     "prompt_length",
     "resumed_all_token_ids",
     "resumed_ids",
     "schedule_fields",
+    "scheduled_drafts",
     "environment_versions",
     "finish_reason_name",
     "finished_unreported",

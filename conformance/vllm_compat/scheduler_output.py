@@ -68,3 +68,16 @@ def resumed_all_token_ids(so: Any, request_id: str) -> list[int] | None:
     one not scheduled in the step before (None when the output carries none for it)."""
     got = so.scheduled_cached_reqs.all_token_ids.get(request_id)
     return None if got is None else list(got)
+
+
+def scheduled_drafts(so: Any) -> dict[str, list[int]]:
+    """Per request, the draft tokens the step verifies, scheduled after its other positions
+    (``scheduled_spec_decode_tokens``; empty without speculative decoding)."""
+    return {rid: list(ids) for rid, ids in so.scheduled_spec_decode_tokens.items() if ids}
+
+
+def draft_token_ids(req_ids: list[str], drafts: list[list[int]]) -> Any:
+    """A drafter's proposals after a step, as ``Scheduler.update_draft_token_ids`` takes them."""
+    from vllm.v1.outputs import DraftTokenIds
+
+    return DraftTokenIds(list(req_ids), drafts)

@@ -608,6 +608,24 @@ def _builder_threads_unrecorded():
     return _patch(materialize.BackgroundMaterializer, "_build", make)
 
 
+def _batch_counts_dropped():
+    """C-40: the transfer adapter's batch call leaves out how many ids each request accepted, as
+    if every step accepted one: under speculative decoding a step accepts several tokens of a
+    request, and a batching processor then streams only some of them, to the wrong requests."""
+    from omni_runtime.sched.transfer import ChunkTransferAdapter
+
+    def make(orig: Any) -> Any:
+        def _run_batch(self: Any, batch: Any, *args: Any) -> Any:
+            def one_each(request_ids: Any, token_ids: Any, counts: Any = None) -> Any:
+                return batch(request_ids, token_ids, None)
+
+            return orig(self, one_each, *args)
+
+        return _run_batch
+
+    return _patch(ChunkTransferAdapter, "_run_batch", make)
+
+
 def _trim_loses_kept_rows():
     """C-45: trimming rows already delivered also drops the rows it should keep (the payload
     keeps its positions, not its hidden rows)."""
@@ -1366,6 +1384,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "builder-errors",
         "background builds always fail and recovery silently rebuilds them on the caller",
         _background_build_never_runs,
+    ),
+    Mutant(
+        "batch_counts_dropped",
+        "C-40",
+        "lockstep-speculative",
+        "the batch call to a processor says nothing of steps that accepted several ids",
+        _batch_counts_dropped,
     ),
     Mutant(
         "background_one_build_slot",
