@@ -293,6 +293,16 @@ def _batching_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, 
     )(subject, cfg)
 
 
+def _staged_aborts_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
+    """What ``tests/test_process_stage_subject.py::test_an_abort_meets_requests_still_staged``
+    checks (the process-stage subject only: staging is that runtime's)."""
+    from tests.test_process_stage_subject import check_staged_aborts, staged_aborts
+
+    return _given_probe(staged_aborts(), check_staged_aborts, lambda v: v[0] + len(v[1]))(
+        subject, cfg
+    )
+
+
 PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     "lockstep-off": _machine_probe("off"),
     "lockstep-token-updates": _machine_probe("token-updates"),
@@ -322,6 +332,7 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     "send-path-faults": _send_path_faults_probe,
     "processor-batching": _batching_probe,
     "stage-inputs-cross": _stage_inputs_probe,
+    "staged-aborts": _staged_aborts_probe,
 }
 
 

@@ -31,6 +31,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from conformance.capabilities import features_of
 from conformance.subjects import load_subject
@@ -227,3 +229,72 @@ def test_an_int_the_wire_cannot_carry_is_refused_at_the_adapter(subject, value):
     )
     subject.admit(scheduler, request)
     assert dict(scheduler.requests["edge"].omni.additional_information) == edge
+
+
+
+# An abort's request ids: everything (None), or some of the staged ids and one nobody admitted.
+UNKNOWN_ID = "never-admitted"
+
+
+@st.composite
+def staged_aborts(draw: Any) -> tuple[int, list[Any], int]:
+    """``n`` requests staged, then aborts (``None``, one id as a string, or a list of ids, some
+    maybe not staged), then ``late`` more staged before an abort of everything."""
+    n = draw(st.integers(1, 5))
+    ids = st.sampled_from([*(f"s{i}" for i in range(n)), UNKNOWN_ID])
+    one_abort = st.one_of(ids, st.lists(ids, min_size=1, max_size=3), st.none())
+    aborts = draw(st.lists(one_abort, max_size=3))
+    return n, aborts, draw(st.integers(0, 2))
+
+
+def check_staged_aborts(value: tuple[int, list[Any], int], subject: Any) -> None:
+    """C-04 where the lock-step sessions cannot reach (the subject releases each admission at
+    once, so that queues compare with upstream's): ``MPStageEngine`` releases a step's admissions
+    only when it steps, so an abort that arrives first meets them staged. Each abort takes
+    exactly its ids out of the stage (one id given as a string is one id), an abort of everything
+    (``None``) every staged one; the rest enter upstream's queue on release, in arrival order,
+    and nothing of an aborted request is left anywhere."""
+    from vllm.v1.request import RequestStatus
+
+    n, aborts, late = value
+    feature = _feature(subject, "token-updates")
+    cfg = harness_config(feature, mode="sync", prefix=True)
+    scheduler = subject.build_scheduler(cfg)
+
+    def stage(ids: list[str]) -> None:
+        for i, rid in enumerate(ids):
+            prompt = list(range(100 + i, 120 + i))
+            op = AddRequest(rid, tuple(prompt), max_tokens=3)
+            # The stage's own add: what the engine process does with an admission message.
+            scheduler.add_request(subject.make_request(op, prompt, cfg, scheduler, float(i)))
+
+    staged = [f"s{i}" for i in range(n)]
+    stage(staged)
+    for ids in aborts:
+        scheduler.finish_requests(ids, RequestStatus.FINISHED_ABORTED)
+        gone = set(staged) if ids is None else {ids} if isinstance(ids, str) else set(ids)
+        staged = [rid for rid in staged if rid not in gone]
+        held = scheduler("audit")["staged"]
+        assert held == sorted(staged), f"C-04: after abort({ids!r}) staged {held}, not {staged}"
+    released = scheduler("release")
+    assert released == len(staged), f"C-04: released {released}, staged {staged}"
+    queued = [r.request_id for r in scheduler.waiting]
+    assert queued == staged, f"C-04: the queue after release is {queued}, not {staged}"
+    assert sorted(scheduler.requests) == sorted(staged), "C-04: an aborted request was queued"
+    stage([f"late{i}" for i in range(late)])
+    scheduler.finish_requests(None, RequestStatus.FINISHED_ABORTED)
+    left = scheduler("audit")["staged"]
+    assert left == [], f"C-04: an abort of everything left {left} staged"
+    assert scheduler("release") == 0, "C-04: a release after an abort of everything queued some"
+    assert not scheduler.requests and not scheduler.waiting, "C-04: requests outlived abort(None)"
+
+
+def test_an_abort_meets_requests_still_staged(subject):
+    """Aborts that meet staged requests take exactly theirs (``check_staged_aborts``)."""
+
+    @suite_settings(25)
+    @given(staged_aborts())
+    def run(value: tuple[int, list[Any], int]) -> None:
+        check_staged_aborts(value, subject)
+
+    run()

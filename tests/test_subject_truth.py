@@ -37,7 +37,9 @@ SUITE = ROOT / "invariants"
 WORKER = "worker"  # the pseudo-capability ``require_worker`` checks (``has_worker()``)
 # The capability hooks a subject may leave at None (``conformance.capabilities``).
 HOOKS = (WORKER, *CAPABILITY_HOOKS)
-LOCKSTEP_TESTS = {"test_lockstep_parity", "test_runtime_audit"}
+# The lock-step comparisons (plain and under speculative decoding) and the runtime audit: the
+# only tests that can see a bug in queue order.
+LOCKSTEP_TESTS = {"test_lockstep_parity", "test_lockstep_parity_speculative", "test_runtime_audit"}
 FIELD_PREFIXES = ("queues.", "sched_out.", "requests.")
 NOT_APPLICABLE = ("not_applicable", "skipped")
 # What a report says when it lost the reason: not a reason.
@@ -130,8 +132,8 @@ def test_needs_are_read_from_the_suite():
     needs = capability_needs()
     seen = {hook for hooks in needs.values() for hook in hooks}
     assert set(HOOKS) - {"declared_attributes"} <= seen, (seen, needs)
-    lockstep = [hooks for (_, name), hooks in needs.items() if name == "test_lockstep_parity"]
-    assert lockstep and not any(lockstep), needs
+    lockstep = [hooks for (_, name), hooks in needs.items() if name.startswith("test_lockstep_")]
+    assert len(lockstep) >= 2 and not any(lockstep), needs
 
 
 # ---- reading the report (the gate runs through ``tests/conftest.py``'s ``run_check``) ------
@@ -333,7 +335,7 @@ def test_upstream_passes_and_reports_what_it_cannot_be_checked_for(tmp_path, run
     not_passed = [r["nodeid"] for r in runnable if r["outcome"] != "passed"]
     assert not not_passed, f"tests upstream can run did not pass: {not_passed}"
     ran = {node_key(r)[1] for r in runnable}
-    assert {"test_lockstep_parity", "test_runtime_audit"} <= ran, ran
+    assert LOCKSTEP_TESTS <= ran, ran
 
 
 @pytest.mark.slow

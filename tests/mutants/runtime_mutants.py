@@ -1135,6 +1135,25 @@ def _failed_request_eof_discarded():
     return _on_process_stage(_patch(ProcessStageScheduler, "finish_requests", make))
 
 
+
+def _staged_request_survives_abort():
+    """C-04: the stage process forwards an abort to upstream's scheduler only, and forgets the
+    requests it holds staged (admitted by the parent, not yet released into the queue): an
+    aborted request enters the queue at the next release and runs, for a client that gave it
+    up."""
+    from omni_runtime.sched.process_stage import ProcessStageScheduler
+
+    def make(orig: Any) -> Any:
+        def finish_requests(self: Any, request_ids: Any, finished_status: Any) -> Any:
+            staged = dict(self._staged)
+            finished = orig(self, request_ids, finished_status)
+            self._staged = staged
+            return finished
+
+        return finish_requests
+
+    return _on_process_stage(_patch(ProcessStageScheduler, "finish_requests", make))
+
 def _slot_bool_tensor_as_bytes():
     """C-46: the stage process rebuilds a boolean tensor of a request's slot as uint8 (its wire
     bytes are the same, its dtype is not)."""
@@ -1587,6 +1606,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "lockstep-token-updates",
         "an abort between steps leaves its EOF chunk in the writer; it crosses with the next step",
         _abort_keeps_unsent_chunks,
+    ),
+    Mutant(
+        "staged_request_survives_abort",
+        "C-04",
+        "staged-aborts",
+        "an abort that meets a request still staged in the stage process leaves it staged",
+        _staged_request_survives_abort,
     ),
     Mutant(
         "slot_bool_tensor_as_bytes",
