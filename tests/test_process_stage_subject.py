@@ -231,7 +231,6 @@ def test_an_int_the_wire_cannot_carry_is_refused_at_the_adapter(subject, value):
     assert dict(scheduler.requests["edge"].omni.additional_information) == edge
 
 
-
 # An abort's request ids: everything (None), or some of the staged ids and one nobody admitted.
 UNKNOWN_ID = "never-admitted"
 

@@ -1135,7 +1135,6 @@ def _failed_request_eof_discarded():
     return _on_process_stage(_patch(ProcessStageScheduler, "finish_requests", make))
 
 
-
 def _staged_request_survives_abort():
     """C-04: the stage process forwards an abort to upstream's scheduler only, and forgets the
     requests it holds staged (admitted by the parent, not yet released into the queue): an
@@ -1153,6 +1152,7 @@ def _staged_request_survives_abort():
         return finish_requests
 
     return _on_process_stage(_patch(ProcessStageScheduler, "finish_requests", make))
+
 
 def _slot_bool_tensor_as_bytes():
     """C-46: the stage process rebuilds a boolean tensor of a request's slot as uint8 (its wire
