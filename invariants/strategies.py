@@ -24,7 +24,7 @@ shapes of stage inputs from its ``InputAdapterProbe.spec``.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -273,44 +273,49 @@ def _embeds(n: int, *, dim: int, dtype: torch.dtype = torch.float32) -> torch.Te
     return torch.linspace(-1, 1, n * dim, dtype=torch.float64).reshape(n, dim).to(dtype)
 
 
+# Every defect ``malformed_inputs`` plants, one per input.
+MALFORMED_KINDS: tuple[str, ...] = (
+    "nan_embeds",
+    "inf_embeds",
+    "embeds_dtype",
+    "embeds_shape_1d",
+    "embeds_width",
+    "embeds_empty",
+    "both_prompts",
+    "no_prompt",
+    "empty_ids",
+    "negative_id",
+    "id_over_vocab",
+    "bool_id",
+    "float_id",
+    "ids_tensor_float",
+    "too_long",
+    "nan_conditioning",
+    "conditioning_not_tensor",
+    "info_nan",
+    "info_key",
+    "info_object",
+    "info_nan_tensor",
+    "info_not_mapping",
+    "info_big_int",
+    "info_list_object",
+    "final_unknown",
+    "final_before",
+    "max_tokens",
+    "empty_request_id",
+)
+
+
 @st.composite
-def malformed_inputs(draw: st.DrawFn, spec: StageInputSpec) -> Malformed:
-    """One defect in an otherwise valid input of ``spec``'s stage."""
+def malformed_inputs(
+    draw: st.DrawFn, spec: StageInputSpec, kinds: Sequence[str] = MALFORMED_KINDS
+) -> Malformed:
+    """One defect, of one of ``kinds``, in an otherwise valid input of ``spec``'s stage."""
     HIDDEN, VOCAB = spec.hidden_size, spec.vocab_size
     n = draw(st.integers(1, 8))
     pos = draw(st.integers(0, n - 1))
     ids = [10 + i for i in range(n)]
-    kind = draw(
-        st.sampled_from(
-            [
-                "nan_embeds",
-                "inf_embeds",
-                "embeds_dtype",
-                "embeds_shape_1d",
-                "embeds_width",
-                "embeds_empty",
-                "both_prompts",
-                "no_prompt",
-                "empty_ids",
-                "negative_id",
-                "id_over_vocab",
-                "bool_id",
-                "float_id",
-                "ids_tensor_float",
-                "too_long",
-                "nan_conditioning",
-                "conditioning_not_tensor",
-                "info_nan",
-                "info_key",
-                "info_object",
-                "info_nan_tensor",
-                "final_unknown",
-                "final_before",
-                "max_tokens",
-                "empty_request_id",
-            ]
-        )
-    )
+    kind = draw(st.sampled_from(kinds))
     kw: dict[str, Any] = {"prompt_token_ids": ids}
     fld = "prompt"
     if kind in ("nan_embeds", "inf_embeds"):
@@ -380,6 +385,18 @@ def malformed_inputs(draw: st.DrawFn, spec: StageInputSpec) -> Malformed:
         t[pos % 3] = float("nan")
         kw["additional_information"] = {"voice": t}
         fld = "additional_information['voice']"
+    elif kind == "info_not_mapping":
+        kw["additional_information"] = [("speaker", 0.5)]
+        fld = "additional_information"
+    elif kind == "info_big_int":
+        # vLLM's request codec (msgpack) carries integers of 64 bits, no more: one past that
+        # range cannot reach a stage in another process, so no stage may accept it.
+        big = draw(st.sampled_from([2**64, -(2**63) - 1, 2**80]))
+        kw["additional_information"] = {"seed": [1, big] if pos % 2 else big}
+        fld = "additional_information['seed']"
+    elif kind == "info_list_object":
+        kw["additional_information"] = {"tags": ["a", object()]}
+        fld = "additional_information['tags']"
     elif kind == "final_unknown":
         kw["final_stage_id"] = "no-such-stage"
         fld = "final_stage_id"

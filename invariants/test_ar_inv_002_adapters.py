@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 
 from conformance import vllm_compat as vc
 from conformance.capabilities import (
@@ -44,7 +44,7 @@ from conformance.capabilities import (
 )
 from conformance.subjects import admit_request
 from invariants.machines import check_machine, lockstep_run, suite_settings
-from invariants.strategies import Malformed, malformed_inputs
+from invariants.strategies import MALFORMED_KINDS, Malformed, malformed_inputs
 
 pytestmark = [pytest.mark.invariants]
 
@@ -133,13 +133,22 @@ def test_malformed_inputs_rejected_at_adapter(conformance_subject):
     probe = require(conformance_subject, "input_adapter", "input adapter")
     scheduler = probe.scheduler()
     check_wellformed_accepted(probe, scheduler)
+    check_every_defect(probe, scheduler, suite_settings(200))
 
-    @suite_settings(200)
-    @given(malformed_inputs(probe.spec))
-    def prop(case: Malformed) -> None:
-        check_malformed(case, probe, scheduler)
 
-    prop()
+def check_every_defect(probe: Any, scheduler: Any, budget: settings) -> None:
+    """``check_malformed`` over every defect kind, each in a run of its own with an equal share
+    of ``budget``'s examples (at least one): a single run drawing the kind among all of them
+    meets some kinds many times and others never (30 derandomized draws met 10 of 28)."""
+    share = max(1, budget.max_examples // len(MALFORMED_KINDS))
+    for kind in MALFORMED_KINDS:
+
+        @settings(budget, max_examples=share)
+        @given(malformed_inputs(probe.spec, kinds=(kind,)))
+        def prop(case: Malformed) -> None:
+            check_malformed(case, probe, scheduler)
+
+        prop()
 
 
 @pytest.mark.clauses("C-13", "C-60")

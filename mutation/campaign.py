@@ -682,6 +682,7 @@ def recheck(
     (keyed by mutant and change), so ``report`` does not redo them."""
     stats = json.loads((work / "mutants" / "mutmut-stats.json").read_text())
     tests_by_function = stats["tests_by_mangled_function_name"]
+    durations: dict[str, float] = stats["duration_by_test"]
     # Tests the campaign's stats do not know (added to the suite since, ``--refresh-suite``) may
     # cover any mutant: each re-check runs them too.
     new_tests = sorted(collect_tests(work) - set(stats["duration_by_test"]))
@@ -694,9 +695,12 @@ def recheck(
             continue
         key = f"{m.name} {' | '.join(m.change)}"
         if key not in cache:
-            # The suite's newer tests first: they were added to kill survivors, and the run
-            # stops at the first failure.
-            tests = new_tests + sorted(tests_by_function.get(m.function, ()))
+            # The suite's newer tests first: they were added to kill survivors. Then the
+            # covering tests quickest first (by the campaign's timings): the run stops at the
+            # first failure, and a kill by a quick property should not wait behind every
+            # lock-step machine the mutant also passes.
+            covering = tests_by_function.get(m.function, ())
+            tests = new_tests + sorted(covering, key=lambda t: (durations.get(t, 0.0), t))
             if not tests:
                 continue  # still nothing calls it
             env = campaign_env(work) | {"MUTANT_UNDER_TEST": m.name}

@@ -461,6 +461,27 @@ def _adapter_accepts_nan_embeds():
     return _patch(InputAdapter, "_prompt", make)
 
 
+def _info_list_items_unchecked():
+    """C-13: the input adapter checks each scalar of a request's additional information, but
+    takes a list whole: an object, a NaN or an integer past 64 bits inside one goes through to
+    the scheduler (and, for a stage in another process, into vLLM's request codec)."""
+    from types import MappingProxyType
+
+    from omni_runtime.adapters import InputAdapter
+
+    def make(orig: Any) -> Any:
+        def _additional(self: Any, rid: str, info: Any) -> Any:
+            if not isinstance(info, dict):
+                return orig(self, rid, info)
+            lists = {k: tuple(v) for k, v in info.items() if isinstance(v, list | tuple)}
+            rest = {k: v for k, v in info.items() if k not in lists}
+            return MappingProxyType({**orig(self, rid, rest), **lists})
+
+        return _additional
+
+    return _patch(InputAdapter, "_additional", make)
+
+
 def _rejection_message_blank():
     """C-13: the input adapter's rejection carries the request id and the field as attributes,
     but its message (what a client is shown) says only what was wrong."""
@@ -1235,6 +1256,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "malformed-inputs",
         "NaN/inf prompt embeds are silently cleaned instead of rejected",
         _adapter_accepts_nan_embeds,
+    ),
+    Mutant(
+        "info_list_items_unchecked",
+        "C-13",
+        "malformed-inputs",
+        "a list in a request's additional information is accepted without checking its items",
+        _info_list_items_unchecked,
     ),
     Mutant(
         "rejection_message_blank",
