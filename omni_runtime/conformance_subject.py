@@ -424,7 +424,8 @@ class OmniRunnerProbes:
         if graph is not None:
             stage.update(GRAPHS[graph])
         if multimodal:
-            stage["multimodal_outputs"] = ["logits"]
+            # One output every model has and one the model adds (``omni_output_producers``).
+            stage["multimodal_outputs"] = ["logits", "hidden_norm"]
         name = f"thinker-{include_hidden}-{full_prefix}-{materialization}-{graph}-{multimodal}"
         return Feature(name, {"omni_stage": stage}, use_worker=True)
 

@@ -258,6 +258,17 @@ class LlamaLM(nn.Module):
         """``[T, H] -> [T, vocab]``."""
         return self.lm_head(hidden)
 
+    def hidden_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, H] -> [T, 1]``: each position's final hidden state's L2 norm (a per-token
+        energy a downstream stage may condition on)."""
+        return torch.linalg.vector_norm(hidden, dim=-1, keepdim=True)
+
+    @property
+    def omni_output_producers(self) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+        """Per-token outputs, beyond ``logits``, that an omni stage may name in
+        ``multimodal_outputs``: each maps the step's final hidden rows [T, H] to [T, ...]."""
+        return {"hidden_norm": self.hidden_norm}
+
     # ---- cacheless reference path --------------------------------------------------------
     def forward_embeds(
         self, inputs_embeds: torch.Tensor, positions: torch.Tensor | None = None
