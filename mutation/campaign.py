@@ -653,6 +653,21 @@ def refresh_suite(work: Path) -> None:
             shutil.copy2(src, dest)
 
 
+def clean_run(work: Path, profile: str) -> None:
+    """Run the work folder's suite with no mutant active, under ``profile``: a refreshed suite
+    that fails on the unmutated runtime (a harness change the work folder's runtime copy lacks,
+    say) would count every mutant it covers as killed."""
+    env = campaign_env(work) | {"MUTANT_UNDER_TEST": ""}
+    cmd = [sys.executable, "-m", "pytest", *pytest_args(profile), "invariants", PROCESS_STAGE_TESTS]
+    proc = subprocess.run(cmd, cwd=work / "mutants", env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.splitlines()[-15:])
+        raise CampaignError(
+            f"the suite fails with no mutant active (exit {proc.returncode}); re-checks against "
+            f"it would count false kills:\n{tail}"
+        )
+
+
 def collect_tests(work: Path) -> set[str]:
     """The node ids of the invariant suite as it is in the work folder."""
     proc = subprocess.run(
@@ -691,12 +706,25 @@ def recheck(
     new_tests = sorted(collect_tests(work) - set(stats["duration_by_test"]))
     cache_path = work / f"recheck-{profile}.json"
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
+    # A kill under another profile is a kill under this one too (a covering test failed on the
+    # mutant, and every profile is derandomized): a quick ``smoke`` pass first spares the slow
+    # profile's run for every mutant it kills.
+    killed_elsewhere = {
+        key
+        for other in work.glob("recheck-*.json")
+        if other != cache_path
+        for key, verdict in json.loads(other.read_text()).items()
+        if verdict == "killed"
+    }
     for m in mutants:
         if m.status not in RECHECKED or m.equivalent:
             continue
         if only is not None and not any(fnmatch.fnmatch(m.name, g) for g in only.split(",")):
             continue
         key = f"{m.name} {' | '.join(m.change)}"
+        if key not in cache and key in killed_elsewhere:
+            m.recheck = "killed"
+            continue
         if key not in cache:
             # The suite's newer tests first: they were added to kill survivors. Then the
             # covering tests quickest first (by the campaign's timings): the run stops at the
@@ -721,6 +749,8 @@ def recheck(
         key = f"{m.name} {' | '.join(m.change)}"
         if m.recheck is None and key in cache:
             m.recheck = cache[key]
+        if m.recheck in (None, "survived") and key in killed_elsewhere:
+            m.recheck = "killed"
 
 
 # ---- the report -------------------------------------------------------------------------------
@@ -907,6 +937,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             chosen = SLICES[str(meta.get("slice"))]
         if args.refresh_suite:
             refresh_suite(args.work)
+            if recheck_profile:
+                clean_run(args.work, recheck_profile)
             meta["suite_refreshed_from"] = git_head()
             meta_path.write_text(json.dumps(meta, indent=1))
         meta["recheck"] = args.recheck + (f" ({args.recheck_only})" if args.recheck_only else "")
