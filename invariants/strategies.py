@@ -90,14 +90,18 @@ class RecordingProcessor:
         if self.policy == "tokens":
             return tuple(ids or ())
         if self.policy == "nested":
-            # Data of every shape a processor may hand over, each container holding the rest:
-            # what a stage process must carry across unchanged (C-46). A list at the top, not a
-            # dict: a dict is read as rows for the next stage.
+            # Data of every shape a processor may hand over, each container holding the rest
+            # (the step's payload inside each kind of container too): what a stage process must
+            # carry across unchanged (C-46). A list at the top, not a dict: a dict is read as
+            # rows for the next stage.
+            # A one-byte tensor first: the wire pads every tensor to its alignment, and a
+            # one-byte one is where padding that rounds down loses a whole slot.
             ids_tensor = torch.tensor(list(ids or ()), dtype=torch.long)
             return [
                 request_id,
-                (is_final, ids_tensor),
+                (is_final, torch.tensor([is_final]), ids_tensor, payload),
                 {"payload": payload, "ids": list(ids or ())},
+                [payload],
             ]
         return payload if payload is not None else ("eof" if is_final else "ids")
 
