@@ -27,6 +27,7 @@ Positive controls: mutants ``extra_request_attribute``, ``tensor_in_upstream_fie
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,14 @@ def check_malformed(case: Malformed, probe: Any, scheduler: Any) -> None:
         assert rid in text and field in text, (
             f"C-13: {case.describe()}: the error's message {text!r} does not name the request "
             f"{rid!r} and the field {field!r}"
+        )
+        # And it says what is wrong, in words of its own (any words: their wording is the
+        # subject's), not only the two names or a bare "None".
+        rest = text
+        for name in (rid, field, "None"):
+            rest = rest.replace(name, " ") if name else rest
+        assert re.search(r"[A-Za-z]{3,}", rest), (
+            f"C-13: {case.describe()}: the error's message {text!r} does not say what is wrong"
         )
     else:
         raise AssertionError(

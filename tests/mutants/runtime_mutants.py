@@ -461,6 +461,20 @@ def _adapter_accepts_nan_embeds():
     return _patch(InputAdapter, "_prompt", make)
 
 
+def _rejection_says_nothing():
+    """C-13: the input adapter's rejection names the request and the field, in its attributes
+    and its message, but drops the description of what is wrong."""
+    from omni_runtime.adapters.input import RequestRejected
+
+    def make(orig: Any) -> Any:
+        def __init__(self: Any, request_id: str, field_name: str, problem: str) -> None:
+            orig(self, request_id, field_name, None)
+
+        return __init__
+
+    return _patch(RequestRejected, "__init__", make)
+
+
 def _info_list_items_unchecked():
     """C-13: the input adapter checks each scalar of a request's additional information, but
     takes a list whole: an object, a NaN or an integer past 64 bits inside one goes through to
@@ -1256,6 +1270,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "malformed-inputs",
         "NaN/inf prompt embeds are silently cleaned instead of rejected",
         _adapter_accepts_nan_embeds,
+    ),
+    Mutant(
+        "rejection_says_nothing",
+        "C-13",
+        "malformed-inputs",
+        "a rejected input's message names the request and the field but not what is wrong",
+        _rejection_says_nothing,
     ),
     Mutant(
         "info_list_items_unchecked",
