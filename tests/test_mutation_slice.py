@@ -206,3 +206,34 @@ def test_verdicts_outlive_the_work_folder(tmp_path: Path) -> None:
     (kept / "campaign.json").write_text(json.dumps(meta | {"rev": "abc + working tree"}))
     with pytest.raises(campaign.CampaignError, match="pass --rev"):
         campaign.restore(tmp_path / "three", chosen, None, state)
+
+
+def test_a_kill_under_one_recheck_profile_counts_under_another(tmp_path: Path) -> None:
+    """A quick ``smoke`` re-check's kill stands for the slow profile's; its survivor does not."""
+    (tmp_path / "mutants").mkdir()
+    stats = {"tests_by_mangled_function_name": {}, "duration_by_test": {}}
+    (tmp_path / "mutants" / "mutmut-stats.json").write_text(json.dumps(stats))
+    smoke = {"m.f__mutmut_1 -a | +b": "killed", "m.f__mutmut_2 -c | +d": "survived"}
+    (tmp_path / "recheck-smoke.json").write_text(json.dumps(smoke))
+    mutants = [
+        campaign.Mutant("m.f__mutmut_1", "t", "survived", ("-a", "+b")),
+        campaign.Mutant("m.f__mutmut_2", "t", "survived", ("-c", "+d")),
+        campaign.Mutant("m.f__mutmut_3", "t", "killed", ("-e", "+f")),
+    ]
+    campaign.recheck(tmp_path, mutants, "ci", 10.0)
+    assert [m.final for m in mutants] == ["killed", "survived", "killed"]
+    # Nothing was run under ``ci``: nothing calls these functions.
+    assert not (tmp_path / "recheck-ci.json").exists()
+
+
+def test_a_suite_failing_on_clean_code_stops_the_rerun(tmp_path: Path) -> None:
+    """A refreshed suite that fails with no mutant active would count false kills: refused."""
+    tests = tmp_path / "mutants" / "invariants"
+    tests.mkdir(parents=True)
+    (tests / "test_broken.py").write_text(
+        "import pytest\n\n@pytest.mark.invariants\ndef test_broken():\n    assert False\n"
+    )
+    (tmp_path / "mutants" / "tests").mkdir()
+    (tmp_path / "mutants" / campaign.PROCESS_STAGE_TESTS).write_text("")
+    with pytest.raises(campaign.CampaignError, match=r"no mutant active \(exit 1\)"):
+        campaign.clean_run(tmp_path, "smoke")
