@@ -347,16 +347,24 @@ def campaign_env(work: Path) -> dict[str, str]:
 
 
 def run_mutmut(
-    work: Path, targets: Sequence[Target], children: int, names: Sequence[str] | None = None
+    work: Path,
+    targets: Sequence[Target],
+    children: int,
+    names: Sequence[str] | None = None,
+    profile: str | None = None,
 ) -> None:
-    """mutmut over the targets' mutants, or over exactly ``names``."""
+    """mutmut over the targets' mutants, or over exactly ``names``; under ``profile`` instead of
+    the campaign's when given."""
     wanted = list(names) if names is not None else [g for t in targets for g in t.mutants]
     cmd = [sys.executable, "-m", "mutmut", "run", "--max-children", str(children), *wanted]
+    env = campaign_env(work)
+    if profile is not None:
+        # Not through mutmut's configuration: a change to its pytest arguments resets every
+        # verdict. hypothesis's own option wins over the suite's ``--conformance-profile``.
+        env["PYTEST_ADDOPTS"] = f"--hypothesis-profile {profile}"
     log = work / "mutmut.log"
     with log.open("ab" if names is not None else "wb") as out:
-        proc = subprocess.run(
-            cmd, cwd=work, env=campaign_env(work), stdout=out, stderr=subprocess.STDOUT
-        )
+        proc = subprocess.run(cmd, cwd=work, env=env, stdout=out, stderr=subprocess.STDOUT)
     if proc.returncode != 0:
         tail = log.read_bytes()[-1500:].decode(errors="replace").replace("\r", "\n")
         raise CampaignError(f"mutmut exited {proc.returncode}; the end of {log}:\n{tail}")
@@ -420,13 +428,15 @@ def rerun(
     meta_path: Path,
     children: int,
     only: str | None,
+    profile: str,
 ) -> None:
     """Run every mutant not killed (and not in the ledger) again through mutmut, against the
     checkout's suite: mutmut forks each from a server that imported everything once, and runs
     its covering tests quickest first, several times faster than a re-check's fresh pytest per
     mutant. mutmut's first run on clean code guards the refreshed suite (a suite that fails
     there stops it). Its verdicts replace the earlier ones; the clock goes into
-    ``meta["rerun_seconds"]``."""
+    ``meta["rerun_seconds"]``. ``profile``: the hypothesis profile (a survivor of the campaign's
+    quick profile gets its second look under a stronger one)."""
     refresh_suite(work)
     meta["suite_refreshed_from"] = git_head()
     mutants = load_results(work, chosen.targets)
@@ -455,7 +465,8 @@ def rerun(
         return
     started = time.monotonic()
     try:
-        run_mutmut(work, chosen.targets, children, names)
+        run_mutmut(work, chosen.targets, children, names, profile)
+        meta["rerun_profile"] = profile
     finally:
         meta["rerun_seconds"] = float(meta.get("rerun_seconds", 0.0)) + time.monotonic() - started  # type: ignore[arg-type]
         meta_path.write_text(json.dumps(meta, indent=1))
@@ -987,7 +998,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 restore(args.work, chosen, None, args.state)
             meta = json.loads(meta_path.read_text())
             chosen = SLICES[str(meta.get("slice"))]
-            rerun(args.work, chosen, meta, meta_path, args.children, args.recheck_only)
+            rerun(
+                args.work, chosen, meta, meta_path, args.children, args.recheck_only, args.profile
+            )
             args.refresh_suite = False  # done by the rerun
         elif not meta_path.is_file():
             restore(args.work, chosen, None, args.state)
