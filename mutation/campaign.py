@@ -858,6 +858,12 @@ def render(mutants: list[Mutant], stale: list[dict[str, object]], meta: dict[str
             if meta.get("suite_refreshed_from")
             else ""
         )
+        + (
+            f"; survivors run again under {meta['rerun_profile']} "
+            f"({float(meta.get('rerun_seconds', 0.0)):.0f} s)"  # type: ignore[arg-type]
+            if meta.get("rerun_profile")
+            else ""
+        )
         + f"), {meta.get('children')} workers, {meta.get('seconds', 0):.0f} s"
         + (
             " so far: stopped before the end (`resume` goes on)."
