@@ -213,6 +213,10 @@ class StageInputSpec:
     hidden_size: int
     vocab_size: int
     max_model_len: int
+    # Optional input forms an adapter may take (off: the suite neither feeds nor corrupts them):
+    # ``prompt_token_ids`` as a 1-D integer tensor, and vLLM's ``trace_headers`` (str to str).
+    id_tensors: bool = False
+    trace_headers: bool = False
 
 
 @runtime_checkable

@@ -307,14 +307,34 @@ MALFORMED_KINDS: tuple[str, ...] = (
     "final_before",
     "max_tokens",
     "empty_request_id",
+    "embeds_not_tensor",
+    "ids_tensor_2d",
+    "trace_headers_not_str",
+    "trace_headers_not_mapping",
 )
+# Defects of input forms an adapter need not take (``StageInputSpec``'s options).
+_OPTIONAL_KINDS = {
+    "ids_tensor_2d": "id_tensors",
+    "trace_headers_not_str": "trace_headers",
+    "trace_headers_not_mapping": "trace_headers",
+}
+
+
+def malformed_kinds(spec: StageInputSpec) -> tuple[str, ...]:
+    """The defects ``spec``'s adapter can be fed: every kind but those of forms it does not
+    take."""
+    return tuple(
+        k for k in MALFORMED_KINDS if k not in _OPTIONAL_KINDS or getattr(spec, _OPTIONAL_KINDS[k])
+    )
 
 
 @st.composite
 def malformed_inputs(
-    draw: st.DrawFn, spec: StageInputSpec, kinds: Sequence[str] = MALFORMED_KINDS
+    draw: st.DrawFn, spec: StageInputSpec, kinds: Sequence[str] | None = None
 ) -> Malformed:
-    """One defect, of one of ``kinds``, in an otherwise valid input of ``spec``'s stage."""
+    """One defect, of one of ``kinds`` (default: every kind ``spec``'s adapter can be fed), in
+    an otherwise valid input of ``spec``'s stage."""
+    kinds = malformed_kinds(spec) if kinds is None else kinds
     HIDDEN, VOCAB = spec.hidden_size, spec.vocab_size
     n = draw(st.integers(1, 8))
     pos = draw(st.integers(0, n - 1))
@@ -401,6 +421,18 @@ def malformed_inputs(
     elif kind == "info_list_object":
         kw["additional_information"] = {"tags": ["a", object()]}
         fld = "additional_information['tags']"
+    elif kind == "embeds_not_tensor":
+        kw = {"prompt_embeds": _embeds(n, dim=HIDDEN).tolist()}
+        fld = "prompt_embeds"
+    elif kind == "ids_tensor_2d":
+        kw = {"prompt_token_ids": torch.tensor([ids], dtype=torch.long)}
+        fld = "prompt_token_ids"
+    elif kind == "trace_headers_not_str":
+        kw["trace_headers"] = {"traceparent": draw(st.sampled_from([1, None, b"00"]))}
+        fld = "trace_headers"
+    elif kind == "trace_headers_not_mapping":
+        kw["trace_headers"] = [("traceparent", "00")]
+        fld = "trace_headers"
     elif kind == "final_unknown":
         kw["final_stage_id"] = "no-such-stage"
         fld = "final_stage_id"

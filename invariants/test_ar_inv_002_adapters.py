@@ -45,7 +45,7 @@ from conformance.capabilities import (
 )
 from conformance.subjects import admit_request
 from invariants.machines import check_machine, lockstep_run, suite_settings
-from invariants.strategies import MALFORMED_KINDS, Malformed, malformed_inputs
+from invariants.strategies import Malformed, malformed_inputs, malformed_kinds
 
 pytestmark = [pytest.mark.invariants]
 
@@ -117,12 +117,21 @@ def check_malformed(case: Malformed, probe: Any, scheduler: Any) -> None:
 
 
 def wellformed_inputs(probe: Any) -> list[dict[str, Any]]:
-    """Positive controls: one defect-free input of every kind the strategy corrupts."""
+    """Positive controls: one defect-free input of every kind the strategy corrupts, and the
+    edges of what is valid (ids 0 and vocab - 1, a one-row prompt)."""
     spec = probe.spec
     later = spec.stages[spec.stages.index(spec.stage_id) :]
+    optional: list[dict[str, Any]] = []
+    if spec.id_tensors:
+        optional.append({"prompt_token_ids": torch.tensor([0, 11, spec.vocab_size - 1])})
+    if spec.trace_headers:
+        optional.append({"prompt_token_ids": [1], "trace_headers": {"traceparent": "00-ab"}})
     return [
         {"prompt_token_ids": [10, 11, 12]},
+        {"prompt_token_ids": [0, spec.vocab_size - 1]},
         {"prompt_embeds": torch.zeros((3, spec.hidden_size))},
+        {"prompt_embeds": torch.zeros((1, spec.hidden_size))},
+        *optional,
         {
             "prompt_token_ids": [1],
             "conditioning": torch.ones(spec.hidden_size),
@@ -133,8 +142,16 @@ def wellformed_inputs(probe: Any) -> list[dict[str, Any]]:
 
 
 def check_wellformed_accepted(probe: Any, scheduler: Any) -> None:
+    """Every well-formed input is accepted, as a request whose prompt is as long as the input's
+    (vLLM's ``Request.num_prompt_tokens``)."""
     for i, kw in enumerate(wellformed_inputs(probe)):
-        probe.build(scheduler, f"ok{i}", _sampling(2), **kw)
+        request = probe.build(scheduler, f"ok{i}", _sampling(2), **kw)
+        prompt = kw.get("prompt_token_ids", kw.get("prompt_embeds"))
+        assert prompt is not None
+        assert request.num_prompt_tokens == len(prompt), (
+            f"C-13: well-formed input {i} ({', '.join(kw)}) of {len(prompt)} prompt tokens became "
+            f"a request of {request.num_prompt_tokens}"
+        )
 
 
 @pytest.mark.clauses("C-13", "C-60")
@@ -149,8 +166,9 @@ def check_every_defect(probe: Any, scheduler: Any, budget: settings) -> None:
     """``check_malformed`` over every defect kind, each in a run of its own with an equal share
     of ``budget``'s examples (at least one): a single run drawing the kind among all of them
     meets some kinds many times and others never (30 derandomized draws met 10 of 28)."""
-    share = max(1, budget.max_examples // len(MALFORMED_KINDS))
-    for kind in MALFORMED_KINDS:
+    kinds = malformed_kinds(probe.spec)
+    share = max(1, budget.max_examples // len(kinds))
+    for kind in kinds:
 
         @settings(budget, max_examples=share)
         @given(malformed_inputs(probe.spec, kinds=(kind,)))

@@ -530,7 +530,15 @@ class OmniModelReference:
 class OmniInputAdapterProbe:
     """The talker stage's ``InputAdapter`` over a live omni scheduler."""
 
-    spec = StageInputSpec("talker", STAGES, hidden_size=64, vocab_size=512, max_model_len=128)
+    spec = StageInputSpec(
+        "talker",
+        STAGES,
+        hidden_size=64,
+        vocab_size=512,
+        max_model_len=128,
+        id_tensors=True,
+        trace_headers=True,
+    )
 
     def __init__(self, subject: BaseSubject) -> None:
         from omni_runtime.adapters import RequestRejected
