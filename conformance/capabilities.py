@@ -133,6 +133,9 @@ class ChunkView:
     is_final: bool
     token_ids: tuple[int, ...] | None = None
     payload: PayloadView | None = None
+    # On the EOF, why the request ended as vLLM names it (``stop``, ``length``, ``abort``,
+    # ``error``), when the subject's chunks say; None: they do not.
+    finish_reason: str | None = None
 
 
 @runtime_checkable

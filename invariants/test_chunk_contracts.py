@@ -55,7 +55,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize
 
-from conformance.capabilities import ChunkDelivery, NotApplicable, require
+from conformance.capabilities import ChunkDelivery, ChunkView, NotApplicable, require
 from conformance.plugin import covers
 from conformance.pristine import require_oracle_in_process
 from conformance.workload import AddRequest, ResetPrefixCache, Step
@@ -132,6 +132,24 @@ def handed_positions(delivery: ChunkDelivery, calls: Any) -> list[int]:
     return handed
 
 
+def eof_reason_problems(rid: str, entry: Any, views: list[ChunkView]) -> list[str]:
+    """C-43: the EOF says why its request ended, as upstream's output did (an abort of a live
+    request: ``abort``, or the reason it finished with in the same step), when the subject's
+    chunks carry a reason at all."""
+    eofs = [v for v in views if v.is_final]
+    if len(eofs) != 1 or eofs[0].finish_reason is None:
+        return []
+    said = str(eofs[0].finish_reason).lower()
+    ended = str(entry.finish_reason or "").lower()
+    allowed = ({"abort"} if entry.aborted else set()) | ({ended} if ended else set())
+    if allowed and said not in allowed:
+        return [
+            f"C-43: {rid}: its EOF chunk says it ended with {said!r}; upstream ended it with "
+            f"{' or '.join(sorted(allowed))}"
+        ]
+    return []
+
+
 def processor_problems(
     session: Any,
     delivery: ChunkDelivery,
@@ -155,6 +173,7 @@ def processor_problems(
         finals = [c for c in calls if c.is_final]
         if len(finals) != 1 or not calls or not calls[-1].is_final:
             problems.append(f"C-43: {rid}: {len(finals)} final processor calls of {len(calls)}")
+        problems.extend(eof_reason_problems(rid, entry, views.get(rid, [])))
         if spec.declaration is True and spec.takes_ids:
             got = [t for c in calls for t in (c.ids or ())]
             if got != entry.emitted:

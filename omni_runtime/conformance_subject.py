@@ -243,7 +243,9 @@ class OmniChunkDelivery:
                 start=data.get("start", -1),  # -1: no start crossed, which no row matches
                 conditioning=data.get("conditioning"),
             )
-        return ChunkView(chunk.request_id, chunk.seq, chunk.is_final, ids, view)
+        return ChunkView(
+            chunk.request_id, chunk.seq, chunk.is_final, ids, view, chunk.finish_reason
+        )
 
     def payload_view(self, payload: Any) -> PayloadView | None:
         return payload_view(payload)

@@ -461,6 +461,22 @@ def _adapter_accepts_nan_embeds():
     return _patch(InputAdapter, "_prompt", make)
 
 
+def _eof_reason_lost():
+    """C-43: the transfer adapter's EOF chunk for an aborted request says the request stopped:
+    downstream finishes a request its client gave up as if it had completed."""
+    from omni_runtime.sched.transfer import ChunkTransferAdapter
+
+    def make(orig: Any) -> Any:
+        def _send(self: Any, rid: str, prog: Any, ids: Any, payload: Any, data: Any, reason: Any):
+            return orig(
+                self, rid, prog, ids, payload, data, "stop" if reason == "abort" else reason
+            )
+
+        return _send
+
+    return _patch(ChunkTransferAdapter, "_send", make)
+
+
 def _rejection_says_nothing():
     """C-13: the input adapter's rejection names the request and the field, in its attributes
     and its message, but drops the description of what is wrong."""
@@ -1270,6 +1286,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "malformed-inputs",
         "NaN/inf prompt embeds are silently cleaned instead of rejected",
         _adapter_accepts_nan_embeds,
+    ),
+    Mutant(
+        "eof_reason_lost",
+        "C-43",
+        "chunk-contracts",
+        "an aborted request's EOF chunk says the request stopped",
+        _eof_reason_lost,
     ),
     Mutant(
         "rejection_says_nothing",
