@@ -132,13 +132,18 @@ def handed_positions(delivery: ChunkDelivery, calls: Any) -> list[int]:
     return handed
 
 
-def eof_reason_problems(rid: str, entry: Any, views: list[ChunkView]) -> list[str]:
+def eof_reason_problems(
+    rid: str, entry: Any, views: list[ChunkView], required: bool = False
+) -> list[str]:
     """C-43: the EOF says why its request ended, as upstream's output did (an abort of a live
     request: ``abort``, or the reason it finished with in the same step), when the subject's
-    chunks carry a reason at all."""
+    chunks carry a reason at all; ``required`` (the delivery's ``eof_reasons``): every EOF
+    must carry one."""
     eofs = [v for v in views if v.is_final]
-    if len(eofs) != 1 or eofs[0].finish_reason is None:
+    if len(eofs) != 1:
         return []
+    if eofs[0].finish_reason is None:
+        return [f"C-43: {rid}: its EOF chunk carries no finish reason"] if required else []
     said = str(eofs[0].finish_reason).lower()
     ended = str(entry.finish_reason or "").lower()
     allowed = ({"abort"} if entry.aborted else set()) | ({ended} if ended else set())
@@ -173,7 +178,8 @@ def processor_problems(
         finals = [c for c in calls if c.is_final]
         if len(finals) != 1 or not calls or not calls[-1].is_final:
             problems.append(f"C-43: {rid}: {len(finals)} final processor calls of {len(calls)}")
-        problems.extend(eof_reason_problems(rid, entry, views.get(rid, [])))
+        required = bool(getattr(delivery, "eof_reasons", False))
+        problems.extend(eof_reason_problems(rid, entry, views.get(rid, []), required))
         if spec.declaration is True and spec.takes_ids:
             got = [t for c in calls for t in (c.ids or ())]
             if got != entry.emitted:

@@ -247,6 +247,9 @@ class OmniChunkDelivery:
             chunk.request_id, chunk.seq, chunk.is_final, ids, view, chunk.finish_reason
         )
 
+    # Every EOF chunk of this runtime says why its request ended (``StageChunk.finish_reason``).
+    eof_reasons = True
+
     def payload_view(self, payload: Any) -> PayloadView | None:
         return payload_view(payload)
 
