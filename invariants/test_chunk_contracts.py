@@ -167,6 +167,7 @@ def processor_problems(
     for chunk in session.sub.chunks:
         view = delivery.view(chunk)
         views.setdefault(view.request_id, []).append(view)
+    reasons_required = bool(getattr(delivery, "eof_reasons", False))
     for rid, entry in session.ledger.items():
         calls = proc.calls_for(rid)
         if not session.facts.get(rid, {}).get("has_downstream"):
@@ -178,8 +179,7 @@ def processor_problems(
         finals = [c for c in calls if c.is_final]
         if len(finals) != 1 or not calls or not calls[-1].is_final:
             problems.append(f"C-43: {rid}: {len(finals)} final processor calls of {len(calls)}")
-        required = bool(getattr(delivery, "eof_reasons", False))
-        problems.extend(eof_reason_problems(rid, entry, views.get(rid, []), required))
+        problems.extend(eof_reason_problems(rid, entry, views.get(rid, []), reasons_required))
         if spec.declaration is True and spec.takes_ids:
             got = [t for c in calls for t in (c.ids or ())]
             if got != entry.emitted:

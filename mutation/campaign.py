@@ -440,25 +440,17 @@ def rerun(
     refresh_suite(work)
     meta["suite_refreshed_from"] = git_head()
     mutants = load_results(work, chosen.targets)
-    for m in mutants:
-        m.change = ()
     wanted = [m for m in mutants if m.status in RECHECKED]
     changes = mutant_changes(work, [m.name for m in wanted])
     for m in wanted:
         m.change = changes.get(m.name, ())
     apply_ledger(mutants, load_ledger())
-    # Mutants a re-check killed already need no second verdict.
-    decided = {
-        key
-        for cache in work.glob("recheck-*.json")
-        for key, verdict in json.loads(cache.read_text()).items()
-        if verdict in ("killed", "timeout")
-    }
+    decided = recheck_kills(work)  # a mutant a re-check killed needs no second verdict
     names = [
         m.name
         for m in wanted
         if not m.equivalent
-        and f"{m.name} {' | '.join(m.change)}" not in decided
+        and m.key not in decided
         and (only is None or any(fnmatch.fnmatch(m.name, g) for g in only.split(",")))
     ]
     if not names:
@@ -592,6 +584,12 @@ class Mutant:
     @property
     def function(self) -> str:
         return self.name.rsplit("__mutmut_", 1)[0]
+
+    @property
+    def key(self) -> str:
+        """The re-check caches' key: the name with the change, so an edit that makes the name
+        mean another mutant does not inherit its verdict."""
+        return f"{self.name} {' | '.join(self.change)}"
 
     @property
     def final(self) -> str:
@@ -755,6 +753,19 @@ def _merge_into(path: Path, cache: dict[str, str]) -> None:
         tmp.replace(path)
 
 
+def recheck_kills(work: Path, skip: Path | None = None) -> set[str]:
+    """Keys of the mutants a re-check killed, under any profile (every profile is derandomized,
+    so a covering test that failed on the mutant fails it under any of them): the caches in the
+    work folder but ``skip``."""
+    return {
+        key
+        for cache in work.glob("recheck-*.json")
+        if cache != skip
+        for key, verdict in json.loads(cache.read_text()).items()
+        if verdict in ("killed", "timeout")
+    }
+
+
 def recheck(
     work: Path, mutants: list[Mutant], profile: str, timeout: float, only: str | None = None
 ) -> None:
@@ -769,22 +780,15 @@ def recheck(
     new_tests = sorted(collect_tests(work) - set(stats["duration_by_test"]))
     cache_path = work / f"recheck-{profile}.json"
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
-    # A kill under another profile is a kill under this one too (a covering test failed on the
-    # mutant, and every profile is derandomized): a quick ``smoke`` pass first spares the slow
-    # profile's run for every mutant it kills.
-    killed_elsewhere = {
-        key
-        for other in work.glob("recheck-*.json")
-        if other != cache_path
-        for key, verdict in json.loads(other.read_text()).items()
-        if verdict == "killed"
-    }
+    # A kill under another profile is a kill under this one too: a quick ``smoke`` pass first
+    # spares the slow profile's run for every mutant it kills.
+    killed_elsewhere = recheck_kills(work, skip=cache_path)
     for m in mutants:
         if m.status not in RECHECKED or m.equivalent:
             continue
         if only is not None and not any(fnmatch.fnmatch(m.name, g) for g in only.split(",")):
             continue
-        key = f"{m.name} {' | '.join(m.change)}"
+        key = m.key
         if key not in cache and key in killed_elsewhere:
             m.recheck = "killed"
             continue
@@ -809,7 +813,7 @@ def recheck(
             _merge_into(cache_path, cache)
         m.recheck = cache[key]
     for m in mutants:  # earlier re-checks of mutants this one skipped still count
-        key = f"{m.name} {' | '.join(m.change)}"
+        key = m.key
         if m.recheck is None and key in cache:
             m.recheck = cache[key]
         if m.recheck in (None, "survived") and key in killed_elsewhere:

@@ -140,13 +140,15 @@ def _given_probe(strategy: Any, check: Callable[..., Any], size: Callable[..., i
 
 
 def _malformed_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
-    """What ``test_malformed_inputs_rejected_at_adapter`` checks: every defect kind, each in a
-    run of its own."""
-    from invariants.test_ar_inv_002_adapters import check_every_defect
+    """What ``test_malformed_inputs_rejected_at_adapter`` checks: the well-formed inputs, then
+    every defect kind, each in a run of its own."""
+    from invariants.test_ar_inv_002_adapters import check_every_defect, check_wellformed_accepted
 
     probe = subject.input_adapter()
+    scheduler = probe.scheduler()
     try:
-        check_every_defect(probe, probe.scheduler(), settings(cfg, max_examples=120))
+        check_wellformed_accepted(probe, scheduler)
+        check_every_defect(probe, scheduler, settings(cfg, max_examples=120))
     except Exception as exc:  # noqa: BLE001 - any failure of the property is a kill
         return _failure(exc), 1
     return None, 1

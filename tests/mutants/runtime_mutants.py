@@ -477,6 +477,53 @@ def _eof_reason_lost():
     return _patch(ChunkTransferAdapter, "_send", make)
 
 
+def _eof_reason_dropped():
+    """C-43: the transfer adapter builds every chunk without its finish reason, the EOF too:
+    downstream cannot tell a completed request from an aborted or failed one."""
+    import omni_runtime.sched.transfer as transfer
+
+    return _patch(
+        transfer, "StageChunk", lambda orig: lambda **kw: orig(**{**kw, "finish_reason": None})
+    )
+
+
+def _leading_zero_ids_stripped():
+    """C-13: the input adapter takes id 0 at the front of a prompt for padding and strips it:
+    the request's prompt is shorter than the input's."""
+    from omni_runtime.adapters import InputAdapter
+
+    def make(orig: Any) -> Any:
+        def _prompt(self: Any, rid: str, item: Any) -> Any:
+            ids, embeds, n = orig(self, rid, item)
+            if ids is not None:
+                kept = list(ids)
+                while len(kept) > 1 and kept[0] == 0:
+                    kept.pop(0)
+                return kept, embeds, len(kept)
+            return ids, embeds, n
+
+        return _prompt
+
+    return _patch(InputAdapter, "_prompt", make)
+
+
+def _tuple_loses_payload():
+    """C-46: the stage process's wire encodes the items of a tuple in the processor's data
+    without the chunk's payload at hand: a payload inside a tuple cannot cross, and the
+    request's send path fails."""
+    from omni_runtime.adapters import shm_wire
+
+    def make(orig: Any) -> Any:
+        def _encode(value: Any, payload: Any, tensors: list[Any]) -> Any:
+            if isinstance(value, tuple):
+                return {"u": [shm_wire._encode(v, None, tensors) for v in value]}
+            return orig(value, payload, tensors)
+
+        return _encode
+
+    return _on_process_stage(_patch(shm_wire, "_encode", make))
+
+
 def _rejection_says_nothing():
     """C-13: the input adapter's rejection names the request and the field, in its attributes
     and its message, but drops the description of what is wrong."""
@@ -1293,6 +1340,27 @@ MUTANTS: tuple[Mutant, ...] = (
         "chunk-contracts",
         "an aborted request's EOF chunk says the request stopped",
         _eof_reason_lost,
+    ),
+    Mutant(
+        "eof_reason_dropped",
+        "C-43",
+        "chunk-contracts",
+        "every chunk, the EOF too, is built without its finish reason",
+        _eof_reason_dropped,
+    ),
+    Mutant(
+        "leading_zero_ids_stripped",
+        "C-13",
+        "malformed-inputs",
+        "id 0 at the front of a prompt is taken for padding and stripped",
+        _leading_zero_ids_stripped,
+    ),
+    Mutant(
+        "tuple_loses_payload",
+        "C-46",
+        "chunk-contracts",
+        "the stage process's wire loses the payload inside a tuple of processor data",
+        _tuple_loses_payload,
     ),
     Mutant(
         "rejection_says_nothing",
