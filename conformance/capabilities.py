@@ -217,9 +217,14 @@ class StageInputSpec:
     vocab_size: int
     max_model_len: int
     # Optional input forms an adapter may take (off: the suite neither feeds nor corrupts them):
-    # ``prompt_token_ids`` as a 1-D integer tensor, and vLLM's ``trace_headers`` (str to str).
+    # ``prompt_token_ids`` as a 1-D integer tensor, vLLM's ``trace_headers`` (str to str).
     id_tensors: bool = False
     trace_headers: bool = False
+    # vLLM's per-request fields the adapter passes through to upstream's ``Request``
+    # (``arrival_time``, ``priority``, ``cache_salt``, ``client_index``): a well-formed input
+    # carrying them must become a request carrying them, and one without an arrival time a
+    # request with one.
+    request_fields: bool = False
 
 
 @runtime_checkable

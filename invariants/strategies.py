@@ -11,9 +11,11 @@ shapes of stage inputs from its ``InputAdapterProbe.spec``.
 
 * ``RecordingProcessor`` — a chunk processor whose declaration (``requires_token_updates``:
   absent, ``True``, or a truthy non-``True`` value), signature (with or without
-  ``new_token_ids``) and return policy (payload, ``None`` at EOF, ``None`` always, the ids, or
-  nested containers holding the payload, a tensor and the ids; mutate the ids it was given or
-  not) are generated; it logs every call so the chunk contracts can be checked.
+  ``new_token_ids``, and then with or without ``on_token_batch``) and return policy (payload,
+  ``None`` at EOF, ``None`` always, the ids, or nested containers holding the payload, a tensor
+  and the ids; mutate the ids it was given or not) are generated; it logs every call so the
+  chunk contracts can be checked. ``processor_specs_of`` draws them by ``PROCESSOR_SHAPES``,
+  the delivery paths their declarations and signatures lead a subject down.
 * ``PayloadTokenSource`` — the harness's deterministic token source plus one synthetic hidden row
   per scheduled position whose value encodes (request, position), so a redelivered or shifted
   row is recognisable without a model (C-45, C-51).
@@ -118,6 +120,24 @@ class RecordingIdsProcessor(RecordingProcessor):
         return self.record(request_id, payload, is_final, new_token_ids)
 
 
+class RecordingBatchProcessor(RecordingIdsProcessor):
+    """The ids-taking processor with ``on_token_batch`` (C-40's batching form): a batch is its
+    per-request calls at once, each logged as the call it stands for."""
+
+    def on_token_batch(
+        self, request_ids: Sequence[str], token_ids: list[int], counts: list[int] | None
+    ) -> dict[str, Any]:
+        counts = [1] * len(request_ids) if counts is None else counts
+        data: dict[str, Any] = {}
+        start = 0
+        for rid, n in zip(request_ids, counts, strict=True):
+            out = self.record(rid, None, False, token_ids[start : start + n])
+            start += n
+            if out is not None:
+                data[rid] = out
+        return data
+
+
 class RecordingPlainProcessor(RecordingProcessor):
     def __call__(self, request_id: str, payload: Any, is_final: bool) -> Any:
         return self.record(request_id, payload, is_final, None)
@@ -129,25 +149,72 @@ class ProcessorSpec:
     policy: str
     takes_ids: bool
     mutate_ids: bool
+    batches: bool = False  # with ``takes_ids``: defines ``on_token_batch`` too
 
     def build(self) -> RecordingProcessor:
-        cls = RecordingIdsProcessor if self.takes_ids else RecordingPlainProcessor
+        cls: type[RecordingProcessor] = RecordingPlainProcessor
+        if self.takes_ids:
+            cls = RecordingBatchProcessor if self.batches else RecordingIdsProcessor
         return cls(self.declaration, self.policy, self.mutate_ids and self.takes_ids)
 
+    @property
+    def shape(self) -> str:
+        """Which of the subject's delivery paths the processor takes (``PROCESSOR_SHAPES``)."""
+        if self.declaration is not True:
+            return "payload-driven"
+        if not self.takes_ids:
+            return "token-updates"
+        return "token-updates-batched" if self.batches else "token-updates-with-ids"
+
     def describe(self) -> str:
+        batch = ", on_token_batch=yes" if self.takes_ids and self.batches else ""
         return (
             f"processor(requires_token_updates={self.declaration!r}, returns={self.policy}, "
-            f"new_token_ids={'yes' if self.takes_ids else 'no'}, mutates={self.mutate_ids})"
+            f"new_token_ids={'yes' if self.takes_ids else 'no'}, mutates={self.mutate_ids}"
+            f"{batch})"
         )
 
 
-processor_specs = st.builds(
-    ProcessorSpec,
-    declaration=st.sampled_from(TOKEN_UPDATE_DECLARATIONS),
-    policy=st.sampled_from(RETURN_POLICIES),
-    takes_ids=st.booleans(),
-    mutate_ids=st.booleans(),
+# The paths a processor's declaration and signature send a subject down: called on payloads
+# and EOFs only; on every step's new ids without being handed them; with them, one call per
+# request; with them, in batches (C-40, C-41).
+PROCESSOR_SHAPES: tuple[str, ...] = (
+    "payload-driven",
+    "token-updates",
+    "token-updates-with-ids",
+    "token-updates-batched",
 )
+
+
+def processor_specs_of(
+    shapes: Sequence[str] = PROCESSOR_SHAPES,
+) -> st.SearchStrategy[ProcessorSpec]:
+    """Generated processors whose ``shape`` is one of ``shapes``, each shape as likely."""
+
+    def of_shape(shape: str) -> st.SearchStrategy[ProcessorSpec]:
+        if shape == "payload-driven":
+            declaration: st.SearchStrategy[Any] = st.sampled_from(
+                [d for d in TOKEN_UPDATE_DECLARATIONS if d is not True]
+            )
+            takes_ids: st.SearchStrategy[bool] = st.booleans()
+        else:
+            declaration = st.just(True)
+            takes_ids = st.just(shape != "token-updates")
+        return st.builds(
+            ProcessorSpec,
+            declaration=declaration,
+            policy=st.sampled_from(RETURN_POLICIES),
+            takes_ids=takes_ids,
+            mutate_ids=st.booleans(),
+            batches=st.just(shape == "token-updates-batched")
+            if shape != "payload-driven"
+            else st.booleans(),
+        )
+
+    return st.one_of([of_shape(shape) for shape in shapes])
+
+
+processor_specs = processor_specs_of()
 
 
 # ---- an executor whose outputs carry synthetic payloads ------------------------------------
@@ -193,6 +260,8 @@ class PayloadTokenSource(DeterministicTokenSource):
         # Per request resumed after a preemption: the last row handed over before it, from a
         # step whose tokens it kept (what ``owed`` excuses below).
         self._resume_top: dict[str, int] = {}
+        # Per request, the (start, count) of every step that carried rows since it last resumed.
+        self._carried: dict[str, list[tuple[int, int]]] = {}
         # The positions whose rows the processor has been handed so far, per request; set on the
         # subject's source only (``attach_processor``), and ``owed`` is kept only where it is.
         self.handed: Callable[[str], Iterable[int]] | None = None
@@ -218,11 +287,20 @@ class PayloadTokenSource(DeterministicTokenSource):
         )
         for rid, kept in resumed.items():
             # Positions from ``kept`` on were computed only in steps the request did not keep
-            # (steps in flight that upstream dropped as stale): their rows are owed no more,
-            # and a row the recompute brings for one of them is owed afresh.
+            # (steps in flight that upstream dropped as stale), and so were all the positions of
+            # a step whose sampled token it did not keep: the step that ended a chunked prefill
+            # computed prompt positions below ``kept``, but upstream dropped its output whole.
+            # Their rows are owed no more, and a row the recompute brings for one of them is
+            # owed afresh.
+            stale = {
+                p
+                for start, n in self._carried.pop(rid, ())
+                if start + n - 1 >= kept
+                for p in range(start, start + n)
+            }
             for positions in (self.owed.get(rid), self.produced.get(rid)):
                 if positions:
-                    positions.difference_update([p for p in positions if p >= kept])
+                    positions.difference_update([p for p in positions if p >= kept or p in stale])
             # The last row handed over from a step whose tokens the request kept: the runtime
             # rightly drops what first comes in below it, in every step of the recompute (a
             # long recompute is scheduled in chunks, over several steps).
@@ -247,6 +325,7 @@ class PayloadTokenSource(DeterministicTokenSource):
             )
             before = self.produced.setdefault(rid, set())
             if self.handed is not None:
+                self._carried.setdefault(rid, []).append((start, n))
                 top = self._resume_top.get(rid, -1)
                 self.owed.setdefault(rid, set()).update(
                     p for p in range(start, start + n) if p > top and p not in before
@@ -255,6 +334,7 @@ class PayloadTokenSource(DeterministicTokenSource):
         for rid in so.finished_req_ids:
             self._prompt_len.pop(rid, None)
             self._resume_top.pop(rid, None)
+            self._carried.pop(rid, None)
         return self.delivery.with_payloads(base, rows)
 
 
@@ -294,6 +374,7 @@ MALFORMED_KINDS: tuple[str, ...] = (
     "float_id",
     "ids_tensor_float",
     "too_long",
+    "too_long_embeds",
     "nan_conditioning",
     "conditioning_not_tensor",
     "info_nan",
@@ -306,6 +387,7 @@ MALFORMED_KINDS: tuple[str, ...] = (
     "final_unknown",
     "final_before",
     "max_tokens",
+    "sampling_params_type",
     "empty_request_id",
     "embeds_not_tensor",
     "ids_tensor_2d",
@@ -386,7 +468,13 @@ def malformed_inputs(
         kw = {"prompt_token_ids": torch.tensor(ids, dtype=torch.float32)}
         fld = "prompt_token_ids"
     elif kind == "too_long":
-        kw = {"prompt_token_ids": [7] * (spec.max_model_len + draw(st.integers(1, 20)))}
+        # A prompt that fills the context is too long as well: upstream's input processor
+        # refuses it for a generating model (no room for the first output token).
+        kw = {"prompt_token_ids": [7] * (spec.max_model_len + draw(st.integers(0, 20)))}
+    elif kind == "too_long_embeds":
+        # Embeds count one prompt token per row, whatever their width.
+        rows = spec.max_model_len + draw(st.integers(0, 20))
+        kw = {"prompt_embeds": torch.zeros((rows, HIDDEN))}
     elif kind == "nan_conditioning":
         c = torch.zeros(HIDDEN)
         c[draw(st.integers(0, HIDDEN - 1))] = float("nan")
@@ -444,6 +532,11 @@ def malformed_inputs(
     elif kind == "max_tokens":
         kw["max_tokens"] = 0
         fld = "sampling_params.max_tokens"
+    elif kind == "sampling_params_type":
+        # What a client of another engine might send: the parameters as a plain mapping, or
+        # nothing. A generating stage has no request without vLLM's ``SamplingParams``.
+        kw["sampling_params"] = draw(st.sampled_from([{"max_tokens": 4}, None]))
+        fld = "sampling_params"
     elif kind == "empty_request_id":
         kw["request_id"] = ""
         fld = "request_id"

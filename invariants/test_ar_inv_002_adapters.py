@@ -73,6 +73,14 @@ def _sampling(max_tokens: int = 4) -> Any:
     return SamplingParams(max_tokens=max_tokens)
 
 
+def says_what_is_wrong(text: str, rid: str, field: str) -> bool:
+    """Whether a rejection's message says what is wrong, in words of its own (any words: their
+    wording is the subject's), not only the request's and the field's names or a bare "None"."""
+    for name in (rid, field, "None"):
+        text = text.replace(name, " ") if name else text
+    return re.search(r"[A-Za-z]{3,}", text) is not None
+
+
 def check_malformed(case: Malformed, probe: Any, scheduler: Any) -> None:
     """Raises AssertionError when the adapter does not reject ``case`` as C-13 requires."""
     kw = dict(case.kwargs)
@@ -81,6 +89,8 @@ def check_malformed(case: Malformed, probe: Any, scheduler: Any) -> None:
     if "max_tokens" in kw:
         # vLLM's own SamplingParams refuses 0; a stage input may still arrive with it.
         sp.max_tokens = kw.pop("max_tokens")
+    if "sampling_params" in kw:
+        sp = kw.pop("sampling_params")
     pool = vc.block_pool(scheduler)
     free_before = pool.get_num_free_blocks()
     live_before = set(scheduler.requests)
@@ -99,12 +109,7 @@ def check_malformed(case: Malformed, probe: Any, scheduler: Any) -> None:
             f"C-13: {case.describe()}: the error's message {text!r} does not name the request "
             f"{rid!r} and the field {field!r}"
         )
-        # And it says what is wrong, in words of its own (any words: their wording is the
-        # subject's), not only the two names or a bare "None".
-        rest = text
-        for name in (rid, field, "None"):
-            rest = rest.replace(name, " ") if name else rest
-        assert re.search(r"[A-Za-z]{3,}", rest), (
+        assert says_what_is_wrong(text, rid, field), (
             f"C-13: {case.describe()}: the error's message {text!r} does not say what is wrong"
         )
     else:
@@ -118,7 +123,8 @@ def check_malformed(case: Malformed, probe: Any, scheduler: Any) -> None:
 
 def wellformed_inputs(probe: Any) -> list[dict[str, Any]]:
     """Positive controls: one defect-free input of every kind the strategy corrupts, and the
-    edges of what is valid (ids 0 and vocab - 1, a one-row prompt)."""
+    edges of what is valid (ids 0 and vocab - 1, a one-row prompt, a prompt one token short of
+    the context)."""
     spec = probe.spec
     later = spec.stages[spec.stages.index(spec.stage_id) :]
     optional: list[dict[str, Any]] = []
@@ -126,9 +132,15 @@ def wellformed_inputs(probe: Any) -> list[dict[str, Any]]:
         optional.append({"prompt_token_ids": torch.tensor([0, 11, spec.vocab_size - 1])})
     if spec.trace_headers:
         optional.append({"prompt_token_ids": [1], "trace_headers": {"traceparent": "00-ab"}})
+    if spec.request_fields:
+        # Not the defaults: each must come through as given (a client's second frontend, a
+        # salted cache, a high priority, an arrival time in the past).
+        optional.append({"prompt_token_ids": [3, 4], **PASSED_THROUGH})
     return [
         {"prompt_token_ids": [10, 11, 12]},
         {"prompt_token_ids": [0, spec.vocab_size - 1]},
+        # The longest prompt upstream takes: one token short of the context.
+        {"prompt_token_ids": [7] * (spec.max_model_len - 1)},
         {"prompt_embeds": torch.zeros((3, spec.hidden_size))},
         {"prompt_embeds": torch.zeros((1, spec.hidden_size))},
         *optional,
@@ -141,9 +153,20 @@ def wellformed_inputs(probe: Any) -> list[dict[str, Any]]:
     ]
 
 
+# vLLM's per-request fields an adapter with ``StageInputSpec.request_fields`` passes through, each
+# away from its default.
+PASSED_THROUGH: dict[str, Any] = {
+    "arrival_time": 12.5,
+    "priority": -3,
+    "cache_salt": "salt-a",
+    "client_index": 1,
+}
+
+
 def check_wellformed_accepted(probe: Any, scheduler: Any) -> None:
     """Every well-formed input is accepted, as a request whose prompt is as long as the input's
-    (vLLM's ``Request.num_prompt_tokens``)."""
+    (vLLM's ``Request.num_prompt_tokens``) and, where the adapter takes vLLM's per-request
+    fields, that carries them as given (an arrival time of its own when none is given)."""
     for i, kw in enumerate(wellformed_inputs(probe)):
         request = probe.build(scheduler, f"ok{i}", _sampling(2), **kw)
         prompt = kw.get("prompt_token_ids", kw.get("prompt_embeds"))
@@ -151,6 +174,18 @@ def check_wellformed_accepted(probe: Any, scheduler: Any) -> None:
         assert request.num_prompt_tokens == len(prompt), (
             f"C-13: well-formed input {i} ({', '.join(kw)}) of {len(prompt)} prompt tokens became "
             f"a request of {request.num_prompt_tokens}"
+        )
+        if not probe.spec.request_fields:
+            continue
+        for name, value in PASSED_THROUGH.items():
+            got = getattr(request, name, None)
+            if name in kw:
+                assert got == value, (
+                    f"C-13: well-formed input {i} gave {name}={value!r}; the request has {got!r}"
+                )
+        assert isinstance(request.arrival_time, float), (
+            f"C-13: well-formed input {i} became a request with arrival_time "
+            f"{request.arrival_time!r}, not a time"
         )
 
 
@@ -187,6 +222,9 @@ def test_duplicate_live_id_rejected(conformance_subject):
     with pytest.raises(probe.rejection) as info:
         probe.build(scheduler, "dup", _sampling(2), prompt_token_ids=[8])
     assert (info.value.request_id, info.value.field) == ("dup", "request_id")
+    assert says_what_is_wrong(str(info.value), "dup", "request_id"), (
+        f"C-13: the duplicate's rejection {str(info.value)!r} does not say what is wrong"
+    )
     assert list(scheduler.requests) == ["dup"]
 
 

@@ -47,11 +47,12 @@ Positive controls: mutants ``truthy_token_updates``, ``no_eof_when_processor_ret
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize
 
@@ -63,6 +64,7 @@ from invariants.machines import (
     PREFIXES,
     AuditedLockstep,
     InvariantMachine,
+    MachineOutcome,
     MachineRun,
     harness_config,
     raise_failure,
@@ -70,10 +72,12 @@ from invariants.machines import (
     suite_settings,
 )
 from invariants.strategies import (
+    PROCESSOR_SHAPES,
     PayloadTokenSource,
     ProcessorSpec,
     RecordingProcessor,
     processor_specs,
+    processor_specs_of,
     stable_hash,
 )
 
@@ -81,7 +85,8 @@ pytestmark = [pytest.mark.invariants]
 
 
 class ChunkMachine(InvariantMachine):
-    """The audited lock-step machine with a generated processor and payload-carrying steps."""
+    """The audited lock-step machine with a generated processor (any shape) and payload-carrying
+    steps; ``chunk_machine`` makes one whose processors have given shapes."""
 
     def __init__(self, run: MachineRun) -> None:
         super().__init__(run)
@@ -94,6 +99,9 @@ class ChunkMachine(InvariantMachine):
 
     @initialize(spec=processor_specs)
     def choose_processor(self, spec: ProcessorSpec) -> None:
+        self.use_processor(spec)
+
+    def use_processor(self, spec: ProcessorSpec) -> None:
         self.spec = spec
         self.processor = spec.build()
         attach_processor(self.delivery, self.session, self.source, self.processor)
@@ -111,6 +119,19 @@ class ChunkMachine(InvariantMachine):
                     f"{self.spec.describe()}: {problems[0]}"
                     + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
                 )
+
+
+def chunk_machine(shapes: tuple[str, ...]) -> type[ChunkMachine]:
+    """``ChunkMachine`` with processors of ``shapes`` (``PROCESSOR_SHAPES``) only."""
+    specs = processor_specs_of(shapes)
+
+    class ShapedChunkMachine(ChunkMachine):
+        @initialize(spec=specs)
+        def choose_processor(self, spec: ProcessorSpec) -> None:
+            self.use_processor(spec)
+
+    ShapedChunkMachine.__name__ = f"ChunkMachine[{','.join(shapes)}]"
+    return ShapedChunkMachine
 
 
 def attach_processor(
@@ -258,11 +279,28 @@ def chunk_run(recorder: Any, subject: Any, mode: str) -> MachineRun:
 @pytest.mark.clauses("C-40", "C-41", "C-42", "C-43", "C-44", "C-45", "C-62")
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_chunk_contracts(request, conformance, conformance_subject, mode):
-    run = chunk_run(conformance, conformance_subject, mode)
-    outcome = run_machine(run, suite_settings(40), ChunkMachine)
-    # What the sessions really checked beyond the marker (C-46 where chunks cross a process).
-    covers(request.node, run.clauses)
-    raise_failure(outcome, run)
+    for run, outcome in runs_per_shape(
+        lambda: chunk_run(conformance, conformance_subject, mode), suite_settings(40)
+    ):
+        # What the sessions really checked beyond the marker (C-46 where chunks cross a process).
+        covers(request.node, run.clauses)
+        raise_failure(outcome, run)
+
+
+def runs_per_shape(
+    make_run: Callable[[], MachineRun], budget: settings
+) -> Iterator[tuple[MachineRun, MachineOutcome]]:
+    """The chunk machine once per processor shape, each with an equal share of ``budget``'s
+    examples (at least one): drawn among all processors, the shapes that take the token-update
+    paths (one declaration value of seven) would meet a small budget's examples only by chance.
+    Stops after the first failing run."""
+    share = settings(budget, max_examples=max(1, budget.max_examples // len(PROCESSOR_SHAPES)))
+    for shape in PROCESSOR_SHAPES:
+        run = make_run()
+        outcome = run_machine(run, share, chunk_machine((shape,)))
+        yield run, outcome
+        if outcome.error is not None:
+            return
 
 
 def check_rows_survive_a_reset(

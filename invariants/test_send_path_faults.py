@@ -3,9 +3,10 @@ alone.
 
 A stage hands each request's work downstream through its chunk processor (``ChunkDelivery``).
 The check plants the fault itself: a generated processor (``invariants.strategies``, any
-declaration, signature and return policy) raises ``PlantedSendFault`` on the ``k``-th call it
-gets for one request, the *victim*: its first call, a middle one or its final call (``k`` past
-the victim's last call plants nothing, and the run must then equal the fault-free one). The
+declaration, signature and return policy) raises ``PlantedSendFault`` on one call it gets for
+one request, the *victim*: its first call, a middle one or its final call, each position in a
+run of its own (``FAULT_CALLS``; a call past the victim's last plants nothing, and the run must
+then equal the fault-free one). The
 subject's own scheduler runs the workload twice from scratch with the harness's deterministic
 tokens and payload-carrying steps (``PayloadTokenSource``), stepped as vLLM's ``EngineCore``
 steps it, sync and async: once fault-free, once with the fault. Every request has a downstream
@@ -18,6 +19,9 @@ With the fault planted:
   fault (C-61). Its processor calls are the fault-free run's up to the one that raised, then at
   most one more, the final call its EOF needs (none if the final call raised), and it gets
   exactly one EOF chunk, its chunks numbered ``0..n-1`` (C-43);
+* every EOF that carries a finish reason (each must, for a subject whose ``ChunkDelivery``
+  declares ``eof_reasons``) says what its request's terminal output says: ``error`` for the
+  victim, even when its terminal delivery was the call that raised (C-43);
 * every other request ends exactly as in the fault-free run, with the same tokens, no cause,
   and its processor sees the same ids and one final call, as in the fault-free run (C-61: "the
   other requests complete with the outputs of a clean run"). Chunk boundaries and the positions
@@ -40,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conformance.capabilities import ChunkDelivery, NotApplicable, require
@@ -148,16 +152,30 @@ def _handed(run: Run, rid: str) -> tuple[list[int], int]:
     return [t for call in calls for t in (call.ids or ())], sum(c.is_final for c in calls)
 
 
+# Which of the victim's processor calls raises, as a position in the calls it gets in the
+# fault-free run: each is a path of its own through a subject's send path (a fault before any
+# chunk went out, one between chunks, one on the terminal delivery of a request that ends on
+# that very step, and none at all).
+FAULT_CALLS: tuple[str, ...] = ("first", "middle", "final", "past-the-end")
+
+
+def fault_call(where: str, calls: int) -> int:
+    """The index of the call that raises, for a victim with ``calls`` fault-free calls."""
+    return {"first": 0, "middle": calls // 2, "final": calls - 1, "past-the-end": calls}[where]
+
+
 def check_send_fault_stays_with_its_request(
     subject: Any,
     workload: list[Job],
     spec: ProcessorSpec,
     victim_index: int,
-    k: int,
+    k: int | str,
     *,
     mode: str,
 ) -> int:
-    """Raise AssertionError on a C-61/C-62/C-43 violation; returns the steps run."""
+    """Raise AssertionError on a C-61/C-62/C-43 violation; returns the steps run. ``k``: the
+    index of the victim's call that raises, or where it is among the fault-free run's calls
+    (``FAULT_CALLS``)."""
     delivery: ChunkDelivery = require(subject, "chunk_delivery", "chunk delivery")
     feature = delivery.processor_feature
     if feature is None:
@@ -167,6 +185,8 @@ def check_send_fault_stays_with_its_request(
     limits = {f"s{i}": job.max_tokens for i, job in enumerate(workload)}
     victim = f"s{victim_index % len(workload)}"
     clean = run_workload(subject, delivery, cfg, spec, prompts, limits, None)
+    if isinstance(k, str):
+        k = max(0, fault_call(k, len(clean.processor.calls_for(victim))))
     got = run_workload(subject, delivery, cfg, spec, prompts, limits, (victim, k))
     where = f"{spec.describe()}, fault on {victim}'s call {k}"
     for rid in prompts:
@@ -233,6 +253,21 @@ def check_send_fault_stays_with_its_request(
     assert [v.seq for v in views] == list(range(len(views))), (
         f"C-43: {victim}'s chunks are numbered {[v.seq for v in views]} ({where})"
     )
+    # Every EOF that says why its request ended says what the request's terminal output said:
+    # the victim's "error" too, when its own terminal delivery was the call that raised (C-43).
+    required = bool(getattr(delivery, "eof_reasons", False))
+    for rid in prompts:
+        eofs = [v for v in got.chunks.get(rid, []) if v.is_final]
+        if len(eofs) != 1 or len(got.terminal.get(rid, [])) != 1:
+            continue  # counted above
+        said = eofs[0].finish_reason
+        assert said is not None or not required, (
+            f"C-43: {rid}'s EOF chunk carries no finish reason ({where})"
+        )
+        assert said is None or str(said).lower() == got.terminal[rid][0], (
+            f"C-43: {rid}'s EOF chunk says it ended with {str(said).lower()!r}; its terminal "
+            f"output says {got.terminal[rid][0]!r} ({where})"
+        )
     problems = clean.header_problems("C-07") + got.header_problems("C-61")
     assert not problems, f"{'; '.join(problems)} ({where})"
     return clean.steps + got.steps
@@ -245,11 +280,17 @@ def test_a_send_path_fault_stays_with_its_request(conformance_subject, mode):
     if delivery.processor_feature is None:
         raise NotApplicable(f"subject {conformance_subject.name!r} provides no processor feature")
 
-    @suite_settings(10)
-    @given(jobs, processor_specs, st.integers(0, 5), st.integers(0, 3))
-    def prop(workload: list[Job], spec: ProcessorSpec, victim: int, k: int) -> None:
-        check_send_fault_stays_with_its_request(
-            conformance_subject, workload, spec, victim, k, mode=mode
-        )
+    # Each fault position in a run of its own, with an equal share of the examples: a drawn
+    # call index lands on the victim's final call only by chance, and that is where a subject
+    # must turn an output that already finished into an error.
+    budget = suite_settings(10)
+    for where in FAULT_CALLS:
 
-    prop()
+        @settings(budget, max_examples=max(1, budget.max_examples // len(FAULT_CALLS)))
+        @given(jobs, processor_specs, st.integers(0, 5), st.just(where))
+        def prop(workload: list[Job], spec: ProcessorSpec, victim: int, call: str) -> None:
+            check_send_fault_stays_with_its_request(
+                conformance_subject, workload, spec, victim, call, mode=mode
+            )
+
+        prop()

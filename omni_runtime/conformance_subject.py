@@ -543,6 +543,7 @@ class OmniInputAdapterProbe:
         max_model_len=128,
         id_tensors=True,
         trace_headers=True,
+        request_fields=True,
     )
 
     def __init__(self, subject: BaseSubject) -> None:

@@ -107,16 +107,18 @@ def _failure(error: BaseException | None) -> BaseException | None:
 
 
 def _chunk_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
-    from invariants.machines import LocalRecorder, run_machine
-    from invariants.test_chunk_contracts import ChunkMachine, chunk_run
+    from invariants.machines import LocalRecorder
+    from invariants.test_chunk_contracts import chunk_run, runs_per_shape
 
     ops = 0
     for mode in ("sync", "async"):
-        run = chunk_run(LocalRecorder(subject), subject, mode)
-        outcome = run_machine(run, cfg, ChunkMachine)
-        if _failure(outcome.error) is not None:
-            return outcome.error, outcome.ops
-        ops = outcome.ops
+        # As the test runs it: one run per processor shape, sharing the budget.
+        for _, outcome in runs_per_shape(
+            lambda mode=mode: chunk_run(LocalRecorder(subject), subject, mode), cfg
+        ):
+            if _failure(outcome.error) is not None:
+                return outcome.error, outcome.ops
+            ops = outcome.ops
     return None, ops
 
 

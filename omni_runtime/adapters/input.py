@@ -139,9 +139,14 @@ class InputAdapter:
             raise RequestRejected(rid, "sampling_params.max_tokens", "must be >= 1")
 
         prompt_ids, embeds, n = self._prompt(rid, item)
-        if n > self.max_model_len:
+        # Upstream's input processor refuses a prompt that fills the whole context as well: a
+        # generating stage must have room for at least one output token.
+        if n >= self.max_model_len:
             raise RequestRejected(
-                rid, "prompt", f"{n} tokens exceed max_model_len {self.max_model_len}"
+                rid,
+                "prompt",
+                f"{n} tokens leave no room for an output token within max_model_len "
+                f"{self.max_model_len}",
             )
         final = self._final_stage(rid, item.final_stage_id)
         # One slot object per request, built once: a discarded first draft would leave a hole
@@ -152,7 +157,9 @@ class InputAdapter:
             final_stage_id=final,
             downstream=self.stage.downstream if final != self.stage.stage_id else (),
             additional_information=self._additional(rid, item.additional_information),
-            conditioning=self._tensor(rid, "conditioning", item.conditioning, allow_none=True),
+            conditioning=None
+            if item.conditioning is None
+            else self._tensor(rid, "conditioning", item.conditioning),
         )
         return OmniRequest(
             request_id=rid,
@@ -241,13 +248,7 @@ class InputAdapter:
             )
         return final
 
-    def _tensor(
-        self, rid: str, name: str, value: Any, *, allow_none: bool = False
-    ) -> torch.Tensor | None:
-        if value is None:
-            if allow_none:
-                return None
-            raise RequestRejected(rid, name, "missing")
+    def _tensor(self, rid: str, name: str, value: Any) -> torch.Tensor:
         if not isinstance(value, torch.Tensor):
             raise RequestRejected(rid, name, f"expected a tensor, got {type(value).__name__}")
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
