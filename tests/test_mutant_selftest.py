@@ -257,11 +257,15 @@ def _fault_containment_probe(subject: Any, cfg: settings) -> tuple[BaseException
 
 def _send_path_faults_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
     """What ``invariants/test_send_path_faults.py`` checks (sync)."""
-    from invariants.strategies import jobs, processor_specs
-    from invariants.test_send_path_faults import check_send_fault_stays_with_its_request
+    from invariants.strategies import jobs
+    from invariants.test_send_path_faults import (
+        FAULT_CALLS,
+        check_send_fault_stays_with_its_request,
+        fault_specs,
+    )
 
     return _given_probe(
-        st.tuples(jobs, processor_specs, st.integers(0, 5), st.integers(0, 3)),
+        st.tuples(jobs, fault_specs, st.integers(0, 5), st.sampled_from(FAULT_CALLS)),
         lambda v, s: check_send_fault_stays_with_its_request(s, *v, mode="sync"),
         lambda v: len(v[0]),
     )(subject, cfg)
