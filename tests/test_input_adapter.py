@@ -83,7 +83,7 @@ BAD = [
     ("empty embeds", dict(prompt_embeds=torch.zeros(0, 64)), "prompt_embeds", "empty prompt"),
     ("both", dict(prompt_token_ids=[1], prompt_embeds=torch.zeros(1, 64)), "prompt", "exactly one"),
     ("neither", dict(), "prompt", "exactly one"),
-    ("too long", dict(prompt_token_ids=[1] * 300), "prompt", "within max_model_len 256"),
+    ("too long", dict(prompt_token_ids=[1] * 300), "prompt", "exceed max_model_len 256"),
     (
         "embeds dtype",
         dict(prompt_embeds=torch.zeros(3, 64, dtype=torch.float16)),

@@ -145,8 +145,8 @@ class InputAdapter:
             raise RequestRejected(
                 rid,
                 "prompt",
-                f"{n} tokens leave no room for an output token within max_model_len "
-                f"{self.max_model_len}",
+                f"{n} tokens exceed max_model_len {self.max_model_len} less the one output "
+                "token a generating stage needs room for",
             )
         final = self._final_stage(rid, item.final_stage_id)
         # One slot object per request, built once: a discarded first draft would leave a hole
