@@ -157,15 +157,6 @@ class ProcessorSpec:
             cls = RecordingBatchProcessor if self.batches else RecordingIdsProcessor
         return cls(self.declaration, self.policy, self.mutate_ids and self.takes_ids)
 
-    @property
-    def shape(self) -> str:
-        """Which of the subject's delivery paths the processor takes (``PROCESSOR_SHAPES``)."""
-        if self.declaration is not True:
-            return "payload-driven"
-        if not self.takes_ids:
-            return "token-updates"
-        return "token-updates-batched" if self.batches else "token-updates-with-ids"
-
     def describe(self) -> str:
         batch = ", on_token_batch=yes" if self.takes_ids and self.batches else ""
         return (
@@ -175,7 +166,7 @@ class ProcessorSpec:
         )
 
 
-# The paths a processor's declaration and signature send a subject down: called on payloads
+# The paths a processor's declaration and signature send a subject down (``processor_specs_of``): called on payloads
 # and EOFs only; on every step's new ids without being handed them; with them, one call per
 # request; with them, in batches (C-40, C-41).
 PROCESSOR_SHAPES: tuple[str, ...] = (

@@ -295,10 +295,9 @@ def runs_per_shape(
     would meet a small budget's examples only by chance, and a share of the budget per shape
     met preemption with trimming too rarely in the payload-driven one. Stops after the first
     failing run."""
-    share = budget
     for shape in PROCESSOR_SHAPES:
         run = make_run()
-        outcome = run_machine(run, share, chunk_machine((shape,)))
+        outcome = run_machine(run, budget, chunk_machine((shape,)))
         yield run, outcome
         if outcome.error is not None:
             return
