@@ -304,9 +304,11 @@ class MaterializationProbe(Protocol):
     # Optional: ``build_threads``, the thread id of every build call as the probe saw it (the
     # check then does not take the subject's word for where builds ran, and, in a run without
     # a fault, holds ``builder_threads()`` to naming every one of them).
-    # Optional: ``fail_request(request_id, error)`` makes every build whose batch holds that
-    # request raise ``error`` (a fault that persists, for the C-54 recovery property); a probe
-    # without it leaves that property not applicable.
+    # Optional: ``fail_request(request_id, error, times=None)`` makes every build whose batch
+    # holds that request raise ``error`` (a fault that persists, for the C-54 recovery
+    # property), or with ``times`` every such build of a batch and the first ``times`` builds
+    # of that request alone (a fault only recovery's per-request pass outlasts); a probe
+    # without it, or without ``times``, leaves that property not applicable.
 
 
 @runtime_checkable

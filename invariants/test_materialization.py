@@ -111,6 +111,10 @@ def check_inline_equals_background(
         stage_config(subject, probes, "background", include_hidden=include_hidden)
     )
     probes.defer_background_builds(background)
+    # The inline runner's builds, counted: a runner that recovers from failing builds (by
+    # rebuilding the step another way) would deliver the same payloads from a broken build path.
+    counted = probes.instrument(inline)
+    delivered = [0]
     scribble = scribbler(probes)
     execs = [RunnerExec(inline, scribble), _Checked(RunnerExec(background, scribble))]
 
@@ -124,6 +128,7 @@ def check_inline_equals_background(
         assert (pa is None) == (pb is None), f"C-50/C-52: step {step}: payload lists {pa} vs {pb}"
         if pa is None or pb is None:
             return
+        delivered[0] += 1
         assert len(pa) == len(a.req_ids) and len(pb) == len(b.req_ids), "C-53: slots != req_ids"
         for rid, x, y in zip(a.req_ids, pa, pb, strict=True):
             assert same_view(x, y), (
@@ -134,10 +139,15 @@ def check_inline_equals_background(
             )
 
     try:
-        return drive_runners(workload, cfg_i, execs, on_step)
+        steps = drive_runners(workload, cfg_i, execs, on_step)
     finally:
         probes.shutdown(inline)
         probes.shutdown(background)
+    assert counted.builds == delivered[0], (
+        f"C-50/C-54: in a run without a fault the inline runner started {counted.builds} "
+        f"builds for {delivered[0]} steps that delivered payloads: each such step builds once"
+    )
+    return steps
 
 
 @pytest.mark.clauses("C-50", "C-52", "C-53")
@@ -259,10 +269,14 @@ class PersistentBuildError(RuntimeError):
 
 
 def check_recovery_isolates_a_persistent_build_fault(
-    workload: list[Job], victim_index: int, subject: Any
+    workload: list[Job], victim_index: int, subject: Any, times: int | None = None
 ) -> int:
     """Background builds always fail for one request; recovery must fail it alone (C-54).
-    Returns the number of steps whose builds failed."""
+    With ``times``, builds of a batch holding it fail but it alone fails only its first
+    ``times`` builds: a fault recovery may outlast when it builds each request alone, so the
+    request may end up failed or not, but failed exactly when it has no payload (recovery that
+    rebuilt it and still reports its old error is caught). Returns the number of steps whose
+    builds failed."""
     probes = probes_of(subject)
     failed_of = getattr(probes, "failed_requests", None)
     cfg_i = stage_config(subject, probes, "inline")
@@ -276,7 +290,17 @@ def check_recovery_isolates_a_persistent_build_fault(
         raise NotApplicable("the subject's probes cannot plant a per-request build fault")
     victim = f"j{victim_index % len(workload)}"
     error = PersistentBuildError(f"planted build fault of {victim}")
-    fail_request(victim, error)
+    if times is None:
+        fail_request(victim, error)
+    else:
+        try:
+            fail_request(victim, error, times=times)
+        except TypeError:
+            probes.shutdown(inline)
+            probes.shutdown(background)
+            raise NotApplicable(
+                "the subject's probes cannot plant a build fault that clears"
+            ) from None
     fired = [0]
 
     def on_step(step, sched, so, outs) -> None:
@@ -297,17 +321,29 @@ def check_recovery_isolates_a_persistent_build_fault(
         )
         expected_failed = {victim} & set(b.req_ids)
         fired[0] += bool(expected_failed)
+        built: set[str] = set()
+        if times is not None:
+            # Whether recovery outlasts the fault is the subject's choice (its retries); what
+            # it reports must match what it delivered.
+            built = {rid for rid, p in zip(b.req_ids, pb, strict=True) if p is not None}
+            expected_failed -= built
         for rid, cause in failed.items():
             assert str(error) in str(cause), (
                 f"C-54: step {step}: {rid} is reported failed with cause {cause!r}, which does "
                 f"not carry the build's error ({error})"
             )
         assert set(failed) == expected_failed, (
-            f"C-54: step {step}: every build holding {victim} raised; the recovered step reports "
-            f"{sorted(failed)} failed, not {sorted(expected_failed)}"
+            f"C-54: step {step}: "
+            + (
+                f"every build holding {victim} raised"
+                if times is None
+                else f"the first {times} builds holding {victim} raised; {sorted(built)} got a "
+                "payload"
+            )
+            + f"; the recovered step reports {sorted(failed)} failed, not {sorted(expected_failed)}"
         )
         for rid, x, y in zip(a.req_ids, pa, pb, strict=True):
-            if rid == victim:
+            if rid in expected_failed:
                 assert y is None, f"C-54: step {step}: failed request {rid} still has a payload"
             else:
                 assert same_view(x, y), (
@@ -337,3 +373,115 @@ def test_recovery_isolates_a_persistent_build_fault(conformance_subject):
 
     prop()
     assert total[0] > 0, "the planted build fault never fired"
+
+
+@pytest.mark.clauses("C-54")
+def test_recovery_reports_a_fault_it_outlasted_as_cleared(conformance_subject):
+    """A per-request build fault that every batch build meets but that clears after one to
+    three builds of the request alone: the request is failed exactly when recovery gave up on
+    it before the fault cleared, never when its payload was rebuilt; every other request's
+    payload equals the inline runner's."""
+    probes_of(conformance_subject)
+    total = [0]
+
+    @suite_settings(15)
+    @given(jobs, st.integers(0, 5), st.integers(1, 3))
+    def prop(workload: list[Job], victim: int, times: int) -> None:
+        total[0] += check_recovery_isolates_a_persistent_build_fault(
+            workload, victim, conformance_subject, times
+        )
+
+    prop()
+    assert total[0] > 0, "the planted build fault never fired"
+
+
+class AbandonedBuildError(RuntimeError):
+    pass
+
+
+class _Raised(Exception):
+    pass
+
+
+def check_uncollected_build_error_surfaces(workload: list[Job], drop_at: int, subject: Any) -> bool:
+    """The background build of the ``drop_at``-th step that schedules tokens raises, and nobody
+    collects that step's output (C-54). vLLM's engine keeps at most two steps in flight
+    (``max_concurrent_batches``): when the next step is handed back the dropped one may still be
+    collected, so nothing may be raised yet; once the step after that is handed back it was
+    abandoned, and its error must reach the caller from that step: not swallowed, and not
+    retried away as though it were that step's own fault. An inline twin drives the scheduler,
+    so the dropped output costs the workload nothing. Returns whether two steps ran after the
+    dropped one (or the error surfaced): otherwise the example checked nothing."""
+    probes = probes_of(subject)
+    cfg_i = stage_config(subject, probes, "inline")
+    inline = subject.make_worker(cfg_i)
+    background = subject.make_worker(stage_config(subject, probes, "background"))
+    probe = probes.instrument(background)
+    error = AbandonedBuildError(f"planted fault in the build of step {drop_at}, never collected")
+    executed = [0]  # steps that scheduled tokens, handed to the background runner so far
+    dropped: list[int] = []
+    raised: list[int] = []
+
+    class Dropping(RunnerExec):
+        def execute(self, so: Any) -> Any:
+            n = executed[0]
+            executed[0] += bool(so.total_num_scheduled_tokens)
+            drop = not dropped and n == drop_at and bool(so.total_num_scheduled_tokens)
+            if drop:
+                # Every earlier output was collected, so every earlier build has ended: the
+                # next build started is this step's.
+                probe.fail_build(probe.builds + 1, error)
+            try:
+                out = self.runner.execute_model(so)
+                if out is None:
+                    out = self.runner.sample_tokens(None)
+                get = getattr(out, "get_output", None)
+                if drop:
+                    if get is None:
+                        raise NotApplicable("background steps hand back no uncollected output")
+                    dropped.append(n)
+                    return None
+                return get() if get is not None else out
+            except AbandonedBuildError as exc:
+                raised.append(n)
+                raise _Raised from exc
+
+    try:
+        drive_runners(workload, cfg_i, [RunnerExec(inline), Dropping(background)], lambda *_: None)
+    except _Raised:
+        pass
+    finally:
+        probes.shutdown(inline)
+        probes.shutdown(background)
+    if not dropped:
+        return False
+    if raised:
+        assert raised[0] == dropped[0] + 2, (
+            f"C-54: the build error of step {dropped[0]}, whose output nobody collected, was "
+            f"raised from step {raised[0]}: "
+            + (
+                "the engine may still collect that output then (two steps are in flight)"
+                if raised[0] <= dropped[0] + 1
+                else "not from the step after next, when the output was known abandoned"
+            )
+        )
+        return True
+    assert executed[0] < dropped[0] + 3, (
+        f"C-54: the build error of step {dropped[0]}, whose output nobody collected, was lost: "
+        f"{executed[0] - dropped[0] - 1} later steps ran and none raised it"
+    )
+    return False
+
+
+@pytest.mark.clauses("C-54")
+def test_an_uncollected_build_error_is_raised_later(conformance_subject):
+    probes_of(conformance_subject)
+    checked = [0]
+
+    @suite_settings(15)
+    @given(jobs, st.integers(0, 4))
+    def prop(workload: list[Job], drop_at: int) -> None:
+        checked[0] += check_uncollected_build_error_surfaces(workload, drop_at, conformance_subject)
+
+    prop()
+    assert checked[0] > 0, "no example ran two steps past the dropped one"

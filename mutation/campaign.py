@@ -767,11 +767,22 @@ def recheck_kills(work: Path, skip: Path | None = None) -> set[str]:
 
 
 def recheck(
-    work: Path, mutants: list[Mutant], profile: str, timeout: float, only: str | None = None
+    work: Path,
+    mutants: list[Mutant],
+    profile: str,
+    timeout: float,
+    only: str | None = None,
+    tests_only: Sequence[str] = (),
 ) -> None:
     """Run each survivor the ledger does not explain, each timeout, and each mutant no test
-    called when the campaign recorded its coverage, again: its covering tests under ``profile``, with ``timeout`` seconds of wall clock. Results are kept in the work folder
-    (keyed by mutant and change), so ``report`` does not redo them."""
+    called when the campaign recorded its coverage, again: its covering tests under ``profile``,
+    with ``timeout`` seconds of wall clock. Results are kept in the work folder (keyed by mutant
+    and change), so ``report`` does not redo them.
+
+    ``tests_only``: run just these tests (node ids or paths in the suite), the properties added
+    for a class of survivors, instead of every covering test. Only kills are kept then: a
+    mutant they do not kill has not met the rest of the suite, so it gets no verdict and a later
+    full re-check still runs it."""
     stats = json.loads((work / "mutants" / "mutmut-stats.json").read_text())
     tests_by_function = stats["tests_by_mangled_function_name"]
     durations: dict[str, float] = stats["duration_by_test"]
@@ -792,7 +803,19 @@ def recheck(
         if key not in cache and key in killed_elsewhere:
             m.recheck = "killed"
             continue
-        if key not in cache:
+        if key not in cache and tests_only:
+            env = campaign_env(work) | {"MUTANT_UNDER_TEST": m.name}
+            cmd = [sys.executable, "-m", "pytest", *pytest_args(profile), *tests_only]
+            try:
+                code = subprocess.run(
+                    cmd, cwd=work / "mutants", env=env, capture_output=True, timeout=timeout
+                ).returncode
+            except subprocess.TimeoutExpired:
+                code = None
+            if code in (1, None):
+                cache[key] = "killed" if code == 1 else "timeout"
+                _merge_into(cache_path, cache)
+        elif key not in cache:
             # The suite's newer tests first: they were added to kill survivors. Then the
             # covering tests quickest first (by the campaign's timings): the run stops at the
             # first failure, and a kill by a quick property should not wait behind every
@@ -811,7 +834,8 @@ def recheck(
             except subprocess.TimeoutExpired:
                 cache[key] = "timeout"
             _merge_into(cache_path, cache)
-        m.recheck = cache[key]
+        if key in cache:
+            m.recheck = cache[key]
     for m in mutants:  # earlier re-checks of mutants this one skipped still count
         key = m.key
         if m.recheck is None and key in cache:
@@ -899,6 +923,7 @@ def report(
     recheck_profile: str | None,
     recheck_timeout: float,
     recheck_only: str | None = None,
+    recheck_tests: Sequence[str] = (),
 ) -> tuple[str, float]:
     mutants = load_results(work, chosen.targets)
     wanted = [m.name for m in mutants if m.status in RECHECKED]
@@ -918,7 +943,7 @@ def report(
         e for e in apply_ledger(mutants, load_ledger()) if str(e["function"]).startswith(modules)
     ]
     if recheck_profile:
-        recheck(work, mutants, recheck_profile, recheck_timeout, recheck_only)
+        recheck(work, mutants, recheck_profile, recheck_timeout, recheck_only, recheck_tests)
     text = render(mutants, stale, meta)
     total = score(tally(mutants))
     (work / "score.md").write_text(text)

@@ -362,7 +362,7 @@ class OmniMaterializationProbe:
         self.builds = 0
         self.build_threads: list[int] = []
         self._fail: tuple[int, BaseException] | None = None
-        self._fail_request: tuple[str, BaseException] | None = None
+        self._fail_request: tuple[str, BaseException, int | None] | None = None
         collect = runner.collect_connector_output
         build = runner.materializer.builder.build
 
@@ -376,7 +376,12 @@ class OmniMaterializationProbe:
             if self._fail is not None and self.builds == self._fail[0]:
                 raise self._fail[1]
             if self._fail_request is not None and self._fail_request[0] in plan.req_ids:
-                raise self._fail_request[1]
+                rid, error, left = self._fail_request
+                if left is None or len(plan.req_ids) > 1:
+                    raise error
+                if left > 0:  # the request alone: a fault that clears after ``times`` builds
+                    self._fail_request = (rid, error, left - 1)
+                    raise error
             return build(plan, inputs)
 
         runner.collect_connector_output = collecting
@@ -385,8 +390,8 @@ class OmniMaterializationProbe:
     def fail_build(self, number: int, error: BaseException) -> None:
         self._fail = (number, error)
 
-    def fail_request(self, request_id: str, error: BaseException) -> None:
-        self._fail_request = (request_id, error)
+    def fail_request(self, request_id: str, error: BaseException, times: int | None = None) -> None:
+        self._fail_request = (request_id, error, times)
 
     def builder_threads(self) -> set[int]:
         return set(getattr(self.runner.materializer, "builder_thread_ids", ()))

@@ -206,6 +206,28 @@ def _builder_recovery_probe(subject: Any, cfg: settings) -> tuple[BaseException 
     )(subject, cfg)
 
 
+def _builder_cleared_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
+    from invariants.strategies import jobs
+    from invariants.test_materialization import check_recovery_isolates_a_persistent_build_fault
+
+    return _given_probe(
+        st.tuples(jobs, st.integers(0, 5), st.integers(1, 3)),
+        lambda v, s: check_recovery_isolates_a_persistent_build_fault(v[0], v[1], s, v[2]),
+        lambda v: len(v[0]),
+    )(subject, cfg)
+
+
+def _builder_abandoned_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
+    from invariants.strategies import jobs
+    from invariants.test_materialization import check_uncollected_build_error_surfaces
+
+    return _given_probe(
+        st.tuples(jobs, st.integers(0, 4)),
+        lambda v, s: check_uncollected_build_error_surfaces(v[0], v[1], s),
+        lambda v: len(v[0]),
+    )(subject, cfg)
+
+
 def _stage_inputs_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
     """What ``invariants/test_process_boundary.py`` checks: generated stage inputs cross."""
     from invariants.strategies import every_slot_kind, stage_inputs
@@ -337,6 +359,8 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     ),
     "builder-errors": _builder_errors_probe,
     "builder-recovery": _builder_recovery_probe,
+    "builder-cleared": _builder_cleared_probe,
+    "builder-abandoned": _builder_abandoned_probe,
     "registry": _registry_probe,
     "fault-containment": _fault_containment_probe,
     "send-path-faults": _send_path_faults_probe,

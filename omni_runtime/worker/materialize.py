@@ -141,7 +141,7 @@ class BackgroundMaterializer:
         self._pool: ThreadPoolExecutor | None = None
         self._recent: deque[BackgroundOutput] = deque()
         self.builder_thread_ids: set[int] = set()
-        self._builder_threads: int | None = None  # torch threads last set on the builder thread
+        self._torch_threads = threading.local()  # per builder thread: the count it last set
 
     def _executor(self) -> ThreadPoolExecutor:
         if self._pool is None:
@@ -157,9 +157,9 @@ class BackgroundMaterializer:
         # default, not what the worker set (``torch.set_num_threads``), and a matmul split over
         # another count sums in another order. Producers (e.g. logits) would then differ from
         # the inline build in the last bits (C-50); the builder computes as the runner does.
-        if threads != self._builder_threads:
+        if getattr(self._torch_threads, "count", None) != threads:
             torch.set_num_threads(threads)
-            self._builder_threads = threads
+            self._torch_threads.count = threads
         return self.builder.build(plan, inputs)
 
     def finish(
@@ -184,7 +184,7 @@ class BackgroundMaterializer:
     # queue of depth 2, step N-1 is collected right after step N is sampled.
     IN_FLIGHT = 1
 
-    def raise_abandoned(self, keep: int = 0) -> None:
+    def raise_abandoned(self, keep: int) -> None:
         """Join builds older than the newest ``keep`` that nobody collected; raise their error."""
         while self._recent and (self._recent[0].collected or len(self._recent) > keep):
             old = self._recent.popleft()
@@ -192,7 +192,6 @@ class BackgroundMaterializer:
                 continue
             exc = old._future.exception()
             if exc is not None:
-                old.collected = True
                 raise exc
 
     def shutdown(self) -> None:

@@ -1007,6 +1007,73 @@ def _recovery_fails_whole_step():
     return _patch(materialize, "recover_build", make)
 
 
+def _rebuilt_request_stays_failed():
+    """C-54: recovery's per-request pass keeps a request's error from a failed lone build after
+    a later build of it succeeded: the request is failed although its payload was rebuilt."""
+    import omni_runtime.worker.materialize as materialize
+
+    def make(_orig: Any) -> Any:
+        def recover_build(builder: Any, plan: Any, inputs: Any, retries: int) -> Any:
+            for _ in range(retries):
+                try:
+                    return builder.build(plan, inputs), {}
+                except Exception:  # noqa: BLE001 - as the runtime's
+                    continue
+            payloads: list[Any] = []
+            failed: dict[str, BaseException] = {}
+            for i, rid in enumerate(plan.req_ids):
+                payload = None
+                for _ in range(1 + retries):
+                    try:
+                        [payload] = builder.build(plan.only(i), inputs.only(i))
+                        break  # the mutation: the earlier error stays in ``failed``
+                    except Exception as exc:  # noqa: BLE001 - as the runtime's
+                        failed[rid] = exc
+                payloads.append(payload)
+            return payloads, failed
+
+        return recover_build
+
+    return _patch(materialize, "recover_build", make)
+
+
+def _abandoned_build_error_swallowed():
+    """C-54: the error of a background build whose output nobody collected is dropped when the
+    output is joined as abandoned, instead of being raised from the later step."""
+    import omni_runtime.worker.materialize as materialize
+
+    def make(orig: Any) -> Any:
+        def raise_abandoned(self: Any, keep: int) -> None:
+            try:
+                orig(self, keep)
+            except Exception:  # noqa: BLE001 - the mutation: the abandoned error is lost
+                return None
+
+        return raise_abandoned
+
+    return _patch(materialize.BackgroundMaterializer, "raise_abandoned", make)
+
+
+class _BrokenBuilder:
+    def build(self, plan: Any, inputs: Any) -> Any:
+        raise RuntimeError("inline build path broken")
+
+
+def _inline_builder_broken():
+    """C-50/C-54: an inline stage's own materializer builds with a builder that always raises,
+    and the runner's step recovery rebuilds every step on its isolation path (which has the
+    real builder): the payloads are right, the build path is not, and every step runs again."""
+    import omni_runtime.worker.runner as runner_module
+
+    def make(orig: Any) -> Any:
+        def make_materializer(mode: str, builder: Any, **kw: Any) -> Any:
+            return orig(mode, _BrokenBuilder() if mode == "inline" else builder, **kw)
+
+        return make_materializer
+
+    return _patch(runner_module, "make_materializer", make)
+
+
 def _pinned_fault_fails_whole_step():
     """C-61: when a step fault persists, every request of the step is failed, not just the one
     the batch split pins it on (the isolation's result is thrown away)."""
@@ -1571,6 +1638,27 @@ MUTANTS: tuple[Mutant, ...] = (
         "builder-recovery",
         "a background build that keeps failing for one request fails every request of its step",
         _recovery_fails_whole_step,
+    ),
+    Mutant(
+        "rebuilt_request_stays_failed",
+        "C-54",
+        "builder-cleared",
+        "a request whose lone rebuild succeeded after a failure is still reported failed",
+        _rebuilt_request_stays_failed,
+    ),
+    Mutant(
+        "inline_builder_broken",
+        "C-50",
+        "inline-vs-background",
+        "an inline stage's builds always fail and step recovery rebuilds them unseen",
+        _inline_builder_broken,
+    ),
+    Mutant(
+        "abandoned_build_error_swallowed",
+        "C-54",
+        "builder-abandoned",
+        "the build error of an output nobody collected is dropped, not raised from a later step",
+        _abandoned_build_error_swallowed,
     ),
     Mutant(
         "trim_loses_kept_rows",
