@@ -80,6 +80,12 @@ def _setup(
     return sched, runner
 
 
+def payload_bytes(payload: Any) -> int:
+    """The bytes of a payload's tensors (hidden rows, conditioning, multimodal outputs)."""
+    tensors = (payload.hidden, payload.conditioning, *payload.multimodal.values())
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 def _step(sched: Scheduler, runner: OmniARModelRunner) -> None:
     so = sched.schedule()
     sched.update_from_output(so, WorkerExecutor(runner).execute(so))
@@ -237,7 +243,7 @@ def test_bytes_per_token(benchmark, thinker_dir, include_hidden) -> None:
             for chunk in ec.scheduler.transfer.sink.drain():  # type: ignore[union-attr]
                 totals["bytes"] += 8 * len(chunk.token_ids)
                 if chunk.payload is not None:
-                    totals["bytes"] += chunk.payload.nbytes()
+                    totals["bytes"] += payload_bytes(chunk.payload)
 
     try:
         benchmark.pedantic(run, rounds=3, warmup_rounds=0)

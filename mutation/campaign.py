@@ -997,6 +997,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="re-check only mutants matching one of these comma-separated globs",
     )
     parser.add_argument(
+        "--recheck-tests",
+        default="",
+        metavar="TESTS",
+        help="re-check with only these comma-separated tests (the properties added for a class "
+        "of survivors); only their kills are kept",
+    )
+    parser.add_argument(
         "--refresh-suite",
         action="store_true",
         help="report: re-check against the checkout's suite and harness, not the campaign's copy",
@@ -1050,7 +1057,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             meta_path.write_text(json.dumps(meta, indent=1))
         meta["recheck"] = args.recheck + (f" ({args.recheck_only})" if args.recheck_only else "")
         text, total = report(
-            args.work, chosen, meta, recheck_profile, args.recheck_timeout, args.recheck_only
+            args.work,
+            chosen,
+            meta,
+            recheck_profile,
+            args.recheck_timeout,
+            args.recheck_only,
+            tuple(t for t in args.recheck_tests.split(",") if t),
         )
         save_state(args.work, chosen, args.state)
     except CampaignError as exc:

@@ -44,13 +44,6 @@ class StagePayload:
     def has_tensors(self) -> bool:
         return self.hidden is not None or bool(self.multimodal) or self.conditioning is not None
 
-    def nbytes(self) -> int:
-        total = 0
-        for t in (self.hidden, self.conditioning, *self.multimodal.values()):
-            if t is not None:
-                total += t.numel() * t.element_size()
-        return total
-
     def trimmed_before(self, position: int) -> StagePayload | None:
         """The payload without rows for positions before ``position`` (already delivered).
 

@@ -189,6 +189,190 @@ def test_a_run_leaves_no_segment_behind(subject):
     assert not left, f"segments left in /dev/shm: {left}"
 
 
+# ---- the shared-memory wire on messages nobody reads -----------------------------------------
+# The lock-step sessions read every message the stage sends, so they never reach what the wire
+# does with a message that is dropped unread (``release_descriptors``, as ``MPStageEngine`` does
+# on shutdown), with a dead stage's leftovers (``sweep_segments``) or with the listing every leak
+# audit reads (``live_segments``). These tests drive the wire itself, under names of their own.
+
+_SHM = "/dev/shm"
+
+
+def _wire_prefix(role: str) -> str:
+    """A segment-name prefix no other test or process can share (pid and a random token)."""
+    import os
+    import secrets
+
+    return f"omni-unread-{os.getpid()}-{secrets.token_hex(4)}-{role}"
+
+
+def _on_disk(prefix: str) -> list[str]:
+    """What /dev/shm itself holds under ``prefix``, read without the wire's help."""
+    import os
+
+    return sorted(n for n in os.listdir(_SHM) if n.startswith(prefix))
+
+
+def _remove_all(prefix: str) -> None:
+    import os
+
+    for name in _on_disk(prefix):
+        try:
+            os.unlink(os.path.join(_SHM, name))
+        except FileNotFoundError:
+            pass
+
+
+def _one_step(writer: Any, request_id: str, rows: Any) -> list[Any]:
+    """One step of one request: a chunk carrying hidden rows, then its EOF carrying no tensor."""
+    from omni_runtime.payload import StageChunk, StagePayload
+
+    payload = StagePayload(request_id, 0, rows.shape[0], rows)
+    writer.send(StageChunk(request_id, "thinker", 0, (7, 8), payload, payload, False))
+    writer.send(StageChunk(request_id, "thinker", 1, (), None, None, True, "stop"))
+    return writer.flush()
+
+
+def test_an_unread_message_is_listed_released_and_swept_by_its_prefix():
+    """C-46, "nothing of the crossing outlives what it carried" (and C-04 across the boundary:
+    a stopped stage keeps nothing of its requests): a message that is written but never read
+    must still leave nothing in /dev/shm. ``live_segments`` lists exactly the segments that
+    exist under a prefix (every leak audit reads it); ``release_descriptors`` on a dropped
+    message, one of whose chunks names no segment, raises nothing and unlinks its segment (and
+    may run twice); ``sweep_segments`` unlinks exactly what is under its prefix, returns those
+    names, and leaves a neighbouring prefix's unread message readable."""
+    import torch
+
+    from omni_runtime.adapters.shm_wire import (
+        ShmChunkWriter,
+        live_segments,
+        read_chunks,
+        release_descriptors,
+        sweep_segments,
+    )
+
+    root = _wire_prefix("")
+    dropped = ShmChunkWriter(root + "dropped")
+    dead = ShmChunkWriter(root + "dead")
+    alive = ShmChunkWriter(root + "alive")
+    rows = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    try:
+        sent = _one_step(dropped, "d", rows)
+        segments = [d.segment for d in sent]
+        assert segments[1] is None and segments[0], f"expected (segment, None), got {segments}"
+        (name,) = _on_disk(dropped.prefix)
+        assert segments[0] == name, f"the message names {segments[0]}, /dev/shm holds {name}"
+        listed = live_segments(dropped.prefix)
+        assert listed == [name], f"live_segments lists {listed}, /dev/shm holds [{name!r}]"
+
+        release_descriptors(sent)
+        left = _on_disk(dropped.prefix)
+        assert not left, f"segments of a released unread message left in /dev/shm: {left}"
+        assert live_segments(dropped.prefix) == [], "live_segments lists a released segment"
+        release_descriptors(sent)  # a segment already gone is no error
+
+        unread = _one_step(dead, "x", rows)
+        kept = _one_step(alive, "y", rows + 100)
+        (dead_name,) = _on_disk(dead.prefix)
+        (alive_name,) = _on_disk(alive.prefix)
+        assert live_segments(root) == sorted([dead_name, alive_name]), live_segments(root)
+
+        swept = sweep_segments(dead.prefix)
+        assert swept == [dead_name], f"sweep of {dead.prefix} returned {swept}, not [{dead_name}]"
+        left = _on_disk(dead.prefix)
+        assert not left, f"a sweep left segments under its prefix in /dev/shm: {left}"
+        assert _on_disk(alive.prefix) == [alive_name], "a sweep removed another prefix's segment"
+        again = sweep_segments(dead.prefix)
+        assert again == [], f"a sweep of an emptied prefix returned {again}"
+        assert unread[0].segment == dead_name
+
+        back = read_chunks(kept)
+        assert torch.equal(back[0].payload.hidden, rows + 100), "the neighbour's rows changed"
+        assert back[0].data is back[0].payload and back[1].is_final
+        left = _on_disk(root)
+        assert not left, f"segments left in /dev/shm once everything was read or swept: {left}"
+    finally:
+        _remove_all(root)
+
+
+def test_the_writer_hands_its_segment_over_and_the_reader_lets_go():
+    """C-46's ownership rule, as the stdlib resource tracker sees it: a segment belongs to the
+    reader from the moment a message names it, so once ``flush`` returns the writing process must
+    no longer track it (else a stage process that exits unlinks what the parent has not read
+    yet), and once ``read_chunks`` returns the reading process must not track it either (else
+    every message leaves a registration behind, warned about as "leaked shared_memory objects" at
+    exit). The tracker's calls are recorded as the tracker keeps them, one set of (name, type)
+    per process; an unregister of something not in that set is a call the tracker rejects."""
+    from multiprocessing import resource_tracker
+
+    import torch
+
+    from omni_runtime.adapters.shm_wire import ShmChunkWriter, read_chunks
+
+    tracked: set[tuple[str, str]] = set()
+    rejected: list[tuple[str, str]] = []
+    register, unregister = resource_tracker.register, resource_tracker.unregister
+
+    def record_register(name: str, rtype: str) -> None:
+        tracked.add((name, rtype))
+        register(name, rtype)
+
+    def record_unregister(name: str, rtype: str) -> None:
+        if (name, rtype) in tracked:
+            tracked.discard((name, rtype))
+        else:
+            rejected.append((name, rtype))
+        unregister(name, rtype)
+
+    root = _wire_prefix("owner")
+    writer = ShmChunkWriter(root)
+    rows = torch.ones(2, 3, dtype=torch.bfloat16)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(resource_tracker, "register", record_register)
+            patch.setattr(resource_tracker, "unregister", record_unregister)
+            sent = _one_step(writer, "o", rows)
+            assert _on_disk(root) == [sent[0].segment], "flush made no segment"
+            assert not rejected, f"the writer's tracker calls were rejected: {rejected}"
+            still = sorted(n for n, _ in tracked if root in n)
+            assert not still, f"the writer still tracks {still} after flush: it would unlink it"
+            back = read_chunks(sent)
+            assert not rejected, f"the reader's tracker calls were rejected: {rejected}"
+            still = sorted(n for n, _ in tracked if root in n)
+            assert not still, f"the reader still tracks {still} after read_chunks"
+        assert torch.equal(back[0].payload.hidden, rows)
+        assert not _on_disk(root), "read_chunks left its segment in /dev/shm"
+    finally:
+        _remove_all(root)
+
+
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        (object(), "chunk data of type object cannot cross a process boundary"),
+        ([{1: "x"}], "chunk data: dict key 1 is not a string"),
+    ],
+    ids=["object", "int-key"],
+)
+def test_data_that_cannot_cross_is_refused_by_name(data, message):
+    """C-61/C-46: a processor's data the wire cannot carry is refused at ``send`` (inside the
+    transfer adapter, so it fails only its request), and the refusal names what is wrong (the
+    offending type, or the dict key) since that text becomes the request's error; nothing of
+    the refused chunk is written."""
+    from omni_runtime.adapters.shm_wire import ShmChunkWriter
+    from omni_runtime.payload import StageChunk
+
+    root = _wire_prefix("refused")
+    writer = ShmChunkWriter(root)
+    try:
+        with pytest.raises(TypeError, match=f"^{message}"):
+            writer.send(StageChunk("z", "thinker", 0, (), None, data, False))
+        assert len(writer) == 0 and writer.flush() == [], "a refused chunk was kept to send"
+        assert not _on_disk(root), "a refused chunk left a segment"
+    finally:
+        _remove_all(root)
+
+
 @pytest.mark.slow
 def test_gate_check_passes(tmp_path, run_check):
     """The whole gate, end to end: every test applies to the subject, and C-46 passes."""
