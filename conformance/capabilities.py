@@ -263,15 +263,26 @@ class RunnerProbes(Protocol):
         materialization: str = "inline",
         graph: str | None = None,
         multimodal: bool = False,
+        postprocess: bool = False,
     ) -> Feature:
         """A worker feature whose runner delivers hidden rows (or, not ``include_hidden``,
         token-only payloads with the prefill conditioning); ``multimodal``: per-token
-        multimodal outputs too, which both payload modes deliver (C-30)."""
+        multimodal outputs too, which both payload modes deliver (C-30); ``postprocess``: over
+        a model (the same weights) whose payload postprocess is defined, asked for only when
+        the probes define ``postprocessed``."""
 
     def includes_hidden(self, feature: Feature) -> bool: ...
 
     def payloads(self, output: Any) -> list[PayloadView | None] | None:
         """The output's per-request payload slots (None: no payload objects this step)."""
+
+    # Optional: ``postprocessed(payload) -> bool``, for a subject whose models may postprocess
+    # each payload their runner builds (a model's own step after the build, which sees every
+    # scheduled request's payload on every step, one with nothing else to deliver included):
+    # whether ``payload`` carries what the postprocess of ``payload_feature(...,
+    # postprocess=True)``'s model adds. The postprocess keeps what was built (request id,
+    # positions, hidden rows, conditioning, C-51); without ``postprocessed`` the token-only
+    # property's postprocess case is not applicable.
 
     # Optional: ``failed_requests(output) -> Mapping[str, str]``, the requests the step's output
     # reports as failed by the runner, with their causes (C-54 recovery, C-61).
@@ -366,6 +377,33 @@ class FaultContainment(Protocol):
     # Optional: ``cause_field``, the name of the output field on which the subject reports why a
     # request failed (C-61's "and a message"). When given, the failed request's terminal output
     # must carry the planted fault's text there, and no other request's output may carry one.
+    # Optional: ``stage_name(additional_config) -> str | None``, the name the subject's failure
+    # causes give the stage that ``additional_config`` configures. When it names one, every
+    # cause the gate reads (send-path faults, payload build faults) must name that stage and the
+    # fault's type as well as its text: in a pipeline of stages, which stage failed a request,
+    # and with what, is what its operator needs to read first.
+
+
+def cause_naming_problem(
+    subject: Any, additional_config: Mapping[str, Any], cause: str, fault: BaseException
+) -> str | None:
+    """What a failure cause leaves out of what the subject's ``FaultContainment.stage_name``
+    promises (the stage, the fault's type); None when it keeps the promise or makes none."""
+    containment = getattr(subject, "fault_containment", lambda: None)()
+    stage_name = getattr(containment, "stage_name", None)
+    stage = stage_name(additional_config) if stage_name is not None else None
+    if not stage:
+        return None
+    missing = [
+        what
+        for what, text in (("the stage", stage), ("the fault's type", type(fault).__name__))
+        if text not in cause
+    ]
+    return (
+        f"it does not name {' or '.join(missing)} ({stage!r}, {type(fault).__name__})"
+        if (missing)
+        else None
+    )
 
 
 # One value that crossed a process boundary: flattened to ``{field path: scalar or tensor}``.

@@ -46,7 +46,13 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.capabilities import NotApplicable, RunnerProbes, require, require_worker
+from conformance.capabilities import (
+    NotApplicable,
+    RunnerProbes,
+    cause_naming_problem,
+    require,
+    require_worker,
+)
 from invariants.machines import suite_settings, worker_harness_config
 from invariants.runners import RunnerExec, drive_runners, same_view
 from invariants.strategies import Job, jobs
@@ -281,7 +287,8 @@ def check_recovery_isolates_a_persistent_build_fault(
     failed_of = getattr(probes, "failed_requests", None)
     cfg_i = stage_config(subject, probes, "inline")
     inline = subject.make_worker(cfg_i)
-    background = subject.make_worker(stage_config(subject, probes, "background"))
+    cfg_b = stage_config(subject, probes, "background")
+    background = subject.make_worker(cfg_b)
     probe = probes.instrument(background)
     fail_request = getattr(probe, "fail_request", None)
     if fail_request is None or failed_of is None:
@@ -332,6 +339,8 @@ def check_recovery_isolates_a_persistent_build_fault(
                 f"C-54: step {step}: {rid} is reported failed with cause {cause!r}, which does "
                 f"not carry the build's error ({error})"
             )
+            unnamed = cause_naming_problem(subject, cfg_b.additional_config, str(cause), error)
+            assert unnamed is None, f"C-54/C-61: step {step}: {rid}'s cause {cause!r}: {unnamed}"
         assert set(failed) == expected_failed, (
             f"C-54: step {step}: "
             + (

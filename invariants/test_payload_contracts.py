@@ -15,24 +15,34 @@ What can fail, and why:
   nor a multimodal payload to deliver) still builds payload objects.
 * C-51 — a payload slot does not belong to its request, or its rows are not exactly the
   request's scheduled positions ``[num_computed, num_computed + num_scheduled)`` (or, with a
-  prefix-cache merge, ``[0, num_computed + num_scheduled)``, C-55).
+  prefix-cache merge, ``[0, num_computed + num_scheduled)``, C-55); over a model that
+  postprocesses its payloads (``RunnerProbes.postprocessed``, the ``postprocess`` case), a slot
+  is empty or lacks what the postprocess adds.
 
 The lock-step machines check the same clauses end to end (chunk ledger, rows against the
 subject's model reference, C-55 coverage from position 0) in ``test_ar_inv_001_parity.py``.
-Not applicable to a subject without a real worker and runner probes. Positive controls: mutants
+Not applicable to a subject without a real worker and runner probes (the ``postprocess`` case:
+without ``postprocessed``). Positive controls: mutants
 ``token_only_builds_hidden``, ``conditioning_dropped_token_only``, ``payload_slot_shifted``,
 ``payloads_on_empty_steps``, ``prefix_merge_missing_rows``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from hypothesis import given
 
-from conformance.capabilities import RunnerProbes, require, require_worker
+from conformance.capabilities import (
+    NotApplicable,
+    PayloadView,
+    RunnerProbes,
+    require,
+    require_worker,
+)
 from conformance.vllm_compat import computed_before
 from conformance.workload import AddRequest, ResetPrefixCache, Step
 from invariants.audits import CheckingExecutor
@@ -53,15 +63,30 @@ def probes_of(subject: Any) -> RunnerProbes:
     return require(subject, "runner_probes", "runner probes")
 
 
+def postprocess_probe(probes: RunnerProbes) -> Callable[[PayloadView], bool]:
+    check = getattr(probes, "postprocessed", None)
+    if check is None:
+        raise NotApplicable("the subject's runner probes provide no payload postprocess model")
+    return check
+
+
 def check_token_only(
-    workload: list[Job], subject: Any, *, prefix: bool = True, multimodal: bool = False
+    workload: list[Job],
+    subject: Any,
+    *,
+    prefix: bool = True,
+    multimodal: bool = False,
+    postprocess: bool = False,
 ) -> int:
     probes = probes_of(subject)
+    postprocessed = postprocess_probe(probes) if postprocess else None
+    # Asked for only when the case runs with it: a subject without it need not take the argument.
+    post: dict[str, Any] = {"postprocess": True} if postprocess else {}
     cfg_h, cfg_t = (
         worker_harness_config(
             subject,
             probes.payload_feature(
-                include_hidden=hidden, full_prefix=hidden, multimodal=multimodal
+                include_hidden=hidden, full_prefix=hidden, multimodal=multimodal, **post
             ),
             mode="sync",
             prefix=prefix,
@@ -86,7 +111,9 @@ def check_token_only(
             if computed[rid] < plen <= computed[rid] + n:
                 crossing.add(rid)
         tp = probes.payloads(tok)
-        if not crossing and not multimodal:
+        # A model's postprocess sees every request's payload of every step, so a postprocess
+        # stage, like a multimodal one, has something to deliver on every step.
+        if not crossing and not multimodal and postprocessed is None:
             assert tp is None, (
                 f"C-50: step {step}: token-only step with nothing to deliver built "
                 f"{sum(p is not None for p in tp)} payload objects ({len(tp)} slots)"
@@ -113,6 +140,8 @@ def check_token_only(
                 )
             if multimodal:
                 check_multimodal(step, rid, n, h, t)
+            if postprocessed is not None:
+                check_postprocessed(step, rid, h, t, postprocessed)
             hc = h.conditioning
             tc = None if t is None else t.conditioning
             if rid in crossing:
@@ -139,6 +168,31 @@ def check_token_only(
             probes.shutdown(r)
 
 
+def check_postprocessed(
+    step: int,
+    rid: str,
+    h: PayloadView,
+    t: PayloadView | None,
+    postprocessed: Callable[[PayloadView], bool],
+) -> None:
+    """C-51: a model's payload postprocess runs on every request's payload, in both payload
+    modes, also on one with nothing else to deliver; what it adds is there, and what the build
+    made (id, positions, hidden rows, conditioning) is kept: the checks around this one hold
+    the same payloads to the rows and conditioning the step scheduled."""
+    assert t is not None, (
+        f"C-51: step {step}: {rid}'s token-only slot is empty, but its model postprocesses "
+        "every payload"
+    )
+    for mode, p in (("include-hidden", h), ("token-only", t)):
+        assert p.request_id == rid, (
+            f"C-51: step {step}: {mode} slot of {rid} holds {p.request_id}'s payload"
+        )
+        assert postprocessed(p), (
+            f"C-51: step {step}: {mode} payload of {rid} lacks what its model's postprocess "
+            f"adds (outputs {sorted(p.multimodal)})"
+        )
+
+
 def check_multimodal(step: int, rid: str, n: int, h: Any, t: Any) -> None:
     """C-30/C-51: a stage with per-token multimodal outputs delivers them for exactly the
     scheduled positions in both payload modes, and the token-only runner's (computed for the
@@ -163,19 +217,25 @@ def check_multimodal(step: int, rid: str, n: int, h: Any, t: Any) -> None:
 
 @pytest.mark.clauses("C-30", "C-31", "C-50", "C-51", "C-55")
 @pytest.mark.parametrize(
-    ("prefix", "multimodal"),
-    [(True, False), (False, False), (True, True)],
-    ids=["prefix", "noprefix", "multimodal"],
+    ("prefix", "multimodal", "postprocess"),
+    [(True, False, False), (False, False, False), (True, True, False), (True, False, True)],
+    ids=["prefix", "noprefix", "multimodal", "postprocess"],
 )
-def test_token_only_payloads(conformance_subject, prefix, multimodal):
-    probes_of(conformance_subject)
+def test_token_only_payloads(conformance_subject, prefix, multimodal, postprocess):
+    probes = probes_of(conformance_subject)
+    if postprocess:
+        postprocess_probe(probes)
     total = [0]
 
     @suite_settings(20)
     @given(jobs)
     def prop(workload: list[Job]) -> None:
         total[0] += check_token_only(
-            workload, conformance_subject, prefix=prefix, multimodal=multimodal
+            workload,
+            conformance_subject,
+            prefix=prefix,
+            multimodal=multimodal,
+            postprocess=postprocess,
         )
 
     prop()

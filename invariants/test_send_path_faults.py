@@ -47,7 +47,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conformance.capabilities import ChunkDelivery, NotApplicable, require
+from conformance.capabilities import ChunkDelivery, NotApplicable, cause_naming_problem, require
 from conformance.driver import make_driver
 from conformance.harness_faults import raise_pending
 from conformance.machine import client_trace_headers
@@ -213,6 +213,12 @@ def check_send_fault_stays_with_its_request(
                 assert "planted send-path fault" in got.causes.get(rid, ""), (
                     f"C-61: {rid} failed, but its {field_name} ({got.causes.get(rid)!r}) does "
                     f"not carry the processor's fault ({where})"
+                )
+                unnamed = cause_naming_problem(
+                    subject, cfg.additional_config, got.causes[rid], PlantedSendFault("")
+                )
+                assert unnamed is None, (
+                    f"C-61: {rid}'s {field_name} {got.causes[rid]!r}: {unnamed} ({where})"
                 )
             continue
         assert ends == clean.terminal.get(rid), (

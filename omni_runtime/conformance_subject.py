@@ -416,6 +416,12 @@ GRAPHS: dict[str, dict[str, Any]] = {
 }
 
 
+# ``additional_config`` key naming the generated model a worker feature runs (default: the
+# thinker), and the one whose config turns on its payload postprocess.
+MODEL_KEY = "omni_test_model"
+POSTPROCESS_MODEL = "thinker-post"
+
+
 class OmniRunnerProbes:
     graphs = tuple(GRAPHS)
 
@@ -427,6 +433,7 @@ class OmniRunnerProbes:
         materialization: str = "inline",
         graph: str | None = None,
         multimodal: bool = False,
+        postprocess: bool = False,
     ) -> Feature:
         stage = thinker_stage(
             include_hidden=include_hidden, full_prefix=full_prefix, materialization=materialization
@@ -437,7 +444,20 @@ class OmniRunnerProbes:
             # One output every model has and one the model adds (``omni_output_producers``).
             stage["multimodal_outputs"] = ["logits", "hidden_norm"]
         name = f"thinker-{include_hidden}-{full_prefix}-{materialization}-{graph}-{multimodal}"
-        return Feature(name, {"omni_stage": stage}, use_worker=True)
+        extra: dict[str, Any] = {"omni_stage": stage}
+        if postprocess:
+            # The thinker's weights, with the payload postprocess its config turns on
+            # (``LlamaLM.omni_postprocess``, "positions"); ``worker_config`` loads it.
+            extra[MODEL_KEY] = POSTPROCESS_MODEL
+            name += "-post"
+        return Feature(name, extra, use_worker=True)
+
+    def postprocessed(self, payload: PayloadView) -> bool:
+        """The model's postprocess ran on ``payload``: it carries the positions its rows
+        cover (``LlamaLM.tag_positions``)."""
+        positions = payload.multimodal.get("positions")
+        expected = torch.arange(payload.start, payload.start + payload.num_tokens)
+        return isinstance(positions, torch.Tensor) and torch.equal(positions, expected)
 
     def includes_hidden(self, feature: Feature) -> bool:
         stage = stage_of(feature)
@@ -469,6 +489,11 @@ class OmniFaultContainment:
     fault on its request (``omni_runtime.worker.recovery``); the scheduler fails that request."""
 
     cause_field = "omni_error"
+
+    def stage_name(self, additional_config: Mapping[str, Any]) -> str | None:
+        # Causes start with the stage id ("thinker: send path: ...", "thinker: payload build").
+        stage = additional_config.get("omni_stage")
+        return str(stage.get("stage_id")) if isinstance(stage, Mapping) else None
 
     def feature(self, materialization: str) -> Feature:
         feature = OmniRunnerProbes().payload_feature(
@@ -700,8 +725,10 @@ class OmniSubject(OmniSchedulerSubject):
     def worker_config(self, cfg: HarnessConfig) -> HarnessConfig:
         from omni_runtime.models import model_dir
 
-        # The real worker needs real weights: the runtime's generated thinker model.
-        return cfg.with_(model=str(model_dir("thinker")))
+        # The real worker needs real weights: the runtime's generated thinker model (or the
+        # model a feature names, ``OmniRunnerProbes.payload_feature(postprocess=True)``).
+        name = cfg.additional_config.get(MODEL_KEY, "thinker")
+        return cfg.with_(model=str(model_dir(name)))
 
     def make_worker(self, cfg: HarnessConfig) -> Any:
         from omni_runtime.worker import OmniARModelRunner

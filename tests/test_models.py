@@ -28,6 +28,7 @@ from omni_runtime.models import (
     model_dir,
     reference_attention,
 )
+from omni_runtime.payload import StagePayload
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -169,6 +170,25 @@ def test_unknown_model_name() -> None:
         assert known in msg
     with pytest.raises(ValueError, match="vocoder"):
         load_model("vocoder")
+
+
+def test_thinker_post_is_the_thinker_with_a_payload_postprocess(thinker: LlamaLM) -> None:
+    """Same weights and config as the thinker but for the postprocess its config names; the
+    thinker's folder does not mention it, so its version is unchanged."""
+    post_dir, thinker_dir = model_dir("thinker-post"), model_dir("thinker")
+    assert _sha256(post_dir / "model.safetensors") == _sha256(thinker_dir / "model.safetensors")
+    cfg = json.loads((post_dir / "config.json").read_text())
+    assert cfg.pop("omni_payload_postprocess") == "positions"
+    assert cfg == json.loads((thinker_dir / "config.json").read_text())
+    post = load_model("thinker-post")
+    assert isinstance(post, LlamaLM) and thinker.omni_postprocess is None
+    hook = post.omni_postprocess
+    assert hook is not None
+    payload = StagePayload("r", 5, 3, conditioning=torch.ones(64))
+    assert hook(payload) is payload
+    assert torch.equal(payload.multimodal["positions"], torch.tensor([5, 6, 7]))
+    assert (payload.request_id, payload.start, payload.num_tokens) == ("r", 5, 3)
+    assert payload.hidden is None and torch.equal(payload.conditioning, torch.ones(64))
 
 
 # --- 2. HF parity -----------------------------------------------------------------------

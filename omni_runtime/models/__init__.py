@@ -34,6 +34,7 @@ from .config import (
     config_fingerprint,
     talker_config,
     thinker_config,
+    thinker_post_config,
 )
 from .llama import AttnFn, LlamaLM, init_llama_state_dict, reference_attention
 
@@ -79,6 +80,8 @@ class _Spec:
 
 _SPECS: dict[str, _Spec] = {
     "thinker": _Spec(thinker_config, 20240601, init_llama_state_dict),
+    # The thinker (same shapes and seed, so the same weights) with a payload postprocess.
+    "thinker-post": _Spec(thinker_post_config, 20240601, init_llama_state_dict),
     "talker": _Spec(talker_config, 20240602, init_llama_state_dict),
     "code2wav": _Spec(code2wav_config, 20240603, init_code2wav_state_dict),
 }
@@ -158,7 +161,8 @@ def _write_folder(name: str, folder: Path) -> None:
 
 
 def model_dir(name: str) -> Path:
-    """Local folder of stage model ``name`` ("thinker", "talker" or "code2wav").
+    """Local folder of stage model ``name`` ("thinker", "talker", "code2wav", or
+    "thinker-post", the thinker with a payload postprocess).
 
     Created on first use; safe to call concurrently from several processes: each builds
     the folder privately and publishes it with an atomic rename, and losers of the race

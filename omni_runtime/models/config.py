@@ -18,6 +18,7 @@ __all__ = [
     "CODEC_EOS_ID",
     "CODEC_PAD_ID",
     "CODEC_VOCAB_SIZE",
+    "PAYLOAD_POSTPROCESSES",
     "TALKER_VOCAB_SIZE",
     "Code2WavConfig",
     "LlamaLMConfig",
@@ -25,7 +26,12 @@ __all__ = [
     "config_fingerprint",
     "talker_config",
     "thinker_config",
+    "thinker_post_config",
 ]
+
+# What a Llama stage model's payload postprocess (``LlamaLM.omni_postprocess``) may be:
+# "positions" tags each payload with the token positions its rows cover. None: no hook.
+PAYLOAD_POSTPROCESSES = ("positions",)
 
 # Codec id layout shared by the talker (which emits them) and code2wav (which consumes them):
 # ids [0, 256) are acoustic codes, the ones above are control tokens the talker may emit but
@@ -57,8 +63,15 @@ class LlamaLMConfig:
     bos_token_id: int = 1
     eos_token_id: int = 2
     pad_token_id: int = 0
+    # The model's payload postprocess (one of ``PAYLOAD_POSTPROCESSES``), or None for none.
+    payload_postprocess: str | None = None
 
     def __post_init__(self) -> None:
+        if self.payload_postprocess not in (None, *PAYLOAD_POSTPROCESSES):
+            raise ValueError(
+                f"payload_postprocess={self.payload_postprocess!r}: expected None or one of "
+                f"{', '.join(PAYLOAD_POSTPROCESSES)}"
+            )
         if self.num_attention_heads % self.num_key_value_heads != 0:
             raise ValueError(
                 f"num_attention_heads={self.num_attention_heads} must be a multiple of "
@@ -76,7 +89,14 @@ class LlamaLMConfig:
         return self.num_attention_heads // self.num_key_value_heads
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """HF ``config.json`` content, readable by transformers 5 and vLLM."""
+        """HF ``config.json`` content, readable by transformers 5 and vLLM (which keep the
+        omni key of a payload postprocess as an extra attribute; it is written only when set,
+        so a model without one has the same folder as before the key existed)."""
+        extra = (
+            {}
+            if self.payload_postprocess is None
+            else {"omni_payload_postprocess": self.payload_postprocess}
+        )
         return {
             "architectures": [self.architecture],
             "model_type": self.model_type,
@@ -108,6 +128,7 @@ class LlamaLMConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
             "pad_token_id": self.pad_token_id,
+            **extra,
         }
 
     @classmethod
@@ -139,6 +160,7 @@ class LlamaLMConfig:
             bos_token_id=_single_id(d.get("bos_token_id"), 1),
             eos_token_id=_single_id(d.get("eos_token_id"), 2),
             pad_token_id=_single_id(d.get("pad_token_id"), 0),
+            payload_postprocess=d.get("omni_payload_postprocess"),
         )
 
 
@@ -231,6 +253,11 @@ def _single_id(value: Any, default: int) -> int:
 
 def thinker_config() -> LlamaLMConfig:
     return LlamaLMConfig(vocab_size=512, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+
+
+def thinker_post_config() -> LlamaLMConfig:
+    """The thinker with a payload postprocess (same shapes, so the same weights for one seed)."""
+    return dataclasses.replace(thinker_config(), payload_postprocess="positions")
 
 
 def talker_config() -> LlamaLMConfig:

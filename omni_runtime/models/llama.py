@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -198,6 +199,13 @@ class LlamaLM(nn.Module):
         self.config = config
         self.model = LlamaBackbone(config, device)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, device)
+        # The model's postprocess of each payload an omni stage builds for it, as its config
+        # names it (``payload_postprocess``); None: none. The runner applies it to every
+        # request's payload of every step, one with nothing else to deliver included. A plain
+        # attribute, so a caller may still install a hook of its own on an instance.
+        self.omni_postprocess: Callable[[Any], Any] | None = (
+            self.tag_positions if config.payload_postprocess == "positions" else None
+        )
 
     # ---- shape facts a runner needs to size its KV cache -------------------------------
     @property
@@ -268,6 +276,16 @@ class LlamaLM(nn.Module):
         """Per-token outputs, beyond ``logits``, that an omni stage may name in
         ``multimodal_outputs``: each maps the step's final hidden rows [T, H] to [T, ...]."""
         return {"hidden_norm": self.hidden_norm}
+
+    @staticmethod
+    def tag_positions(payload: Any) -> Any:
+        """Adds ``multimodal["positions"]``, the token positions ``[start, start +
+        num_tokens)`` the payload covers, and keeps everything the payload already holds (the
+        same object is returned)."""
+        payload.multimodal["positions"] = torch.arange(
+            payload.start, payload.start + payload.num_tokens
+        )
+        return payload
 
     # ---- cacheless reference path --------------------------------------------------------
     def forward_embeds(
