@@ -225,6 +225,9 @@ class StageInputSpec:
     # carrying them must become a request carrying them, and one without an arrival time a
     # request with one.
     request_fields: bool = False
+    # Whether the adapter's rejection of a value of the wrong type names that type ("expected a
+    # tensor, got list"): a subject that says so is held to it for every such defect.
+    names_types: bool = False
 
 
 @runtime_checkable

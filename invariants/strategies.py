@@ -339,6 +339,9 @@ class Malformed:
     defect: str
     field: str
     kwargs: dict[str, Any]
+    # The type of the value that is wrong, for a defect that is a value of the wrong type (what
+    # a subject whose rejections name the type, ``StageInputSpec.names_types``, must name).
+    wrong_type: str | None = None
 
     def describe(self) -> str:
         return f"{self.defect} -> {self.field}"
@@ -382,12 +385,16 @@ MALFORMED_KINDS: tuple[str, ...] = (
     "empty_request_id",
     "embeds_not_tensor",
     "ids_tensor_2d",
+    "ids_tensor_0d",
+    "embeds_meta",
+    "conditioning_meta",
     "trace_headers_not_str",
     "trace_headers_not_mapping",
 )
 # Defects of input forms an adapter need not take (``StageInputSpec``'s options).
 _OPTIONAL_KINDS = {
     "ids_tensor_2d": "id_tensors",
+    "ids_tensor_0d": "id_tensors",
     "trace_headers_not_str": "trace_headers",
     "trace_headers_not_mapping": "trace_headers",
 }
@@ -506,6 +513,17 @@ def malformed_inputs(
     elif kind == "ids_tensor_2d":
         kw = {"prompt_token_ids": torch.tensor([ids], dtype=torch.long)}
         fld = "prompt_token_ids"
+    elif kind == "ids_tensor_0d":
+        # One id as a scalar tensor: not a sequence of ids.
+        kw = {"prompt_token_ids": torch.tensor(ids[pos], dtype=torch.long)}
+        fld = "prompt_token_ids"
+    elif kind == "embeds_meta":
+        # Shape and dtype right, but no data (a tensor on torch's meta device).
+        kw = {"prompt_embeds": torch.empty((n, HIDDEN), device="meta")}
+        fld = "prompt_embeds"
+    elif kind == "conditioning_meta":
+        kw["conditioning"] = torch.empty(HIDDEN, device="meta")
+        fld = "conditioning"
     elif kind == "trace_headers_not_str":
         kw["trace_headers"] = {"traceparent": draw(st.sampled_from([1, None, b"00"]))}
         fld = "trace_headers"
@@ -531,7 +549,14 @@ def malformed_inputs(
     elif kind == "empty_request_id":
         kw["request_id"] = ""
         fld = "request_id"
-    return Malformed(kind, fld, kw)
+    wrong = {
+        "bool_id": "bool",
+        "float_id": "float",
+        "conditioning_not_tensor": "list",
+        "info_object": "object",
+        "embeds_not_tensor": "list",
+    }.get(kind)
+    return Malformed(kind, fld, kw, wrong)
 
 
 # ---- request batches for runner-level properties ------------------------------------------

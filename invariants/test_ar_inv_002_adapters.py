@@ -112,6 +112,11 @@ def check_malformed(case: Malformed, probe: Any, scheduler: Any) -> None:
         assert says_what_is_wrong(text, rid, field), (
             f"C-13: {case.describe()}: the error's message {text!r} does not say what is wrong"
         )
+        if case.wrong_type and getattr(probe.spec, "names_types", False):
+            assert re.search(rf"\b{case.wrong_type}\b", text.replace(field, " ")), (
+                f"C-13: {case.describe()}: the error's message {text!r} does not name the "
+                f"wrong value's type, {case.wrong_type}"
+            )
     else:
         raise AssertionError(
             f"C-13: {case.describe()}: adapter accepted the input as {type(request).__name__} "

@@ -574,6 +574,7 @@ class OmniInputAdapterProbe:
         id_tensors=True,
         trace_headers=True,
         request_fields=True,
+        names_types=True,
     )
 
     def __init__(self, subject: BaseSubject) -> None:

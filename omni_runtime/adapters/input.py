@@ -229,6 +229,8 @@ class InputAdapter:
             raise RequestRejected(
                 rid, "prompt_embeds", f"dtype {embeds.dtype}, expected {self.embeds_dtype}"
             )
+        if embeds.is_meta:
+            raise RequestRejected(rid, "prompt_embeds", "tensor has no data (meta device)")
         if not bool(torch.isfinite(embeds).all()):
             raise RequestRejected(rid, "prompt_embeds", "contains NaN or infinite values")
         # A private, contiguous CPU copy: the caller may reuse its buffer after we return.
@@ -251,6 +253,8 @@ class InputAdapter:
     def _tensor(self, rid: str, name: str, value: Any) -> torch.Tensor:
         if not isinstance(value, torch.Tensor):
             raise RequestRejected(rid, name, f"expected a tensor, got {type(value).__name__}")
+        if value.is_meta:
+            raise RequestRejected(rid, name, "tensor has no data (meta device)")
         if value.is_floating_point() and not bool(torch.isfinite(value).all()):
             raise RequestRejected(rid, name, "contains NaN or infinite values")
         return value.detach().to("cpu").clone()

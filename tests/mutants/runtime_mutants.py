@@ -446,6 +446,36 @@ def _tensor_in_upstream_field():
     return _patch(InputAdapter, "build", make)
 
 
+def _adapter_misnames_wrong_type():
+    """C-13: a rejection of a value of the wrong type names the type of the rejection's own
+    placeholder instead of the value's ("got NoneType" for a list)."""
+    from omni_runtime.adapters import InputAdapter
+
+    def make(orig: Any) -> Any:
+        def _tensor(self: Any, rid: str, name: str, value: Any) -> Any:
+            return orig(self, rid, name, value if isinstance(value, torch.Tensor) else None)
+
+        return _tensor
+
+    return _patch(InputAdapter, "_tensor", make)
+
+
+def _adapter_takes_meta_tensor():
+    """C-13/C-60: conditioning without data (a meta tensor) is taken as a zero vector instead of
+    being rejected."""
+    from omni_runtime.adapters import InputAdapter
+
+    def make(orig: Any) -> Any:
+        def _tensor(self: Any, rid: str, name: str, value: Any) -> Any:
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                value = torch.zeros(value.shape, dtype=value.dtype)
+            return orig(self, rid, name, value)
+
+        return _tensor
+
+    return _patch(InputAdapter, "_tensor", make)
+
+
 def _adapter_accepts_nan_embeds():
     from omni_runtime.adapters import InputAdapter
 
@@ -1393,6 +1423,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "lockstep-token-updates",
         "a tensor stashed in an upstream Request field (ec_transfer_params)",
         _tensor_in_upstream_field,
+    ),
+    Mutant(
+        "adapter_misnames_wrong_type",
+        "C-13",
+        "malformed-inputs",
+        "a rejection of a value of the wrong type names another type",
+        _adapter_misnames_wrong_type,
+    ),
+    Mutant(
+        "adapter_takes_meta_tensor",
+        "C-13",
+        "malformed-inputs",
+        "conditioning without data (a meta tensor) is taken as zeros",
+        _adapter_takes_meta_tensor,
     ),
     Mutant(
         "adapter_accepts_nan_embeds",
