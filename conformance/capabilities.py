@@ -239,7 +239,8 @@ class InputAdapterProbe(Protocol):
 
     @property
     def rejection(self) -> type[BaseException]:
-        """Raised for bad input; instances carry ``request_id`` and ``field``."""
+        """Raised for bad input; instances carry ``request_id`` and ``field``, and may carry
+        ``problem``: what is wrong, in words (then it must say it, as the message does)."""
 
     def scheduler(self) -> Any:
         """A live scheduler of the adapter's stage (requests it accepts may be added to it)."""

@@ -112,6 +112,12 @@ def check_malformed(case: Malformed, probe: Any, scheduler: Any) -> None:
         assert says_what_is_wrong(text, rid, field), (
             f"C-13: {case.describe()}: the error's message {text!r} does not say what is wrong"
         )
+        if hasattr(exc, "problem"):
+            problem = str(exc.problem)
+            assert says_what_is_wrong(problem, rid, field), (
+                f"C-13: {case.describe()}: the error's problem {problem!r} does not say what is "
+                "wrong"
+            )
         if case.wrong_type and getattr(probe.spec, "names_types", False):
             assert re.search(rf"\b{case.wrong_type}\b", text.replace(field, " ")), (
                 f"C-13: {case.describe()}: the error's message {text!r} does not name the "
