@@ -60,6 +60,7 @@ class ProcessorCall:
     is_final: bool
     ids: tuple[int, ...] | None  # a copy taken at call time
     ids_ref: list[int] | None  # the list object itself, to detect later mutation (C-44)
+    batched: bool = False  # made through ``on_token_batch``, not a call of the processor
 
 
 class RecordingProcessor:
@@ -80,9 +81,18 @@ class RecordingProcessor:
         self.released.append(request_id)
 
     @harness_code
-    def record(self, request_id: str, payload: Any, is_final: bool, ids: list[int] | None) -> Any:
+    def record(
+        self,
+        request_id: str,
+        payload: Any,
+        is_final: bool,
+        ids: list[int] | None,
+        batched: bool = False,
+    ) -> Any:
         self.calls.append(
-            ProcessorCall(request_id, payload, is_final, None if ids is None else tuple(ids), ids)
+            ProcessorCall(
+                request_id, payload, is_final, None if ids is None else tuple(ids), ids, batched
+            )
         )
         if ids is not None and self.mutate_ids:
             # A processor may keep or mutate what it was given; nobody else may see that (C-44).
@@ -131,7 +141,7 @@ class RecordingBatchProcessor(RecordingIdsProcessor):
         data: dict[str, Any] = {}
         start = 0
         for rid, n in zip(request_ids, counts, strict=True):
-            out = self.record(rid, None, False, token_ids[start : start + n])
+            out = self.record(rid, None, False, token_ids[start : start + n], batched=True)
             start += n
             if out is not None:
                 data[rid] = out
@@ -143,6 +153,41 @@ class RecordingPlainProcessor(RecordingProcessor):
         return self.record(request_id, payload, is_final, None)
 
 
+class RecordingOverridingProcessor(RecordingBatchProcessor):
+    """A subclass of the batching processor that redefines ``__call__`` (here to do the same):
+    its batch method is inherited from a class whose ``__call__`` it no longer runs, so it
+    stands for nothing this class does; every call must reach this ``__call__``."""
+
+    def __call__(
+        self, request_id: str, payload: Any, is_final: bool, new_token_ids: list[int] | None = None
+    ) -> Any:
+        return self.record(request_id, payload, is_final, new_token_ids)
+
+
+class RecordingBatchOffProcessor(RecordingIdsProcessor):
+    """An ids-taking processor whose class sets ``on_token_batch`` to False: no batch method."""
+
+    on_token_batch = False
+
+
+class ForwardingProcessor:
+    """A wrapper that calls an inner batching processor and forwards every other attribute
+    read to it (its declaration, its log, its ``release``, and its ``on_token_batch``): a batch
+    through the forwarded method would pass the wrapper's own ``__call__`` by, so every call
+    must come through the wrapper."""
+
+    def __init__(self, inner: RecordingBatchProcessor) -> None:
+        self.inner = inner
+
+    def __call__(
+        self, request_id: str, payload: Any, is_final: bool, new_token_ids: list[int] | None = None
+    ) -> Any:
+        return self.inner(request_id, payload, is_final, new_token_ids)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["inner"], name)
+
+
 @dataclass(frozen=True)
 class ProcessorSpec:
     declaration: Any
@@ -150,15 +195,35 @@ class ProcessorSpec:
     takes_ids: bool
     mutate_ids: bool
     batches: bool = False  # with ``takes_ids``: defines ``on_token_batch`` too
+    # With ``batches``, how the batch method relates to the ``__call__`` that runs
+    # (``BATCH_FORMS``): only the first may be batched.
+    form: str = "own"
 
-    def build(self) -> RecordingProcessor:
+    def build(self) -> Any:
         cls: type[RecordingProcessor] = RecordingPlainProcessor
         if self.takes_ids:
             cls = RecordingBatchProcessor if self.batches else RecordingIdsProcessor
-        return cls(self.declaration, self.policy, self.mutate_ids and self.takes_ids)
+            if self.batches and self.form == "overriding":
+                cls = RecordingOverridingProcessor
+            elif self.batches and self.form == "off":
+                cls = RecordingBatchOffProcessor
+        made = cls(self.declaration, self.policy, self.mutate_ids and self.takes_ids)
+        if self.takes_ids and self.batches and self.form == "forwarding":
+            assert isinstance(made, RecordingBatchProcessor)
+            return ForwardingProcessor(made)
+        return made
+
+    @property
+    def may_batch(self) -> bool:
+        """Whether a subject may call ``on_token_batch`` instead of this processor (C-40)."""
+        return self.takes_ids and self.batches and self.form == "own"
 
     def describe(self) -> str:
-        batch = ", on_token_batch=yes" if self.takes_ids and self.batches else ""
+        batch = (
+            f", on_token_batch={'yes' if self.form == 'own' else self.form}"
+            if self.takes_ids and self.batches
+            else ""
+        )
         return (
             f"processor(requires_token_updates={self.declaration!r}, returns={self.policy}, "
             f"new_token_ids={'yes' if self.takes_ids else 'no'}, mutates={self.mutate_ids}"
@@ -174,7 +239,13 @@ PROCESSOR_SHAPES: tuple[str, ...] = (
     "token-updates",
     "token-updates-with-ids",
     "token-updates-batched",
+    "token-updates-batch-foreign",
 )
+# How a batching processor's ``on_token_batch`` relates to the ``__call__`` it would run: its own
+# class defines both (the batched shape); a subclass redefines ``__call__``; a wrapper forwards
+# attribute reads to a batching processor; the class sets the method to False (the
+# batch-foreign shape). C-40: only the first may be batched.
+BATCH_FORMS: tuple[str, ...] = ("own", "overriding", "forwarding", "off")
 
 
 def processor_specs_of(
@@ -197,9 +268,12 @@ def processor_specs_of(
             policy=st.sampled_from(RETURN_POLICIES),
             takes_ids=takes_ids,
             mutate_ids=st.booleans(),
-            batches=st.just(shape == "token-updates-batched")
+            batches=st.just(shape.startswith("token-updates-batch"))
             if shape != "payload-driven"
             else st.booleans(),
+            form=st.sampled_from(BATCH_FORMS[1:])
+            if shape == "token-updates-batch-foreign"
+            else st.just("own"),
         )
 
     return st.one_of([of_shape(shape) for shape in shapes])

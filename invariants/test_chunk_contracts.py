@@ -197,6 +197,13 @@ def processor_problems(
                     f"C-42: {rid} is final here but the processor was called {len(calls)}x"
                 )
             continue
+        batched = [c for c in calls if c.batched]
+        if batched and not spec.may_batch:
+            problems.append(
+                f"C-40: {rid}: {len(batched)} calls went through on_token_batch, which this "
+                f"processor's own __call__ does not stand for ({spec.describe()}): it is called "
+                "per request"
+            )
         finals = [c for c in calls if c.is_final]
         if len(finals) != 1 or not calls or not calls[-1].is_final:
             problems.append(f"C-43: {rid}: {len(finals)} final processor calls of {len(calls)}")

@@ -76,7 +76,7 @@ MAX_STEPS = 400
 # per-request calls; which requests a raising batch fails is the subject's to choose (the omni
 # runtime fails the batch's requests).
 fault_specs = processor_specs_of(
-    tuple(shape for shape in PROCESSOR_SHAPES if shape != "token-updates-batched")
+    tuple(shape for shape in PROCESSOR_SHAPES if not shape.startswith("token-updates-batch"))
 )
 
 
@@ -97,8 +97,10 @@ def faulting(processor: RecordingProcessor, victim: str, k: int, run: Run) -> No
     """Make ``processor`` raise on its ``k``-th call for ``victim`` (after logging the call)."""
     record = processor.record
 
-    def record_or_raise(request_id: str, payload: Any, is_final: bool, ids: Any) -> Any:
-        data = record(request_id, payload, is_final, ids)
+    def record_or_raise(
+        request_id: str, payload: Any, is_final: bool, ids: Any, batched: bool = False
+    ) -> Any:
+        data = record(request_id, payload, is_final, ids, batched)
         if request_id == victim and len(processor.calls_for(victim)) == k + 1:
             run.fired += 1
             raise PlantedSendFault(f"planted send-path fault on {victim}, call {k}")

@@ -917,6 +917,22 @@ def _batched_chunks_unnamed():
     return _patch(ChunkTransferAdapter, "_run_batch", make)
 
 
+def _batch_through_any_attribute():
+    """C-40: the send path batches any processor on which an ``on_token_batch`` attribute is
+    found, also a subclass that redefined ``__call__`` and a wrapper that forwards attribute
+    reads: their own per-request call is passed by."""
+    import omni_runtime.sched.transfer as transfer
+
+    def make(_orig: Any) -> Any:
+        def _batch_method(processor: Any) -> Any:
+            method = getattr(processor, "on_token_batch", None)
+            return method if callable(method) else None
+
+        return _batch_method
+
+    return _patch(transfer, "_batch_method", make)
+
+
 def _batch_reads_one_id_each():
     """C-40: the codec streamer's batch call ignores ``counts`` and reads one id per request, so
     on a step that accepted several ids for a request (speculative decoding) the batch keeps
@@ -1654,6 +1670,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "builder-errors",
         "background builds always fail and recovery silently rebuilds them on the caller",
         _background_build_never_runs,
+    ),
+    Mutant(
+        "batch_through_any_attribute",
+        "C-40",
+        "chunk-contracts",
+        "a processor whose own __call__ its batch method does not stand for is batched anyway",
+        _batch_through_any_attribute,
     ),
     Mutant(
         "batch_counts_dropped",
