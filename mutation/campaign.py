@@ -803,7 +803,8 @@ def recheck(
         if key not in cache and key in killed_elsewhere:
             m.recheck = "killed"
             continue
-        if key not in cache and tests_only:
+        if tests_only and cache.get(key) not in ("killed", "timeout"):
+            # A survival the cache holds was against the suite of its day, without these tests.
             env = campaign_env(work) | {"MUTANT_UNDER_TEST": m.name}
             cmd = [sys.executable, "-m", "pytest", *pytest_args(profile), *tests_only]
             try:
@@ -815,6 +816,8 @@ def recheck(
             if code in (1, None):
                 cache[key] = "killed" if code == 1 else "timeout"
                 _merge_into(cache_path, cache)
+            elif key not in cache:
+                continue
         elif key not in cache:
             # The suite's newer tests first: they were added to kill survivors. Then the
             # covering tests quickest first (by the campaign's timings): the run stops at the
