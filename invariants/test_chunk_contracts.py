@@ -171,7 +171,9 @@ def eof_reason_problems(
         return []
     if eofs[0].finish_reason is None:
         return [f"C-43: {rid}: its EOF chunk carries no finish reason"] if required else []
-    said = str(eofs[0].finish_reason).lower()
+    # vLLM's reason strings, exactly ("stop", "length", "abort", "error"): a consumer that
+    # matches them (an orchestrator ending a track on "abort" or "error") reads them so.
+    said = str(eofs[0].finish_reason)
     ended = str(entry.finish_reason or "").lower()
     allowed = ({"abort"} if entry.aborted else set()) | ({ended} if ended else set())
     if allowed and said not in allowed:

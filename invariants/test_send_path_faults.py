@@ -281,8 +281,9 @@ def check_send_fault_stays_with_its_request(
         assert said is not None or not required, (
             f"C-43: {rid}'s EOF chunk carries no finish reason ({where})"
         )
-        assert said is None or str(said).lower() == got.terminal[rid][0], (
-            f"C-43: {rid}'s EOF chunk says it ended with {str(said).lower()!r}; its terminal "
+        # vLLM's reason strings, exactly: a consumer matches them as they are.
+        assert said is None or str(said) == got.terminal[rid][0], (
+            f"C-43: {rid}'s EOF chunk says it ended with {str(said)!r}; its terminal "
             f"output says {got.terminal[rid][0]!r} ({where})"
         )
     problems = clean.header_problems("C-07") + got.header_problems("C-61")
