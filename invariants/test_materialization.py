@@ -275,7 +275,12 @@ class PersistentBuildError(RuntimeError):
 
 
 def check_recovery_isolates_a_persistent_build_fault(
-    workload: list[Job], victim_index: int, subject: Any, times: int | None = None
+    workload: list[Job],
+    victim_index: int,
+    subject: Any,
+    times: int | None = None,
+    *,
+    include_hidden: bool = True,
 ) -> int:
     """Background builds always fail for one request; recovery must fail it alone (C-54).
     With ``times``, builds of a batch holding it fail but it alone fails only its first
@@ -285,9 +290,9 @@ def check_recovery_isolates_a_persistent_build_fault(
     builds failed."""
     probes = probes_of(subject)
     failed_of = getattr(probes, "failed_requests", None)
-    cfg_i = stage_config(subject, probes, "inline")
+    cfg_i = stage_config(subject, probes, "inline", include_hidden=include_hidden)
     inline = subject.make_worker(cfg_i)
-    cfg_b = stage_config(subject, probes, "background")
+    cfg_b = stage_config(subject, probes, "background", include_hidden=include_hidden)
     background = subject.make_worker(cfg_b)
     probe = probes.instrument(background)
     fail_request = getattr(probe, "fail_request", None)
@@ -369,7 +374,10 @@ def check_recovery_isolates_a_persistent_build_fault(
 
 
 @pytest.mark.clauses("C-54")
-def test_recovery_isolates_a_persistent_build_fault(conformance_subject):
+@pytest.mark.parametrize("include_hidden", [True, False], ids=["hidden", "token-only"])
+def test_recovery_isolates_a_persistent_build_fault(conformance_subject, include_hidden):
+    """Token-only too: a rebuilt request's multimodal outputs come from the runner, not from
+    hidden rows, and recovery must hand them over as the first build did."""
     probes_of(conformance_subject)
     total = [0]
 
@@ -377,7 +385,7 @@ def test_recovery_isolates_a_persistent_build_fault(conformance_subject):
     @given(jobs, st.integers(0, 5))
     def prop(workload: list[Job], victim: int) -> None:
         total[0] += check_recovery_isolates_a_persistent_build_fault(
-            workload, victim, conformance_subject
+            workload, victim, conformance_subject, include_hidden=include_hidden
         )
 
     prop()
