@@ -280,6 +280,8 @@ class RunnerProbes(Protocol):
     def payloads(self, output: Any) -> list[PayloadView | None] | None:
         """The output's per-request payload slots (None: no payload objects this step)."""
 
+    # Optional: ``final_feature(include_hidden) -> Feature``, the same stage with nobody
+    # downstream (the request's last stage): its runner has nothing to deliver (C-50).
     # Optional: ``postprocessed(payload) -> bool``, for a subject whose models may postprocess
     # each payload their runner builds (a model's own step after the build, which sees every
     # scheduled request's payload on every step, one with nothing else to deliver included):

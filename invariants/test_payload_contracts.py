@@ -263,3 +263,43 @@ def test_conditioning_survives_stale_reset(conformance_subject):
         session.shutdown()
     assert session.failure is None, session.failure.headline()
     assert not problems, problems
+
+
+def check_last_stage(workload: list[Job], subject: Any, *, include_hidden: bool) -> int:
+    """Run ``workload`` on a stage with nobody downstream; raise AssertionError when its runner
+    builds payload objects (C-50). Returns the steps run."""
+    probes = probes_of(subject)
+    final_feature = getattr(probes, "final_feature", None)
+    if final_feature is None:
+        raise NotApplicable("the subject's probes name no stage without a downstream")
+    cfg = worker_harness_config(subject, final_feature(include_hidden), mode="sync", prefix=True)
+    runner = subject.make_worker(cfg)
+
+    def on_step(step: int, sched: Any, so: Any, outs: list[Any]) -> None:
+        payloads = probes.payloads(outs[0])
+        assert payloads is None, (
+            f"C-50: step {step}: a stage with nobody downstream built payload objects {payloads}"
+        )
+
+    try:
+        return drive_runners(workload, cfg, [RunnerExec(runner)], on_step)
+    finally:
+        probes.shutdown(runner)
+
+
+@pytest.mark.clauses("C-50")
+@pytest.mark.parametrize("include_hidden", [True, False], ids=["hidden", "token-only"])
+def test_a_last_stage_builds_no_payloads(conformance_subject, include_hidden):
+    """A stage with nobody downstream has nothing to deliver: its runner builds no payload
+    objects, whatever its payload settings (hidden rows, multimodal outputs) would build for a
+    downstream (C-50)."""
+    probes_of(conformance_subject)
+    steps = [0]
+
+    @suite_settings(10)
+    @given(jobs)
+    def prop(workload: list[Job]) -> None:
+        steps[0] += check_last_stage(workload, conformance_subject, include_hidden=include_hidden)
+
+    prop()
+    assert steps[0] > 0

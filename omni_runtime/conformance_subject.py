@@ -459,6 +459,12 @@ class OmniRunnerProbes:
         expected = torch.arange(payload.start, payload.start + payload.num_tokens)
         return isinstance(positions, torch.Tensor) and torch.equal(positions, expected)
 
+    def final_feature(self, include_hidden: bool) -> Feature:
+        stage = thinker_stage(include_hidden=include_hidden, downstream=[], chunk_processor=None)
+        # Per-token multimodal outputs too: what the stage would build had it a downstream.
+        stage["multimodal_outputs"] = ["logits", "hidden_norm"]
+        return Feature(f"thinker-final-{include_hidden}", {"omni_stage": stage}, use_worker=True)
+
     def includes_hidden(self, feature: Feature) -> bool:
         stage = stage_of(feature)
         return bool(stage) and bool(stage.get("omni_pooler_payload_include_hidden", True))

@@ -359,6 +359,9 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     ),
     "builder-errors": _builder_errors_probe,
     "builder-recovery": _builder_recovery_probe,
+    "last-stage": _jobs_probe(
+        "check_last_stage", "invariants.test_payload_contracts", include_hidden=True
+    ),
     "builder-cleared": _builder_cleared_probe,
     "builder-abandoned": _builder_abandoned_probe,
     "registry": _registry_probe,

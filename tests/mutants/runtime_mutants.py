@@ -938,6 +938,20 @@ def _trim_keeps_empty_payload():
     return _patch(StagePayload, "trimmed_before", make)
 
 
+def _last_stage_builds_payloads():
+    """C-50: the runner builds payloads for every omni step, also at a stage with nobody
+    downstream (nothing to deliver)."""
+    from omni_runtime.worker.runner import OmniARModelRunner
+
+    def make(_orig: Any) -> Any:
+        def _finish(self: Any, output: Any, step: Any, *, inline: bool = False) -> Any:
+            return self._finish_payloads(output, step, inline=inline)
+
+        return _finish
+
+    return _patch(OmniARModelRunner, "_finish", make)
+
+
 def _batch_through_any_attribute():
     """C-40: the send path batches any processor on which an ``on_token_batch`` attribute is
     found, also a subclass that redefined ``__call__`` and a wrapper that forwards attribute
@@ -1698,6 +1712,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "chunk-reset-in-flight",
         "a payload trimmed to no rows is kept, and an undeclared processor is called on it",
         _trim_keeps_empty_payload,
+    ),
+    Mutant(
+        "last_stage_builds_payloads",
+        "C-50",
+        "last-stage",
+        "a stage with nobody downstream builds payload objects",
+        _last_stage_builds_payloads,
     ),
     Mutant(
         "batch_through_any_attribute",
