@@ -14,7 +14,9 @@ step; ``counts`` then says how many each request got), ids at the ends of the pr
 range where the subject names them (``Feature.token_edges`` of its features), and requests that
 end, are released (a failed request) or join in between.
 
-Positive control: mutant ``batch_reads_one_id_each``.
+A request's final call or its release lets it go: the processor holds it no more (C-04).
+
+Positive controls: mutants ``batch_reads_one_id_each``, ``released_request_kept``.
 """
 
 from __future__ import annotations
@@ -131,6 +133,13 @@ def check_batching(make: Callable[[], Any], name: str, steps: list[list[Call]]) 
                 f"{got[call.request_id]!r}, its per-request call {want!r}"
             )
         if pending is not None:
+            # A request's end (its final call) or its release lets it go (C-04).
+            gone = {c.request_id for c in step if c.final or c.release}
+            kept = gone & set(one.pending_request_ids())
+            assert not kept, (
+                f"C-04/C-40: {name}: step {s}: still holds {sorted(kept)} after their final "
+                "call or release"
+            )
             assert one.pending_request_ids() == batched.pending_request_ids(), (
                 f"C-40: {name}: step {s}: requests held per-request "
                 f"{sorted(one.pending_request_ids())}, batched "

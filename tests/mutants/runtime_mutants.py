@@ -952,6 +952,23 @@ def _last_stage_builds_payloads():
     return _patch(OmniARModelRunner, "_finish", make)
 
 
+def _released_request_kept():
+    """C-04: the codec streamer's ``release`` keeps the request's buffer: a request whose send
+    path failed stays held by the processor after it was let go."""
+    from omni_runtime.sched.processors import CodecTokenStreamer
+
+    def make(orig: Any) -> Any:
+        def release(self: Any, request_id: str) -> None:
+            held = self._buffers.get(request_id)
+            orig(self, request_id)
+            if held is not None:
+                self._buffers[request_id] = held
+
+        return release
+
+    return _patch(CodecTokenStreamer, "release", make)
+
+
 def _batch_through_any_attribute():
     """C-40: the send path batches any processor on which an ``on_token_batch`` attribute is
     found, also a subclass that redefined ``__call__`` and a wrapper that forwards attribute
@@ -1719,6 +1736,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "last-stage",
         "a stage with nobody downstream builds payload objects",
         _last_stage_builds_payloads,
+    ),
+    Mutant(
+        "released_request_kept",
+        "C-04",
+        "processor-batching",
+        "the codec streamer still holds a request after it was released",
+        _released_request_kept,
     ),
     Mutant(
         "batch_through_any_attribute",
