@@ -146,6 +146,11 @@ class ChunkDelivery(Protocol):
         """Route the scheduler's sends through ``sink.send(chunk)``; False if it has no send path
         in this configuration."""
 
+    # Optional: ``sink_is_connector`` (default True): the installed sink is where the stage's
+    # connector sends, so a sink that raises is a connector fault the stage must keep to its
+    # request (C-61). False declares that the sink only sees chunks after they crossed (a stage
+    # in another process): connector faults are then not planted through it.
+
     def view(self, chunk: Any) -> ChunkView: ...
 
     def payload_view(self, payload: Any) -> PayloadView | None:

@@ -31,11 +31,20 @@ With the fault planted:
   ``release`` is called once for the victim when its final call raised, and never otherwise;
 * once drained, every block is free and no omni state is left (C-06, C-04).
 
+The connector that carries the chunks (``ChunkDelivery.install_sink``) is the send path's other
+half: ``test_a_connector_fault_stays_with_its_request`` makes it refuse one chunk of the victim
+(its first, a middle one or its EOF, each position in a run of its own). The victim ends with
+an error carrying the fault, every other request as in the fault-free run; the victim's chunks
+are numbered without a gap (a refused chunk reached nobody, so the next takes its number), and
+its EOF arrives once, last, unless the connector refused the EOF itself. Not applicable where
+the subject's sink only sees chunks after they crossed (``sink_is_connector`` False).
+
 Not applicable to a subject without ``chunk_delivery`` or without a ``processor_feature``.
 Positive controls: mutants ``send_fault_fails_neighbours`` (a fault on one request of a step
 also fails the other requests of that step), ``fault_restarts_chunk_numbering`` (the EOF after a
 fault is numbered from 0 again) and ``final_fault_not_released`` (a processor whose final call
-raised is never asked to release the request).
+raised is never asked to release the request), ``connector_fault_swallowed`` (a chunk the
+connector refuses is dropped and its request goes on).
 """
 
 from __future__ import annotations
@@ -109,6 +118,33 @@ def faulting(processor: RecordingProcessor, victim: str, k: int, run: Run) -> No
     processor.record = record_or_raise  # type: ignore[method-assign]
 
 
+class FaultingSink:
+    """The stage's send path as the connector: records every chunk it carries, and refuses (raises
+    ``PlantedSendFault`` for) the ``k``-th chunk of ``victim``, once."""
+
+    def __init__(self, delivery: ChunkDelivery, fault: tuple[str, int] | None) -> None:
+        self.delivery = delivery
+        self.fault = fault
+        self.seen: dict[str, int] = {}
+        self.chunks: list[Any] = []
+        self.refused: list[Any] = []
+
+    def send(self, chunk: Any) -> None:
+        rid = self.delivery.view(chunk).request_id
+        n = self.seen.get(rid, 0)
+        self.seen[rid] = n + 1
+        if self.fault is not None and (rid, n) == self.fault:
+            self.refused.append(chunk)
+            raise PlantedSendFault(
+                f"planted send-path fault on {rid}: the connector refused chunk {n}"
+            )
+        self.chunks.append(chunk)
+
+    def drain(self) -> list[Any]:
+        out, self.chunks = self.chunks, []
+        return out
+
+
 def run_workload(
     subject: Any,
     delivery: ChunkDelivery,
@@ -117,6 +153,7 @@ def run_workload(
     prompts: dict[str, list[int]],
     limits: dict[str, int],
     fault: tuple[str, int] | None,
+    sink: FaultingSink | None = None,
 ) -> Run:
     cause_field = "omni_error"
     containment = getattr(subject, "fault_containment", lambda: None)()
@@ -127,6 +164,8 @@ def run_workload(
     if fault is not None:
         faulting(run.processor, fault[0], fault[1], run)
     delivery.set_processor(scheduler, run.processor)
+    if sink is not None and not delivery.install_sink(scheduler, sink):
+        raise NotApplicable("the subject has no send path to route through a connector here")
     pool = vc.block_pool(scheduler)
     initial = vc.num_free_blocks(pool)
     driver = make_driver(scheduler, PayloadTokenSource(delivery))
@@ -145,7 +184,7 @@ def run_workload(
         raise_pending()  # a harness bug the subject's fault containment caught
         run.steps += 1
         run.record(received_outputs(subject, scheduler, obs.outputs), cause_field)
-        for chunk in subject.drain_chunks(scheduler):
+        for chunk in sink.drain() if sink is not None else subject.drain_chunks(scheduler):
             view = delivery.view(chunk)
             run.chunks.setdefault(view.request_id, []).append(view)
     free = vc.num_free_blocks(pool)
@@ -309,6 +348,116 @@ def test_a_send_path_fault_stays_with_its_request(conformance_subject, mode):
         def prop(workload: list[Job], spec: ProcessorSpec, victim: int, call: str) -> None:
             check_send_fault_stays_with_its_request(
                 conformance_subject, workload, spec, victim, call, mode=mode
+            )
+
+        prop()
+
+
+def check_connector_fault_stays_with_its_request(
+    subject: Any,
+    workload: list[Job],
+    spec: ProcessorSpec,
+    victim_index: int,
+    where: str,
+    *,
+    mode: str,
+) -> int:
+    """The connector (``ChunkDelivery.install_sink``) refuses one chunk of the victim: its first,
+    a middle one or its EOF (``where``), by position among the victim's chunks in the fault-free
+    run. Raise AssertionError on a C-61/C-62/C-43 violation; returns the steps run."""
+    delivery: ChunkDelivery = require(subject, "chunk_delivery", "chunk delivery")
+    feature = delivery.processor_feature
+    if feature is None:
+        raise NotApplicable(f"subject {subject.name!r} provides no processor feature")
+    if not getattr(delivery, "sink_is_connector", True):
+        raise NotApplicable(f"subject {subject.name!r}'s sink is not its stage's connector")
+    cfg = harness_config(feature, mode=mode, prefix=True)
+    prompts = {f"s{i}": job_prompt(i, job) for i, job in enumerate(workload)}
+    limits = {f"s{i}": job.max_tokens for i, job in enumerate(workload)}
+    victim = f"s{victim_index % len(workload)}"
+    clean = run_workload(
+        subject, delivery, cfg, spec, prompts, limits, None, FaultingSink(delivery, None)
+    )
+    n = len(clean.chunks.get(victim, []))
+    k = {"first": 0, "middle": n // 2, "final": n - 1}[where]
+    sink = FaultingSink(delivery, (victim, k))
+    got = run_workload(subject, delivery, cfg, spec, prompts, limits, None, sink)
+    at = f"{spec.describe()}, the connector refusing {victim}'s chunk {k} of {n} ({where})"
+    for rid in prompts:
+        ends = got.terminal.get(rid, [])
+        assert len(ends) == 1, f"C-62: {rid} ended {len(ends)} times: {ends} ({at})"
+        if rid == victim and sink.refused:
+            assert ends == ["error"], (
+                f"C-61: the connector refused {rid}'s chunk, yet it ended {ends[0]!r}, not with "
+                f"an error ({at})"
+            )
+            containment = getattr(subject, "fault_containment", lambda: None)()
+            field_name = getattr(containment, "cause_field", None)
+            if field_name:
+                cause = got.causes.get(rid, "")
+                assert "planted send-path fault" in cause, (
+                    f"C-61: {rid} failed, but its {field_name} ({cause!r}) does not carry the "
+                    f"connector's fault ({at})"
+                )
+                unnamed = cause_naming_problem(
+                    subject, cfg.additional_config, cause, PlantedSendFault("")
+                )
+                assert unnamed is None, f"C-61: {rid}'s {field_name} {cause!r}: {unnamed} ({at})"
+            continue
+        assert ends == clean.terminal.get(rid), (
+            f"C-61: {rid} ended {ends} against {clean.terminal.get(rid)} in the fault-free run, "
+            f"though the connector refused only {victim}'s chunk ({at})"
+        )
+        assert rid not in got.causes, (
+            f"C-61: {rid} did not fail, yet its output carries a cause {got.causes[rid]!r} ({at})"
+        )
+        assert got.tokens.get(rid) == clean.tokens.get(rid), (
+            f"C-61: {rid}'s tokens {got.tokens.get(rid)} differ from the fault-free run's "
+            f"{clean.tokens.get(rid)} ({at})"
+        )
+        assert _handed(got, rid) == _handed(clean, rid), (
+            f"C-61: {rid}'s processor calls carried other ids or final calls than in the "
+            f"fault-free run ({at})"
+        )
+    # The victim's chunks: in order, the EOF last, exactly one unless the connector refused the
+    # EOF itself (then none: the stage sent it, the connector failed to carry it) (C-43).
+    views = sorted(got.chunks.get(victim, []), key=lambda v: v.seq)
+    seqs = [v.seq for v in views]
+    assert seqs == list(range(len(views))), (
+        f"C-43: {victim}'s chunks are numbered {seqs}: a refused chunk was delivered to nobody, "
+        f"so the next takes its number ({at})"
+    )
+    refused_eof = bool(sink.refused) and delivery.view(sink.refused[0]).is_final
+    finals = [v for v in views if v.is_final]
+    assert len(finals) == (0 if refused_eof else 1) and (not finals or views[-1].is_final), (
+        f"C-43: {victim} got {len(finals)} EOF chunks of {len(views)}, the connector having "
+        f"refused {'its EOF' if refused_eof else 'another chunk'} ({at})"
+    )
+    problems = clean.header_problems("C-07") + got.header_problems("C-61")
+    assert not problems, f"{'; '.join(problems)} ({at})"
+    return clean.steps + got.steps
+
+
+@pytest.mark.clauses("C-61", "C-62", "C-43")
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_connector_fault_stays_with_its_request(conformance_subject, mode):
+    """The send path's other half: the connector that carries a stage's chunks raises on one
+    chunk of one request (its first, a middle one, its EOF, each in a run of its own)."""
+    delivery: ChunkDelivery = require(conformance_subject, "chunk_delivery", "chunk delivery")
+    if delivery.processor_feature is None:
+        raise NotApplicable(f"subject {conformance_subject.name!r} provides no processor feature")
+    if not getattr(delivery, "sink_is_connector", True):
+        raise NotApplicable(
+            f"subject {conformance_subject.name!r}'s sink is not its stage's connector"
+        )
+    budget = suite_settings(10)
+    for where in ("first", "middle", "final"):
+
+        @settings(budget, max_examples=max(1, budget.max_examples // 3))
+        @given(jobs, fault_specs, st.integers(0, 5), st.just(where))
+        def prop(workload: list[Job], spec: ProcessorSpec, victim: int, at: str) -> None:
+            check_connector_fault_stays_with_its_request(
+                conformance_subject, workload, spec, victim, at, mode=mode
             )
 
         prop()

@@ -993,6 +993,9 @@ class ProcessStageDelivery(OmniChunkDelivery):
 
     # A client abort's EOF is the parent's to give; the stage drops it (``sched.process_stage``).
     abort_eof = False
+    # The harness's sink gets the chunks the parent read off the stage's messages: past the
+    # stage's own connector (its shared-memory writer), so a raise there is nobody's send fault.
+    sink_is_connector = False
 
     def __init__(self, subject: ProcessStageSubject) -> None:
         self.subject = subject

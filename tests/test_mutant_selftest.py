@@ -206,6 +206,25 @@ def _builder_recovery_probe(subject: Any, cfg: settings) -> tuple[BaseException 
     )(subject, cfg)
 
 
+def _connector_faults_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
+    """What ``test_a_connector_fault_stays_with_its_request`` checks, each position in turn."""
+    from invariants.strategies import jobs
+    from invariants.test_send_path_faults import (
+        check_connector_fault_stays_with_its_request,
+        fault_specs,
+    )
+
+    return _given_probe(
+        st.tuples(
+            jobs, fault_specs, st.integers(0, 5), st.sampled_from(("first", "middle", "final"))
+        ),
+        lambda v, s: check_connector_fault_stays_with_its_request(
+            s, v[0], v[1], v[2], v[3], mode="sync"
+        ),
+        lambda v: len(v[0]),
+    )(subject, cfg)
+
+
 def _builder_cleared_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
     from invariants.strategies import jobs
     from invariants.test_materialization import check_recovery_isolates_a_persistent_build_fault
@@ -362,6 +381,7 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     "last-stage": _jobs_probe(
         "check_last_stage", "invariants.test_payload_contracts", include_hidden=True
     ),
+    "connector-faults": _connector_faults_probe,
     "builder-cleared": _builder_cleared_probe,
     "builder-abandoned": _builder_abandoned_probe,
     "registry": _registry_probe,

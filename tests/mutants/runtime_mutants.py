@@ -952,6 +952,33 @@ def _last_stage_builds_payloads():
     return _patch(OmniARModelRunner, "_finish", make)
 
 
+def _connector_fault_swallowed():
+    """C-61: a chunk the connector refuses is dropped silently: the request goes on as though it
+    had been delivered, and downstream misses it."""
+    from omni_runtime.sched.transfer import ChunkTransferAdapter
+
+    def make(orig: Any) -> Any:
+        def _send(self: Any, *args: Any) -> Any:
+            real = self.sink
+
+            class Quiet:
+                def send(self, chunk: Any) -> None:
+                    try:
+                        real.send(chunk)
+                    except Exception:  # noqa: BLE001 - the mutation: the fault is lost
+                        return None
+
+            self.sink = Quiet()
+            try:
+                return orig(self, *args)
+            finally:
+                self.sink = real
+
+        return _send
+
+    return _patch(ChunkTransferAdapter, "_send", make)
+
+
 def _released_request_kept():
     """C-04: the codec streamer's ``release`` keeps the request's buffer: a request whose send
     path failed stays held by the processor after it was let go."""
@@ -1736,6 +1763,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "last-stage",
         "a stage with nobody downstream builds payload objects",
         _last_stage_builds_payloads,
+    ),
+    Mutant(
+        "connector_fault_swallowed",
+        "C-61",
+        "connector-faults",
+        "a chunk the connector refuses is dropped and its request goes on",
+        _connector_fault_swallowed,
     ),
     Mutant(
         "released_request_kept",
