@@ -214,57 +214,55 @@ def fault_call(where: str, calls: int) -> int:
     return {"first": 0, "middle": calls // 2, "final": calls - 1, "past-the-end": calls}[where]
 
 
-def check_send_fault_stays_with_its_request(
-    subject: Any,
-    workload: list[Job],
-    spec: ProcessorSpec,
-    victim_index: int,
-    k: int | str,
-    *,
-    mode: str,
-) -> int:
-    """Raise AssertionError on a C-61/C-62/C-43 violation; returns the steps run. ``k``: the
-    index of the victim's call that raises, or where it is among the fault-free run's calls
-    (``FAULT_CALLS``)."""
+def processor_delivery(subject: Any) -> ChunkDelivery:
+    """The subject's chunk delivery, when it has a feature to run generated processors on."""
     delivery: ChunkDelivery = require(subject, "chunk_delivery", "chunk delivery")
-    feature = delivery.processor_feature
-    if feature is None:
+    if delivery.processor_feature is None:
         raise NotApplicable(f"subject {subject.name!r} provides no processor feature")
-    cfg = harness_config(feature, mode=mode, prefix=True)
-    prompts = {f"s{i}": job_prompt(i, job) for i, job in enumerate(workload)}
-    limits = {f"s{i}": job.max_tokens for i, job in enumerate(workload)}
-    victim = f"s{victim_index % len(workload)}"
-    clean = run_workload(subject, delivery, cfg, spec, prompts, limits, None)
-    if isinstance(k, str):
-        k = max(0, fault_call(k, len(clean.processor.calls_for(victim))))
-    got = run_workload(subject, delivery, cfg, spec, prompts, limits, (victim, k))
-    where = f"{spec.describe()}, fault on {victim}'s call {k}"
+    return delivery
+
+
+def outcome_problems(
+    subject: Any,
+    cfg: Any,
+    prompts: dict[str, list[int]],
+    victim: str,
+    fired: bool,
+    got: Run,
+    clean: Run,
+    where: str,
+    fault: str,
+) -> None:
+    """Raise AssertionError unless every request ended once (C-62), the victim (when the fault
+    fired) with an error whose cause carries the fault, and every other one exactly as in the
+    fault-free run: same end, no cause, same tokens, same ids and final calls handed to its
+    processor (C-61); and that every output carried its request's trace headers (C-07, C-61)."""
+    problems = clean.header_problems("C-07") + got.header_problems("C-61")
+    assert not problems, f"{'; '.join(problems)} ({where})"
     for rid in prompts:
         ends = got.terminal.get(rid, [])
         assert len(ends) == 1, f"C-62: {rid} ended {len(ends)} times: {ends} ({where})"
-        if rid == victim and got.fired:
+        if rid == victim and fired:
             assert ends == ["error"], (
-                f"C-61: {rid}'s chunk processor raised, yet it ended {ends[0]!r}, not with an "
-                f"error ({where})"
+                f"C-61: {fault} ({rid}), yet it ended {ends[0]!r}, not with an error ({where})"
             )
             field_name = getattr(
                 getattr(subject, "fault_containment", lambda: None)(), "cause_field", None
             )
             if field_name:
-                assert "planted send-path fault" in got.causes.get(rid, ""), (
-                    f"C-61: {rid} failed, but its {field_name} ({got.causes.get(rid)!r}) does "
-                    f"not carry the processor's fault ({where})"
+                cause = got.causes.get(rid, "")
+                assert "planted send-path fault" in cause, (
+                    f"C-61: {rid} failed, but its {field_name} ({cause!r}) does not carry the "
+                    f"fault ({where})"
                 )
                 unnamed = cause_naming_problem(
-                    subject, cfg.additional_config, got.causes[rid], PlantedSendFault("")
+                    subject, cfg.additional_config, cause, PlantedSendFault("")
                 )
-                assert unnamed is None, (
-                    f"C-61: {rid}'s {field_name} {got.causes[rid]!r}: {unnamed} ({where})"
-                )
+                assert unnamed is None, f"C-61: {rid}'s {field_name} {cause!r}: {unnamed} ({where})"
             continue
         assert ends == clean.terminal.get(rid), (
             f"C-61: {rid} ended {ends} against {clean.terminal.get(rid)} in the fault-free "
-            f"run, though only {victim}'s processor raised ({where})"
+            f"run, though the fault was {victim}'s ({where})"
             + (f"; the subject says: {got.causes[rid]}" if rid in got.causes else "")
         )
         assert rid not in got.causes, (
@@ -278,6 +276,42 @@ def check_send_fault_stays_with_its_request(
             f"C-61: {rid}'s processor calls carried other ids or final calls than in the "
             f"fault-free run: {_handed(got, rid)} against {_handed(clean, rid)} ({where})"
         )
+
+
+def check_send_fault_stays_with_its_request(
+    subject: Any,
+    workload: list[Job],
+    spec: ProcessorSpec,
+    victim_index: int,
+    k: int | str,
+    *,
+    mode: str,
+) -> int:
+    """Raise AssertionError on a C-61/C-62/C-43 violation; returns the steps run. ``k``: the
+    index of the victim's call that raises, or where it is among the fault-free run's calls
+    (``FAULT_CALLS``)."""
+    delivery = processor_delivery(subject)
+    feature = delivery.processor_feature
+    cfg = harness_config(feature, mode=mode, prefix=True)
+    prompts = {f"s{i}": job_prompt(i, job) for i, job in enumerate(workload)}
+    limits = {f"s{i}": job.max_tokens for i, job in enumerate(workload)}
+    victim = f"s{victim_index % len(workload)}"
+    clean = run_workload(subject, delivery, cfg, spec, prompts, limits, None)
+    if isinstance(k, str):
+        k = max(0, fault_call(k, len(clean.processor.calls_for(victim))))
+    got = run_workload(subject, delivery, cfg, spec, prompts, limits, (victim, k))
+    where = f"{spec.describe()}, fault on {victim}'s call {k}"
+    outcome_problems(
+        subject,
+        cfg,
+        prompts,
+        victim,
+        bool(got.fired),
+        got,
+        clean,
+        where,
+        "its chunk processor raised",
+    )
     # The victim: its calls are the fault-free run's up to the one that raised, then at most
     # the final call of its EOF; one EOF chunk, chunks numbered from 0 (C-43).
     calls = got.processor.calls_for(victim)
@@ -325,17 +359,13 @@ def check_send_fault_stays_with_its_request(
             f"C-43: {rid}'s EOF chunk says it ended with {str(said)!r}; its terminal "
             f"output says {got.terminal[rid][0]!r} ({where})"
         )
-    problems = clean.header_problems("C-07") + got.header_problems("C-61")
-    assert not problems, f"{'; '.join(problems)} ({where})"
     return clean.steps + got.steps
 
 
 @pytest.mark.clauses("C-61", "C-62", "C-43")
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_send_path_fault_stays_with_its_request(conformance_subject, mode):
-    delivery: ChunkDelivery = require(conformance_subject, "chunk_delivery", "chunk delivery")
-    if delivery.processor_feature is None:
-        raise NotApplicable(f"subject {conformance_subject.name!r} provides no processor feature")
+    processor_delivery(conformance_subject)
 
     # Each fault position in a run of its own, with an equal share of the examples: a drawn
     # call index lands on the victim's final call only by chance, and that is where a subject
@@ -365,10 +395,8 @@ def check_connector_fault_stays_with_its_request(
     """The connector (``ChunkDelivery.install_sink``) refuses one chunk of the victim: its first,
     a middle one or its EOF (``where``), by position among the victim's chunks in the fault-free
     run. Raise AssertionError on a C-61/C-62/C-43 violation; returns the steps run."""
-    delivery: ChunkDelivery = require(subject, "chunk_delivery", "chunk delivery")
+    delivery = processor_delivery(subject)
     feature = delivery.processor_feature
-    if feature is None:
-        raise NotApplicable(f"subject {subject.name!r} provides no processor feature")
     if not getattr(delivery, "sink_is_connector", True):
         raise NotApplicable(f"subject {subject.name!r}'s sink is not its stage's connector")
     cfg = harness_config(feature, mode=mode, prefix=True)
@@ -383,42 +411,17 @@ def check_connector_fault_stays_with_its_request(
     sink = FaultingSink(delivery, (victim, k))
     got = run_workload(subject, delivery, cfg, spec, prompts, limits, None, sink)
     at = f"{spec.describe()}, the connector refusing {victim}'s chunk {k} of {n} ({where})"
-    for rid in prompts:
-        ends = got.terminal.get(rid, [])
-        assert len(ends) == 1, f"C-62: {rid} ended {len(ends)} times: {ends} ({at})"
-        if rid == victim and sink.refused:
-            assert ends == ["error"], (
-                f"C-61: the connector refused {rid}'s chunk, yet it ended {ends[0]!r}, not with "
-                f"an error ({at})"
-            )
-            containment = getattr(subject, "fault_containment", lambda: None)()
-            field_name = getattr(containment, "cause_field", None)
-            if field_name:
-                cause = got.causes.get(rid, "")
-                assert "planted send-path fault" in cause, (
-                    f"C-61: {rid} failed, but its {field_name} ({cause!r}) does not carry the "
-                    f"connector's fault ({at})"
-                )
-                unnamed = cause_naming_problem(
-                    subject, cfg.additional_config, cause, PlantedSendFault("")
-                )
-                assert unnamed is None, f"C-61: {rid}'s {field_name} {cause!r}: {unnamed} ({at})"
-            continue
-        assert ends == clean.terminal.get(rid), (
-            f"C-61: {rid} ended {ends} against {clean.terminal.get(rid)} in the fault-free run, "
-            f"though the connector refused only {victim}'s chunk ({at})"
-        )
-        assert rid not in got.causes, (
-            f"C-61: {rid} did not fail, yet its output carries a cause {got.causes[rid]!r} ({at})"
-        )
-        assert got.tokens.get(rid) == clean.tokens.get(rid), (
-            f"C-61: {rid}'s tokens {got.tokens.get(rid)} differ from the fault-free run's "
-            f"{clean.tokens.get(rid)} ({at})"
-        )
-        assert _handed(got, rid) == _handed(clean, rid), (
-            f"C-61: {rid}'s processor calls carried other ids or final calls than in the "
-            f"fault-free run ({at})"
-        )
+    outcome_problems(
+        subject,
+        cfg,
+        prompts,
+        victim,
+        bool(sink.refused),
+        got,
+        clean,
+        at,
+        "the connector refused its chunk",
+    )
     # The victim's chunks: in order, the EOF last, exactly one unless the connector refused the
     # EOF itself (then none: the stage sent it, the connector failed to carry it) (C-43).
     views = sorted(got.chunks.get(victim, []), key=lambda v: v.seq)
@@ -433,8 +436,6 @@ def check_connector_fault_stays_with_its_request(
         f"C-43: {victim} got {len(finals)} EOF chunks of {len(views)}, the connector having "
         f"refused {'its EOF' if refused_eof else 'another chunk'} ({at})"
     )
-    problems = clean.header_problems("C-07") + got.header_problems("C-61")
-    assert not problems, f"{'; '.join(problems)} ({at})"
     return clean.steps + got.steps
 
 
@@ -443,9 +444,7 @@ def check_connector_fault_stays_with_its_request(
 def test_a_connector_fault_stays_with_its_request(conformance_subject, mode):
     """The send path's other half: the connector that carries a stage's chunks raises on one
     chunk of one request (its first, a middle one, its EOF, each in a run of its own)."""
-    delivery: ChunkDelivery = require(conformance_subject, "chunk_delivery", "chunk delivery")
-    if delivery.processor_feature is None:
-        raise NotApplicable(f"subject {conformance_subject.name!r} provides no processor feature")
+    delivery = processor_delivery(conformance_subject)
     if not getattr(delivery, "sink_is_connector", True):
         raise NotApplicable(
             f"subject {conformance_subject.name!r}'s sink is not its stage's connector"

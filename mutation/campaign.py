@@ -766,6 +766,21 @@ def recheck_kills(work: Path, skip: Path | None = None) -> set[str]:
     }
 
 
+def run_tests(
+    work: Path, mutant: str, profile: str, tests: Sequence[str], timeout: float
+) -> int | None:
+    """pytest's exit code for ``tests`` with ``mutant`` active in the work folder, under
+    ``profile``; None when it outran ``timeout`` seconds of wall clock."""
+    env = campaign_env(work) | {"MUTANT_UNDER_TEST": mutant}
+    cmd = [sys.executable, "-m", "pytest", *pytest_args(profile), *tests]
+    try:
+        return subprocess.run(
+            cmd, cwd=work / "mutants", env=env, capture_output=True, timeout=timeout
+        ).returncode
+    except subprocess.TimeoutExpired:
+        return None
+
+
 def recheck(
     work: Path,
     mutants: list[Mutant],
@@ -805,14 +820,7 @@ def recheck(
             continue
         if tests_only and cache.get(key) not in ("killed", "timeout"):
             # A survival the cache holds was against the suite of its day, without these tests.
-            env = campaign_env(work) | {"MUTANT_UNDER_TEST": m.name}
-            cmd = [sys.executable, "-m", "pytest", *pytest_args(profile), *tests_only]
-            try:
-                code = subprocess.run(
-                    cmd, cwd=work / "mutants", env=env, capture_output=True, timeout=timeout
-                ).returncode
-            except subprocess.TimeoutExpired:
-                code = None
+            code = run_tests(work, m.name, profile, tests_only, timeout)
             if code in (1, None):
                 cache[key] = "killed" if code == 1 else "timeout"
                 _merge_into(cache_path, cache)
@@ -827,15 +835,12 @@ def recheck(
             tests = new_tests + sorted(covering, key=lambda t: (durations.get(t, 0.0), t))
             if not tests:
                 continue  # still nothing calls it
-            env = campaign_env(work) | {"MUTANT_UNDER_TEST": m.name}
-            cmd = [sys.executable, "-m", "pytest", *pytest_args(profile), *tests]
-            try:
-                code = subprocess.run(
-                    cmd, cwd=work / "mutants", env=env, capture_output=True, timeout=timeout
-                ).returncode
-                cache[key] = {0: "survived", 1: "killed"}.get(code, f"exit {code}")
-            except subprocess.TimeoutExpired:
-                cache[key] = "timeout"
+            code = run_tests(work, m.name, profile, tests, timeout)
+            cache[key] = (
+                "timeout"
+                if code is None
+                else {0: "survived", 1: "killed"}.get(code, f"exit {code}")
+            )
             _merge_into(cache_path, cache)
         if key in cache:
             m.recheck = cache[key]
