@@ -56,13 +56,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize
 
-from conformance.capabilities import (
-    ChunkDelivery,
-    ChunkView,
-    NotApplicable,
-    PayloadView,
-    require,
-)
+from conformance.capabilities import ChunkDelivery, ChunkView, NotApplicable, require
 from conformance.plugin import covers
 from conformance.pristine import require_oracle_in_process
 from conformance.workload import AddRequest, ResetPrefixCache, Step
@@ -184,16 +178,6 @@ def eof_reason_problems(
     return []
 
 
-def carries_data(payload: PayloadView | None) -> bool:
-    """Whether a payload holds a tensor with data: a hidden row, conditioning or a multimodal
-    output (what C-41 calls a tensor payload). A payload whose rows were all trimmed away (a
-    hidden tensor of 0 rows and nothing else) holds none, whatever the subject's view says."""
-    if payload is None:
-        return False
-    rows = 0 if payload.hidden is None else int(payload.hidden.shape[0])
-    return rows > 0 or payload.conditioning is not None or bool(payload.multimodal)
-
-
 def processor_problems(
     session: Any,
     delivery: ChunkDelivery,
@@ -236,7 +220,7 @@ def processor_problems(
         if spec.declaration is not True:
             for c in calls:
                 payload = delivery.payload_view(c.payload)
-                if not c.is_final and not carries_data(payload):
+                if not c.is_final and (payload is None or not payload.has_tensors):
                     problems.append(
                         f"C-41: {rid}: processor with requires_token_updates="
                         f"{spec.declaration!r} called on a step without a tensor payload"

@@ -917,27 +917,6 @@ def _batched_chunks_unnamed():
     return _patch(ChunkTransferAdapter, "_run_batch", make)
 
 
-def _trim_keeps_empty_payload():
-    """C-41/C-45: trimming a payload whose rows were all delivered keeps it as a payload of 0
-    rows instead of dropping it, so a processor without token updates is called on a step with
-    nothing to hand over."""
-    from omni_runtime.payload import StagePayload
-
-    def make(orig: Any) -> Any:
-        def trimmed_before(self: Any, position: int) -> Any:
-            out = orig(self, position)
-            if out is None and self.hidden is not None:
-                drop = min(max(0, position - self.start), self.num_tokens)
-                return StagePayload(
-                    self.request_id, self.start + drop, self.num_tokens - drop, self.hidden[drop:]
-                )
-            return out
-
-        return trimmed_before
-
-    return _patch(StagePayload, "trimmed_before", make)
-
-
 def _last_stage_builds_payloads():
     """C-50: the runner builds payloads for every omni step, also at a stage with nobody
     downstream (nothing to deliver)."""
@@ -1749,13 +1728,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "builder-errors",
         "background builds always fail and recovery silently rebuilds them on the caller",
         _background_build_never_runs,
-    ),
-    Mutant(
-        "trim_keeps_empty_payload",
-        "C-41",
-        "chunk-reset-in-flight",
-        "a payload trimmed to no rows is kept, and an undeclared processor is called on it",
-        _trim_keeps_empty_payload,
     ),
     Mutant(
         "last_stage_builds_payloads",
