@@ -410,11 +410,9 @@ def cause_naming_problem(
         for what, text in (("the stage", stage), ("the fault's type", type(fault).__name__))
         if text not in cause
     ]
-    return (
-        f"it does not name {' or '.join(missing)} ({stage!r}, {type(fault).__name__})"
-        if (missing)
-        else None
-    )
+    if not missing:
+        return None
+    return f"it does not name {' or '.join(missing)} ({stage!r}, {type(fault).__name__})"
 
 
 # One value that crossed a process boundary: flattened to ``{field path: scalar or tensor}``.
