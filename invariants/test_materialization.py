@@ -416,10 +416,6 @@ class AbandonedBuildError(RuntimeError):
     pass
 
 
-class _Raised(Exception):
-    pass
-
-
 def check_uncollected_build_error_surfaces(workload: list[Job], drop_at: int, subject: Any) -> bool:
     """The background build of the ``drop_at``-th step that schedules tokens raises, and nobody
     collects that step's output (C-54). vLLM's engine keeps at most two steps in flight
@@ -461,11 +457,11 @@ def check_uncollected_build_error_surfaces(workload: list[Job], drop_at: int, su
                 return get() if get is not None else out
             except AbandonedBuildError as exc:
                 raised.append(n)
-                raise _Raised from exc
+                raise _Stop from exc
 
     try:
         drive_runners(workload, cfg_i, [RunnerExec(inline), Dropping(background)], lambda *_: None)
-    except _Raised:
+    except _Stop:
         pass
     finally:
         probes.shutdown(inline)
