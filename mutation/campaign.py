@@ -44,7 +44,10 @@ It is a benchmark, not a test: the README's test command runs only the ``ci`` sl
 from __future__ import annotations
 
 import argparse
+import ast
+import concurrent.futures
 import dataclasses
+import difflib
 import fcntl
 import fnmatch
 import json
@@ -52,6 +55,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import tomllib
@@ -771,14 +775,251 @@ def run_tests(
 ) -> int | None:
     """pytest's exit code for ``tests`` with ``mutant`` active in the work folder, under
     ``profile``; None when it outran ``timeout`` seconds of wall clock."""
-    env = campaign_env(work) | {"MUTANT_UNDER_TEST": mutant}
-    cmd = [sys.executable, "-m", "pytest", *pytest_args(profile), *tests]
-    try:
-        return subprocess.run(
-            cmd, cwd=work / "mutants", env=env, capture_output=True, timeout=timeout
-        ).returncode
-    except subprocess.TimeoutExpired:
+    with tempfile.TemporaryDirectory(dir=work) as examples:
+        env = campaign_env(work) | {"MUTANT_UNDER_TEST": mutant} | pinned_hypothesis(examples)
+        cmd = [sys.executable, "-m", "pytest", *pytest_args(profile), *PINNED_SEED, *tests]
+        try:
+            return subprocess.run(
+                cmd, cwd=work / "mutants", env=env, capture_output=True, timeout=timeout
+            ).returncode
+        except subprocess.TimeoutExpired:
+            return None
+
+
+# ---- reach: which test executes which mutated statement ----------------------------------------
+
+# Every re-check runs hypothesis with this seed and no example database. ``thorough`` is not
+# derandomized, so without the pin a re-check would draw other examples on every run: its kills
+# could not be replayed, and the reach run below could not say which tests a mutant's run meets.
+PINNED_SEED = ("--hypothesis-seed", "0")
+REACH_PLUGIN = REPO / "mutation" / "reach_plugin.py"
+# What a re-check's pytest costs before its first test (imports, collection): part of the clean
+# time its timeout is a multiple of.
+STARTUP_SECONDS = 30.0
+
+
+def pinned_hypothesis(examples: str) -> dict[str, str]:
+    """The environment that points hypothesis's example database at ``examples``, an empty
+    folder: examples an earlier mutant's failure saved would otherwise be replayed first."""
+    return {"HYPOTHESIS_STORAGE_DIRECTORY": examples}
+
+
+@dataclasses.dataclass
+class Reach:
+    """Which tests of the work folder's suite execute which line of its (unmutated) runtime copy
+    under one profile and the pinned seed, and how long each test took there.
+
+    A mutant's run draws the same examples as the unmutated run and executes the same code up to
+    the first time it meets the mutated statement, so a test that never executed that statement
+    cannot fail on the mutant: the re-check runs only the tests that did."""
+
+    profile: str
+    suite: str  # the work folder's suite: the campaign's commit, or where it was refreshed from
+    seconds: float  # the reach run's wall clock
+    tests: list[str]
+    durations: dict[str, float]
+    lines: dict[str, dict[int, list[int]]]  # file (relative to mutants/) -> line -> test indices
+
+    def tests_at(self, path: str, lines: Iterable[int]) -> set[str]:
+        at = self.lines.get(path, {})
+        return {self.tests[i] for line in lines for i in at.get(line, ())}
+
+    def to_json(self) -> str:
+        return json.dumps(
+            dataclasses.asdict(self)
+            | {
+                "lines": {
+                    path: {str(line): ids for line, ids in by_line.items()}
+                    for path, by_line in self.lines.items()
+                }
+            }
+        )
+
+    @classmethod
+    def from_json(cls, text: str) -> Reach:
+        raw = json.loads(text)
+        raw["lines"] = {
+            path: {int(line): ids for line, ids in by_line.items()}
+            for path, by_line in raw["lines"].items()
+        }
+        return cls(**raw)
+
+
+def suite_of(meta: dict[str, object]) -> str:
+    return str(meta.get("suite_refreshed_from") or meta.get("commit") or meta.get("rev"))
+
+
+def reach_path(work: Path, profile: str) -> Path:
+    return work / f"reach-{profile}.json"
+
+
+def load_reach(work: Path, profile: str, meta: dict[str, object]) -> Reach:
+    """The reach of the work folder's suite under ``profile``: the kept one when it was measured
+    on this suite, else measured now (one run of the whole suite under coverage.py, with no
+    mutant active: for ``thorough`` about as long as the suite's own run under it)."""
+    path = reach_path(work, profile)
+    if path.is_file():
+        kept = Reach.from_json(path.read_text())
+        if kept.suite == suite_of(meta):
+            return kept
+    reach = measure_reach(work, profile, suite_of(meta))
+    path.write_text(reach.to_json())
+    return reach
+
+
+def measure_reach(work: Path, profile: str, suite: str) -> Reach:
+    out = (work / "reach").resolve()
+    shutil.rmtree(out, ignore_errors=True)
+    (out / "data").mkdir(parents=True)
+    rcfile = out / "coveragerc"
+    # ``context`` expands the variable the plugin sets around each test, in the process that
+    # reads the file: a stage process started during a test labels its lines with that test.
+    rcfile.write_text(
+        "\n".join(
+            [
+                "[run]",
+                "include = omni_runtime/*",
+                "concurrency = thread, multiprocessing",
+                "context = ${OMNI_REACH_CONTEXT}",
+                f"data_file = {out / 'data' / 'cov'}",
+                "parallel = true",
+                "sigterm = true",  # a stage process vLLM terminates still writes its lines
+                "",
+            ]
+        )
+    )
+    shutil.copyfile(REACH_PLUGIN, work / "mutants" / REACH_PLUGIN.name)
+    env = (
+        campaign_env(work)
+        | {"MUTANT_UNDER_TEST": "", "OMNI_REACH_RCFILE": str(rcfile)}
+        | pinned_hypothesis(str(out / "examples"))
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-p",
+        REACH_PLUGIN.stem,
+        "-n",
+        "2",
+        *pytest_args(profile),
+        *PINNED_SEED,
+        "invariants",
+        PROCESS_STAGE_TESTS,
+    ]
+    cmd.remove("-x")  # every test's reach, not the first failure's
+    print(f"measuring which test reaches which line under {profile} (one suite run)", flush=True)
+    start = time.monotonic()
+    proc = subprocess.run(cmd, cwd=work / "mutants", env=env, capture_output=True, text=True)
+    seconds = time.monotonic() - start
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.splitlines()[-15:])
+        raise CampaignError(
+            f"the suite fails under {profile} with no mutant active (exit {proc.returncode}); "
+            f"re-checks against it would count false kills:\n{tail}"
+        )
+    return read_reach(out / "data", work / "mutants", profile, suite, seconds)
+
+
+def read_reach(data: Path, root: Path, profile: str, suite: str, seconds: float) -> Reach:
+    from coverage import CoverageData  # the test extra's; only the re-check needs it
+
+    tests: list[str] = []
+    index: dict[str, int] = {}
+    lines: dict[str, dict[int, set[int]]] = {}
+    for part in sorted(data.glob("cov.*")):
+        if part.name.endswith(".json"):
+            continue
+        cov = CoverageData(str(part))
+        cov.read()
+        for path in cov.measured_files():
+            rel = Path(path).resolve().relative_to(root.resolve()).as_posix()
+            for line, contexts in cov.contexts_by_lineno(path).items():
+                for context in contexts:
+                    # "static|dynamic": the test process switches the dynamic part, a stage
+                    # process it started carries the test in the static part.
+                    test = next((c for c in reversed(context.split("|")) if c), "")
+                    if not test:
+                        continue  # imports and fixtures shared by every test
+                    i = index.setdefault(test, len(tests))
+                    if i == len(tests):
+                        tests.append(test)
+                    lines.setdefault(rel, {}).setdefault(line, set()).add(i)
+    durations: dict[str, float] = {}
+    for part in data.glob("cov.seconds.*.json"):
+        durations.update(json.loads(part.read_text()))
+    return Reach(
+        profile,
+        suite,
+        seconds,
+        tests,
+        durations,
+        {p: {n: sorted(ids) for n, ids in by.items()} for p, by in lines.items()},
+    )
+
+
+def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
+    return {
+        node.name: node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+    }
+
+
+def _statements(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.stmt]:
+    return [n for n in ast.walk(fn) if isinstance(n, ast.stmt) and n is not fn]
+
+
+def _own_lines(stmt: ast.stmt) -> range:
+    """The lines a statement's own code is on: a compound statement's header, a simple
+    statement's every line (coverage.py may record any of them for a multi-line one)."""
+    children = [
+        n
+        for field in ("body", "orelse", "finalbody", "handlers", "cases")
+        for n in getattr(stmt, field, ())
+        if isinstance(n, ast.AST) and hasattr(n, "lineno")
+    ]
+    end = min((n.lineno for n in children), default=(stmt.end_lineno or stmt.lineno) + 1)
+    return range(stmt.lineno, max(end, stmt.lineno + 1))
+
+
+def mutated_lines(source: str, mutant: str) -> tuple[int, ...] | None:
+    """The lines (in ``source``, mutmut's copy of a file) of the statements of the unmutated
+    function that mutant ``mutant`` (its mangled name, ``x…__mutmut_N``) changes; None when
+    ``source`` holds no such mutant."""
+    fns = _functions(ast.parse(source))
+    base = mutant.rsplit("__mutmut_", 1)[0]
+    orig, changed = fns.get(f"{base}__mutmut_orig"), fns.get(mutant)
+    if orig is None or changed is None:
         return None
+    text = source.splitlines()
+
+    def body(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[str]:
+        return text[fn.body[0].lineno - 1 : fn.end_lineno]
+
+    first = orig.body[0].lineno
+    before, after = body(orig), body(changed)
+    differing: set[int] = set()
+    for tag, i1, i2, _, _ in difflib.SequenceMatcher(
+        a=before, b=after, autojunk=False
+    ).get_opcodes():
+        if tag != "equal":
+            # A pure insertion has no line of its own before: the line it precedes stands in.
+            differing.update(range(first + i1, first + max(i2, i1 + 1)))
+    # A change outside the body's statements (a default in the signature, say) is met wherever
+    # the function runs: then any of its lines stands for it.
+    whole = tuple(range(orig.lineno, (orig.end_lineno or orig.lineno) + 1))
+    if not differing:
+        return whole
+    found: set[int] = set()
+    statements = _statements(orig)
+    for line in differing:
+        holding = [s for s in statements if s.lineno <= line <= (s.end_lineno or s.lineno)]
+        if not holding:
+            return whole
+        innermost = max(holding, key=lambda s: s.lineno)
+        found.update(_own_lines(innermost))
+    return tuple(sorted(found))
 
 
 def recheck(
@@ -788,11 +1029,19 @@ def recheck(
     timeout: float,
     only: str | None = None,
     tests_only: Sequence[str] = (),
+    reach: Reach | None = None,
+    workers: int = 2,
 ) -> None:
     """Run each survivor the ledger does not explain, each timeout, and each mutant no test
-    called when the campaign recorded its coverage, again: its covering tests under ``profile``,
-    with ``timeout`` seconds of wall clock. Results are kept in the work folder (keyed by mutant
-    and change), so ``report`` does not redo them.
+    called when the campaign recorded its coverage, again under ``profile``. Results are kept in
+    the work folder (keyed by mutant and change), so ``report`` does not redo them.
+
+    With ``reach`` (measured under ``profile``), a survivor runs the tests that executed its
+    mutated statement, quickest first, and a run more than three times as long as those tests
+    took unmutated counts as a timeout (a kill, as mutmut counts it); a survivor whose statement
+    no test executed is ``unreached`` without a run. Without it, a survivor runs its covering
+    tests (mutmut's, per function) with ``timeout`` seconds of wall clock. ``workers`` survivors
+    run at a time.
 
     ``tests_only``: run just these tests (node ids or paths in the suite), the properties added
     for a class of survivors, instead of every covering test. Only kills are kept then: a
@@ -803,12 +1052,14 @@ def recheck(
     durations: dict[str, float] = stats["duration_by_test"]
     # Tests the campaign's stats do not know (added to the suite since, ``--refresh-suite``) may
     # cover any mutant: each re-check runs them too.
-    new_tests = sorted(collect_tests(work) - set(stats["duration_by_test"]))
+    new_tests = [] if reach else sorted(collect_tests(work) - set(stats["duration_by_test"]))
     cache_path = work / f"recheck-{profile}.json"
     cache = json.loads(cache_path.read_text()) if cache_path.is_file() else {}
     # A kill under another profile is a kill under this one too: a quick ``smoke`` pass first
     # spares the slow profile's run for every mutant it kills.
     killed_elsewhere = recheck_kills(work, skip=cache_path)
+    sources: dict[str, str] = {}
+    jobs: list[tuple[Mutant, list[str], float]] = []
     for m in mutants:
         if m.status not in RECHECKED or m.equivalent:
             continue
@@ -827,28 +1078,53 @@ def recheck(
             elif key not in cache:
                 continue
         elif key not in cache:
-            # The suite's newer tests first: they were added to kill survivors. Then the
-            # covering tests quickest first (by the campaign's timings): the run stops at the
-            # first failure, and a kill by a quick property should not wait behind every
-            # lock-step machine the mutant also passes.
-            covering = tests_by_function.get(m.function, ())
-            tests = new_tests + sorted(covering, key=lambda t: (durations.get(t, 0.0), t))
-            if not tests:
-                continue  # still nothing calls it
-            code = run_tests(work, m.name, profile, tests, timeout)
-            cache[key] = (
+            module, function = m.name.rsplit(".", 1)
+            path = module.replace(".", "/") + ".py"
+            if path not in sources:
+                sources[path] = (work / "mutants" / path).read_text()
+            lines = mutated_lines(sources[path], function) if reach else None
+            if reach is not None and lines is not None:
+                reaching = reach.tests_at(path, lines)
+                if not reaching:
+                    cache[key] = "unreached"  # no test executes the statement: nothing to run
+                    _merge_into(cache_path, cache)
+                else:
+                    ordered = sorted(reaching, key=lambda t: (reach.durations.get(t, 0.0), t))
+                    clean = sum(reach.durations.get(t, 0.0) for t in ordered)
+                    jobs.append((m, ordered, 3 * (clean + STARTUP_SECONDS)))
+            else:
+                # The suite's newer tests first: they were added to kill survivors. Then the
+                # covering tests quickest first (by the campaign's timings): the run stops at the
+                # first failure, and a kill by a quick property should not wait behind every
+                # lock-step machine the mutant also passes.
+                covering = tests_by_function.get(m.function, ())
+                tests = new_tests + sorted(covering, key=lambda t: (durations.get(t, 0.0), t))
+                if tests:  # else still nothing calls it
+                    jobs.append((m, tests, timeout))
+        if key in cache:
+            m.recheck = cache[key]
+
+    def run(job: tuple[Mutant, list[str], float]) -> tuple[Mutant, int | None]:
+        m, tests, limit = job
+        return m, run_tests(work, m.name, profile, tests, limit)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        running = [pool.submit(run, job) for job in jobs]
+        for done in concurrent.futures.as_completed(running):
+            m, code = done.result()
+            verdict = (
                 "timeout"
                 if code is None
                 else {0: "survived", 1: "killed"}.get(code, f"exit {code}")
             )
+            cache[m.key] = m.recheck = verdict
             _merge_into(cache_path, cache)
-        if key in cache:
-            m.recheck = cache[key]
+            print(f"re-check ({profile}) {m.name}: {verdict}", flush=True)
     for m in mutants:  # earlier re-checks of mutants this one skipped still count
         key = m.key
         if m.recheck is None and key in cache:
             m.recheck = cache[key]
-        if m.recheck in (None, "survived") and key in killed_elsewhere:
+        if m.recheck in (None, "survived", "unreached") and key in killed_elsewhere:
             m.recheck = "killed"
 
 
@@ -880,6 +1156,9 @@ def score(row: dict[str, int]) -> float:
     early leaves mutants "not run": they are reported, not scored)."""
     countable = row["mutants"] - row["equivalent"] - row["not run"]
     return row["killed"] / countable if countable else 1.0
+
+
+UNREACHED = "; no test executes the mutated statement under the re-check's profile"
 
 
 def render(mutants: list[Mutant], stale: list[dict[str, object]], meta: dict[str, object]) -> str:
@@ -917,7 +1196,11 @@ def render(mutants: list[Mutant], stale: list[dict[str, object]], meta: dict[str
     left = [m for m in mutants if m.final in ("survived", "no tests", "timeout")]
     if left:
         lines += ["", "## Not killed", ""]
-        lines += [f"- `{m.name}` ({m.final}): `{' / '.join(m.change)}`" for m in left]
+        lines += [
+            f"- `{m.name}` ({m.final}{UNREACHED if m.recheck == 'unreached' else ''}): "
+            f"`{' / '.join(m.change)}`"
+            for m in left
+        ]
     if stale:
         lines += ["", "## Stale ledger entries (match no survivor)", ""]
         lines += [f"- `{e['function']}`: `{' / '.join(map(str, e['change']))}`" for e in stale]  # type: ignore[call-overload]
@@ -951,7 +1234,11 @@ def report(
         e for e in apply_ledger(mutants, load_ledger()) if str(e["function"]).startswith(modules)
     ]
     if recheck_profile:
-        recheck(work, mutants, recheck_profile, recheck_timeout, recheck_only, recheck_tests)
+        # A targeted re-check names its tests; a full one runs the tests that reach each survivor.
+        reach = None if recheck_tests else load_reach(work, recheck_profile, meta)
+        if reach is not None:
+            meta["reach_seconds"] = round(reach.seconds)
+        recheck(work, mutants, recheck_profile, recheck_timeout, recheck_only, recheck_tests, reach)
     text = render(mutants, stale, meta)
     total = score(tally(mutants))
     (work / "score.md").write_text(text)

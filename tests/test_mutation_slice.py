@@ -237,3 +237,166 @@ def test_a_suite_failing_on_clean_code_stops_the_rerun(tmp_path: Path) -> None:
     (tmp_path / "mutants" / campaign.PROCESS_STAGE_TESTS).write_text("")
     with pytest.raises(campaign.CampaignError, match=r"no mutant active \(exit 1\)"):
         campaign.clean_run(tmp_path, "smoke")
+
+
+# ---- reach: which test executes which mutated statement ---------------------------------------
+
+_MUTANTS_SOURCE = '''
+def x_f__mutmut_orig(a, b=1):
+    """Doc."""
+    c = a + b
+    if c > 2:
+        return min(
+            c,
+            9,
+        )
+    return c
+
+
+def x_f__mutmut_1(a, b=1):
+    """Doc."""
+    c = a - b
+    if c > 2:
+        return min(
+            c,
+            9,
+        )
+    return c
+
+
+def x_f__mutmut_2(a, b=1):
+    """Doc."""
+    c = a + b
+    if c >= 2:
+        return min(
+            c,
+            9,
+        )
+    return c
+
+
+def x_f__mutmut_3(a, b=1):
+    """Doc."""
+    c = a + b
+    if c > 2:
+        return min(
+            c,
+            10,
+        )
+    return c
+
+
+def x_f__mutmut_4(a, b=2):
+    """Doc."""
+    c = a + b
+    if c > 2:
+        return min(
+            c,
+            9,
+        )
+    return c
+'''
+
+
+def test_a_mutant_maps_to_the_statement_it_changes() -> None:
+    """The re-check runs the tests that executed the mutated statement: its lines in the
+    unmutated function. A compound statement is its header only (its body is other statements);
+    a multi-line one is all its lines, any of which coverage may record; a change outside the
+    body (a default) stands for the whole function."""
+    lines = campaign.mutated_lines
+    assert lines(_MUTANTS_SOURCE, "x_f__mutmut_1") == (4,)
+    assert lines(_MUTANTS_SOURCE, "x_f__mutmut_2") == (5,)
+    assert lines(_MUTANTS_SOURCE, "x_f__mutmut_3") == (6, 7, 8, 9)
+    assert lines(_MUTANTS_SOURCE, "x_f__mutmut_4") == tuple(range(2, 11))
+    assert lines(_MUTANTS_SOURCE, "x_f__mutmut_9") is None
+
+
+_REACHED_MODULE = """
+import multiprocessing
+
+
+def in_process(x):
+    return x + 1
+
+
+def in_child(x):
+    return x * 2
+
+
+def fork_and_call(x):
+    child = multiprocessing.get_context("fork").Process(target=in_child, args=(x,))
+    child.start()
+    child.join()
+    return child.exitcode
+"""
+
+_REACHING_TESTS = """
+import pytest
+
+from omni_runtime import reached
+
+
+@pytest.mark.invariants
+def test_calls_in_process():
+    assert reached.in_process(1) == 2
+
+
+@pytest.mark.invariants
+def test_calls_in_a_child():
+    assert reached.fork_and_call(3) == 0
+
+
+@pytest.mark.invariants
+def test_calls_nothing():
+    assert True
+"""
+
+
+def test_the_reach_run_names_each_line_s_tests(tmp_path: Path) -> None:
+    """One suite run under coverage.py labels every executed line with the test that executed
+    it, in the test's process and in a process the test forked (the process stage's engine)."""
+    mutants = tmp_path / "mutants"
+    (mutants / "omni_runtime").mkdir(parents=True)
+    (mutants / "omni_runtime" / "__init__.py").write_text("")
+    (mutants / "omni_runtime" / "reached.py").write_text(_REACHED_MODULE)
+    (mutants / "invariants").mkdir()
+    (mutants / "invariants" / "test_reaching.py").write_text(_REACHING_TESTS)
+    (mutants / "tests").mkdir()
+    (mutants / campaign.PROCESS_STAGE_TESTS).write_text("")
+    reach = campaign.measure_reach(tmp_path, "smoke", "abc")
+
+    def tests_at(fn: str) -> set[str]:
+        lines = _REACHED_MODULE.splitlines()
+        start = next(i for i, text in enumerate(lines, 1) if text.startswith(f"def {fn}("))
+        return reach.tests_at("omni_runtime/reached.py", [start + 1])
+
+    here = "invariants/test_reaching.py::"
+    assert tests_at("in_process") == {here + "test_calls_in_process"}
+    assert tests_at("in_child") == {here + "test_calls_in_a_child"}
+    assert set(reach.durations) == {
+        here + t for t in ("test_calls_in_process", "test_calls_in_a_child", "test_calls_nothing")
+    }
+    kept = campaign.Reach.from_json(reach.to_json())
+    assert kept == reach
+
+
+def test_a_survivor_no_test_reaches_is_not_run(tmp_path: Path) -> None:
+    """Under a reach, a survivor whose mutated statement no test executed is ``unreached``
+    without a run, and stays a survivor; one that some test executed would run."""
+    mutants = tmp_path / "mutants"
+    (mutants / "omni_runtime").mkdir(parents=True)
+    (mutants / "omni_runtime" / "m.py").write_text(_MUTANTS_SOURCE)
+    stats = {"tests_by_mangled_function_name": {}, "duration_by_test": {}}
+    (mutants / "mutmut-stats.json").write_text(json.dumps(stats))
+    reach = campaign.Reach(
+        "thorough", "abc", 1.0, ["t::a"], {"t::a": 1.0}, {"omni_runtime/m.py": {4: [0]}}
+    )
+    survivor = campaign.Mutant("omni_runtime.m.x_f__mutmut_2", "m", "survived", ("-x", "+y"))
+    campaign.recheck(tmp_path, [survivor], "thorough", 10.0, reach=reach, workers=1)
+    assert survivor.recheck == "unreached" and survivor.final == "survived"
+    cache = json.loads((tmp_path / "recheck-thorough.json").read_text())
+    assert cache == {survivor.key: "unreached"}
+    assert UNREACHED_NOTE in campaign.render([survivor], [], {})
+
+
+UNREACHED_NOTE = "no test executes the mutated statement"
