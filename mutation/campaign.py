@@ -13,7 +13,9 @@ mechanical mutations (flipped conditions, changed constants, dropped arguments, 
   code (no mutation operator adds an import or a payload construction, so they kill nothing),
   nor the end-to-end gate run that includes them (``LEFT_OUT``);
 * the re-check (``recheck``): every survivor the ledger does not mark equivalent runs again under
-  the ``thorough`` profile, its covering tests only; a kill there counts as a kill;
+  the ``thorough`` profile with hypothesis's seed pinned, against only the tests that execute its
+  mutated statement under that profile (the reach run, ``load_reach``: the suite once under
+  coverage.py, a context per test); a kill there counts as a kill;
 * the triage ledger (``mutation/triage.toml``): survivors that are equivalent, each with the
   reason no behaviour changes. An entry names the function and the mutated line pair, not
   mutmut's positional number, so it survives unrelated edits; entries that match nothing are
@@ -487,6 +489,7 @@ def save_state(work: Path, chosen: Slice, root: Path) -> None:
     dest = state_dir(root, chosen)
     files = [(work / "campaign.json", dest / "campaign.json")]
     files += [(f, dest / f.name) for f in sorted(work.glob("recheck-*.json"))]
+    files += [(f, dest / f.name) for f in sorted(work.glob("reach-*.json"))]
     files.append((work / "mutants" / _STATS, dest / _STATS))
     files += [
         (work / "mutants" / f"{t.path}.meta", dest / "meta" / f"{t.path}.meta")
@@ -540,7 +543,7 @@ def restore(work: Path, chosen: Slice, rev: str | None, root: Path) -> None:
         )
     profile = str(meta.get("profile", "ci"))
     prepare(work, chosen, profile, commit)
-    for f in src.glob("recheck-*.json"):
+    for f in [*src.glob("recheck-*.json"), *src.glob("reach-*.json")]:
         shutil.copyfile(f, work / f.name)
     if (src / _STATS).is_file():
         shutil.copyfile(src / _STATS, work / "mutants" / _STATS)
@@ -1109,7 +1112,8 @@ def recheck(
         return m, run_tests(work, m.name, profile, tests, limit)
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        running = [pool.submit(run, job) for job in jobs]
+        # Cheapest first: a session that ends part-way has decided the most survivors.
+        running = [pool.submit(run, job) for job in sorted(jobs, key=lambda j: j[2])]
         for done in concurrent.futures.as_completed(running):
             m, code = done.result()
             verdict = (
