@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.database import InMemoryExampleDatabase
 
@@ -122,15 +122,25 @@ def _chunk_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int
     return None, ops
 
 
-def _given_probe(strategy: Any, check: Callable[..., Any], size: Callable[..., int]):
+def _given_probe(
+    strategy: Any,
+    check: Callable[..., Any],
+    size: Callable[..., int],
+    examples: tuple[Any, ...] = (),
+):
+    """``examples``: values the property meets first in every run (a scenario a deeper profile
+    found that a 30-example draw need not)."""
+
     def probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
         last = [0]
 
-        @settings(cfg, max_examples=30)
-        @given(strategy)
         def prop(value: Any) -> None:
             last[0] = size(value)
             check(value, subject)
+
+        for value in examples:
+            prop = example(value)(prop)
+        prop = settings(cfg, max_examples=30)(given(strategy)(prop))
 
         try:
             prop()
@@ -182,6 +192,20 @@ def _jobs_probe(check_name: str, module: str, **kw: Any):
         return _given_probe(jobs, lambda w, s: fn(w, s, **kw), len)(subject, cfg)
 
     return probe
+
+
+def _token_only_reprefill_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
+    """The token-only property without the prefix cache, meeting first the workload in which a
+    request preempted after its conditioning crossed re-runs its prompt."""
+    from invariants.strategies import jobs
+    from invariants.test_payload_contracts import REPREFILL_AFTER_CROSSING, check_token_only
+
+    return _given_probe(
+        jobs,
+        lambda w, s: check_token_only(w, s, prefix=False),
+        len,
+        examples=(REPREFILL_AFTER_CROSSING,),
+    )(subject, cfg)
 
 
 def _builder_errors_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
@@ -367,6 +391,7 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
         "check_graph_independence", "invariants.test_ar_inv_003_workers", include_hidden=True
     ),
     "token-only": _jobs_probe("check_token_only", "invariants.test_payload_contracts"),
+    "token-only-reprefill": _token_only_reprefill_probe,
     "token-only-multimodal": _jobs_probe(
         "check_token_only", "invariants.test_payload_contracts", multimodal=True
     ),

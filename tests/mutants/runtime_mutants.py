@@ -246,6 +246,23 @@ def _conditioning_dropped_token_only() -> type:
     return ConditioningDroppedTokenOnly
 
 
+def _conditioning_resent_on_reprefill() -> type:
+    base = _runner_base()
+    _require(base, "_recheck_conditioning")
+
+    class ConditioningResentOnReprefill(base):  # type: ignore[misc,valid-type]
+        """C-31: the runner forgets that a request's conditioning crossed when vLLM preempts the
+        request and it re-runs its prompt, so the conditioning crosses a second time."""
+
+        @staticmethod
+        def _recheck_conditioning(st: Any) -> None:
+            base._recheck_conditioning(st)
+            if st.num_computed_tokens == 0:
+                st.conditioning_sent = False
+
+    return ConditioningResentOnReprefill
+
+
 def _conditioning_row_zero_falsy() -> type:
     base = _runner_base()
     _require(base, "_finish_payloads")
@@ -1623,6 +1640,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "token-only",
         "a prefill conditioning on the step's first row is taken for none, in both payload modes",
         _sub(runner_cls=_conditioning_row_zero_falsy),
+    ),
+    Mutant(
+        "conditioning_resent_on_reprefill",
+        "C-31",
+        "token-only-reprefill",
+        "a request preempted after its conditioning crossed sends it again when it re-runs its "
+        "prompt",
+        _sub(runner_cls=_conditioning_resent_on_reprefill),
     ),
     Mutant(
         "conditioning_dropped_token_only",
