@@ -1102,9 +1102,11 @@ def recheck(
         elif key not in cache:
             module, function = m.name.rsplit(".", 1)
             path = module.replace(".", "/") + ".py"
-            if path not in sources:
-                sources[path] = (work / "mutants" / path).read_text()
-            lines = mutated_lines(sources[path], function) if reach else None
+            lines = None
+            if reach is not None:
+                if path not in sources:
+                    sources[path] = (work / "mutants" / path).read_text()
+                lines = mutated_lines(sources[path], function)
             if reach is not None and lines is not None:
                 reaching = reach.tests_at(path, lines)
                 if not reaching:
