@@ -827,10 +827,10 @@ class Reach:
     # suite under this profile).
     failing: list[str] = dataclasses.field(default_factory=list)
 
-    def tests_at(self, path: str, lines: Iterable[int]) -> set[str]:
+    def tests_at(self, path: str, lines: Iterable[int], with_failing: bool = False) -> set[str]:
         at = self.lines.get(path, {})
         found = {self.tests[i] for line in lines for i in at.get(line, ())}
-        return found - set(self.failing)
+        return found if with_failing else found - set(self.failing)
 
     def to_json(self) -> str:
         return json.dumps(
@@ -1109,7 +1109,9 @@ def recheck(
                 lines = mutated_lines(sources[path], function)
             if reach is not None and lines is not None:
                 reaching = reach.tests_at(path, lines)
-                if not reaching:
+                if not reaching and reach.tests_at(path, lines, with_failing=True):
+                    pass  # only tests that fail unmutated reach it: no verdict to be had
+                elif not reaching:
                     cache[key] = "unreached"  # no test executes the statement: nothing to run
                     _merge_into(cache_path, cache)
                 else:

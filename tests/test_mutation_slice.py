@@ -398,5 +398,17 @@ def test_a_survivor_no_test_reaches_is_not_run(tmp_path: Path) -> None:
     assert cache == {survivor.key: "unreached"}
     assert UNREACHED_NOTE in campaign.render([survivor], [], {})
 
+    # Reached only by a test that fails with no mutant active: no verdict, neither way.
+    failing = campaign.Reach(
+        "thorough", "abc", 1.0, ["t::a"], {"t::a": 1.0}, {"omni_runtime/m.py": {6: [0]}}, ["t::a"]
+    )
+    other = campaign.Mutant("omni_runtime.m.x_f__mutmut_3", "m", "survived", ("-x", "+z"))
+    campaign.recheck(tmp_path, [other], "ci", 10.0, reach=failing, workers=1)
+    assert other.recheck is None and other.key not in json.loads(
+        (tmp_path / "recheck-ci.json").read_text()
+        if (tmp_path / "recheck-ci.json").exists()
+        else "{}"
+    )
+
 
 UNREACHED_NOTE = "no test executes the mutated statement"
