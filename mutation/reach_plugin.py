@@ -2,11 +2,11 @@
 
 Loaded (``-p reach_plugin``) only in the campaign's work folder, for one run of the suite with no
 mutant active. It measures line coverage with one coverage.py context per test (the test's node
-id), and each test's wall clock, in the test's process and in every process the test starts: the stage process the
-process-stage subject forks runs the same scheduler code, and a test that reaches a line only
-there still reaches it. The configuration file (``OMNI_REACH_RCFILE``) expands
-``${OMNI_REACH_CONTEXT}`` into the static context, which this plugin sets around each test so that
-a child started during the test inherits it; in the test's own process the context is switched.
+id), and each test's wall clock. Lines run in a process the test starts through multiprocessing
+(a stage engine in a process of its own) count for the test too: the configuration file
+(``OMNI_REACH_RCFILE``) expands ``${OMNI_REACH_CONTEXT}`` into the static context, and this
+plugin sets that variable around each test, so a child started during the test inherits it. In
+the test's own process the plugin switches the dynamic context instead.
 """
 
 from __future__ import annotations
