@@ -1102,11 +1102,9 @@ def recheck(
         elif key not in cache:
             module, function = m.name.rsplit(".", 1)
             path = module.replace(".", "/") + ".py"
-            lines = None
-            if reach is not None:
-                if path not in sources:
-                    sources[path] = (work / "mutants" / path).read_text()
-                lines = mutated_lines(sources[path], function)
+            if reach is not None and path not in sources:
+                sources[path] = (work / "mutants" / path).read_text()
+            lines = mutated_lines(sources[path], function) if reach is not None else None
             if reach is not None and lines is not None:
                 reaching = reach.tests_at(path, lines)
                 if not reaching and reach.tests_at(path, lines, with_failing=True):
@@ -1263,8 +1261,6 @@ def report(
     if recheck_profile:
         # A targeted re-check names its tests; a full one runs the tests that reach each survivor.
         reach = None if recheck_tests else load_reach(work, recheck_profile, meta)
-        if reach is not None:
-            meta["reach_seconds"] = round(reach.seconds)
         recheck(work, mutants, recheck_profile, recheck_timeout, recheck_only, recheck_tests, reach)
     text = render(mutants, stale, meta)
     total = score(tally(mutants))
