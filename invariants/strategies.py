@@ -61,6 +61,7 @@ class ProcessorCall:
     ids: tuple[int, ...] | None  # a copy taken at call time
     ids_ref: list[int] | None  # the list object itself, to detect later mutation (C-44)
     batched: bool = False  # made through ``on_token_batch``, not a call of the processor
+    returned: Any = None  # what the processor returned (None: nothing to send)
 
 
 class RecordingProcessor:
@@ -89,14 +90,17 @@ class RecordingProcessor:
         ids: list[int] | None,
         batched: bool = False,
     ) -> Any:
-        self.calls.append(
-            ProcessorCall(
-                request_id, payload, is_final, None if ids is None else tuple(ids), ids, batched
-            )
+        call = ProcessorCall(
+            request_id, payload, is_final, None if ids is None else tuple(ids), ids, batched
         )
+        self.calls.append(call)
         if ids is not None and self.mutate_ids:
             # A processor may keep or mutate what it was given; nobody else may see that (C-44).
             ids.append(-1)
+        call.returned = self._answer(request_id, payload, is_final, ids)
+        return call.returned
+
+    def _answer(self, request_id: str, payload: Any, is_final: bool, ids: list[int] | None) -> Any:
         if self.policy == "none_always" or (self.policy == "none_at_eof" and is_final):
             return None
         if self.policy == "tokens":

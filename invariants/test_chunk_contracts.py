@@ -18,7 +18,9 @@ What can fail, and why:
 * C-41 — without that exact declaration, a non-final call must carry a tensor payload.
 * C-42 — a request final at this stage causes no processor call and no chunk.
 * C-43 — every request with a downstream gets exactly one final call, as its last call, and one
-  EOF chunk, even when the processor returns ``None`` for it.
+  EOF chunk, even when the processor returns ``None`` for it; before the EOF, one chunk for each
+  non-final call that returned data (a call that returned ``None`` may still send its payload's
+  tensors), and ``is_final`` is a bool on every call.
 * C-44 — the ids a processor received must not change after the call (except by the processor
   itself); a processor mutating its list must not change what the scheduler emits (the lock-step
   comparison with upstream sees that); the ids are the accepted ids after stop trimming (C-40's
@@ -41,7 +43,7 @@ machine above reaches that path only rarely within its example budget.
 
 Not applicable to a subject without ``chunk_delivery`` or without a ``processor_feature``.
 Positive controls: mutants ``truthy_token_updates``, ``no_eof_when_processor_returns_none``,
-``double_eof_on_abort``, ``final_stage_request_sends``, ``ids_not_copied``,
+``double_eof_on_abort``, ``token_update_data_dropped``, ``final_stage_request_sends``, ``ids_not_copied``,
 ``redelivery_after_preemption``, ``trim_loses_kept_rows``, ``stale_step_chunk_sent``.
 """
 
@@ -74,6 +76,7 @@ from invariants.machines import (
 from invariants.strategies import (
     PROCESSOR_SHAPES,
     PayloadTokenSource,
+    ProcessorCall,
     ProcessorSpec,
     RecordingProcessor,
     processor_specs,
@@ -178,6 +181,35 @@ def eof_reason_problems(
     return []
 
 
+def returned_data_problems(
+    rid: str, delivery: ChunkDelivery, calls: list[ProcessorCall], views: list[ChunkView]
+) -> list[str]:
+    """C-43: what the processor returns is what goes downstream. Every non-final call that
+    returned something other than ``None`` is delivered as a chunk of its own; one that
+    returned ``None`` sends nothing, except that the tensors of its payload may still cross
+    (C-31). ``is_final`` is a bool on every call: a processor may test it with ``is``."""
+    loose = [c.is_final for c in calls if not isinstance(c.is_final, bool)]
+    if loose:
+        return [f"C-43: {rid}: the processor was called with is_final={loose[0]!r}, not a bool"]
+    returned = tensors_only = 0
+    for c in calls:
+        if c.is_final:
+            continue
+        if c.returned is not None:
+            returned += 1
+        else:
+            payload = delivery.payload_view(c.payload)
+            tensors_only += payload is not None and payload.has_tensors
+    sent = sum(1 for v in views if not v.is_final)
+    if not returned <= sent <= returned + tensors_only:
+        return [
+            f"C-43: {rid}: {sent} chunks before the EOF, but the processor returned data from "
+            f"{returned} non-final calls (and None from {tensors_only} whose payload carried "
+            "tensors)"
+        ]
+    return []
+
+
 def processor_problems(
     session: Any,
     delivery: ChunkDelivery,
@@ -209,6 +241,7 @@ def processor_problems(
         finals = [c for c in calls if c.is_final]
         if len(finals) != 1 or not calls or not calls[-1].is_final:
             problems.append(f"C-43: {rid}: {len(finals)} final processor calls of {len(calls)}")
+        problems.extend(returned_data_problems(rid, delivery, calls, views.get(rid, [])))
         problems.extend(eof_reason_problems(rid, entry, views.get(rid, []), reasons_required))
         if spec.declaration is True and spec.takes_ids:
             got = [t for c in calls for t in (c.ids or ())]

@@ -1093,12 +1093,7 @@ def recheck(
             continue
         if tests_only and cache.get(key) not in ("killed", "timeout"):
             # A survival the cache holds was against the suite of its day, without these tests.
-            code = run_tests(work, m.name, profile, tests_only, timeout)
-            if code in (1, None):
-                cache[key] = "killed" if code == 1 else "timeout"
-                _merge_into(cache_path, cache)
-            elif key not in cache:
-                continue
+            jobs.append((m, list(tests_only), timeout))
         elif key not in cache:
             module, function = m.name.rsplit(".", 1)
             path = module.replace(".", "/") + ".py"
@@ -1142,9 +1137,11 @@ def recheck(
                 if code is None
                 else {0: "survived", 1: "killed"}.get(code, f"exit {code}")
             )
+            print(f"re-check ({profile}) {m.name}: {verdict}", flush=True)
+            if tests_only and verdict not in ("killed", "timeout"):
+                continue  # these tests alone decide only kills
             cache[m.key] = m.recheck = verdict
             _merge_into(cache_path, cache)
-            print(f"re-check ({profile}) {m.name}: {verdict}", flush=True)
     for m in mutants:  # earlier re-checks of mutants this one skipped still count
         key = m.key
         if m.recheck is None and key in cache:

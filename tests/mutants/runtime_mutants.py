@@ -371,6 +371,23 @@ def _no_eof_when_processor_returns_none():
     return _patch(ChunkTransferAdapter, "_deliver", make)
 
 
+def _token_update_data_dropped():
+    """C-43: a non-final call on a step without a payload (a token update) has its return
+    thrown away: the chunk is never sent, though the processor handed data over."""
+    from omni_runtime.sched.transfer import ChunkTransferAdapter
+
+    def make(orig: Any) -> Any:
+        def _send(self: Any, request_id: str, prog: Any, ids: Any, payload: Any, *rest: Any):
+            data, finish_reason = rest
+            if finish_reason is None and payload is None and data is not None:
+                return None
+            return orig(self, request_id, prog, ids, payload, *rest)
+
+        return _send
+
+    return _patch(ChunkTransferAdapter, "_send", make)
+
+
 def _double_eof_on_abort():
     from omni_runtime.sched.transfer import ChunkTransferAdapter
 
@@ -1676,6 +1693,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "chunk-contracts",
         "no EOF chunk when the processor returns None at EOF",
         _no_eof_when_processor_returns_none,
+    ),
+    Mutant(
+        "token_update_data_dropped",
+        "C-43",
+        "chunk-contracts",
+        "a token update's returned data is not sent downstream",
+        _token_update_data_dropped,
     ),
     Mutant(
         "double_eof_on_abort",
