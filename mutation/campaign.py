@@ -725,9 +725,19 @@ def clean_run(work: Path, profile: str) -> None:
     """Run the work folder's suite with no mutant active, under ``profile``: a refreshed suite
     that fails on the unmutated runtime (a harness change the work folder's runtime copy lacks,
     say) would count every mutant it covers as killed."""
-    env = campaign_env(work) | {"MUTANT_UNDER_TEST": ""}
-    cmd = [sys.executable, "-m", "pytest", *pytest_args(profile), "invariants", PROCESS_STAGE_TESTS]
-    proc = subprocess.run(cmd, cwd=work / "mutants", env=env, capture_output=True, text=True)
+    # Pinned as every re-check is: the examples a kill was drawn from must pass here.
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        *pytest_args(profile),
+        *PINNED_SEED,
+        "invariants",
+        PROCESS_STAGE_TESTS,
+    ]
+    with tempfile.TemporaryDirectory(dir=work) as examples:
+        env = campaign_env(work) | {"MUTANT_UNDER_TEST": ""} | pinned_hypothesis(examples)
+        proc = subprocess.run(cmd, cwd=work / "mutants", env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         tail = "\n".join(proc.stdout.splitlines()[-15:])
         raise CampaignError(
@@ -1370,7 +1380,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 clean_run(args.work, recheck_profile)
             meta["suite_refreshed_from"] = git_head()
             meta_path.write_text(json.dumps(meta, indent=1))
-        meta["recheck"] = args.recheck + (f" ({args.recheck_only})" if args.recheck_only else "")
+        only = args.recheck_only or ""
+        if only.count(",") > 3:  # a list of survivors by name: the report says how many
+            only = f"{only.count(',') + 1} mutants by name"
+        meta["recheck"] = args.recheck + (f" ({only})" if only else "")
         text, total = report(
             args.work,
             chosen,
