@@ -13,8 +13,9 @@ the id list it was handed or not. Every call is logged.
 
 What can fail, and why:
 
-* C-40 — a ``True`` declaration with an ids-taking signature: the ids over all calls must equal
-  the request's accepted tokens (every nonempty list, also on steps without a payload).
+* C-40 — a ``True`` declaration: a call on every step that accepted ids, with or without an
+  ids-taking signature; with one, the ids over all calls must equal the request's accepted
+  tokens (every nonempty list, also on steps without a payload).
 * C-41 — without that exact declaration, a non-final call must carry a tensor payload.
 * C-42 — a request final at this stage causes no processor call and no chunk.
 * C-43 — every request with a downstream gets exactly one final call, as its last call, and one
@@ -43,7 +44,7 @@ machine above reaches that path only rarely within its example budget.
 
 Not applicable to a subject without ``chunk_delivery`` or without a ``processor_feature``.
 Positive controls: mutants ``truthy_token_updates``, ``no_eof_when_processor_returns_none``,
-``double_eof_on_abort``, ``token_update_data_dropped``, ``final_stage_request_sends``, ``ids_not_copied``,
+``double_eof_on_abort``, ``token_update_data_dropped``, ``token_update_call_skipped``, ``final_stage_request_sends``, ``ids_not_copied``,
 ``redelivery_after_preemption``, ``trim_loses_kept_rows``, ``stale_step_chunk_sent``.
 """
 
@@ -243,6 +244,12 @@ def processor_problems(
             problems.append(f"C-43: {rid}: {len(finals)} final processor calls of {len(calls)}")
         problems.extend(returned_data_problems(rid, delivery, calls, views.get(rid, [])))
         problems.extend(eof_reason_problems(rid, entry, views.get(rid, []), reasons_required))
+        if spec.declaration is True and len(calls) < len(entry.steps):
+            # Declared: called on every step that accepted ids, handed them or not (C-40).
+            problems.append(
+                f"C-40: {rid}: a processor declaring token updates was called {len(calls)}x, "
+                f"but the request accepted ids on {len(entry.steps)} steps"
+            )
         if spec.declaration is True and spec.takes_ids:
             got = [t for c in calls for t in (c.ids or ())]
             if got != entry.emitted:

@@ -388,6 +388,29 @@ def _token_update_data_dropped():
     return _patch(ChunkTransferAdapter, "_send", make)
 
 
+def _token_update_call_skipped():
+    """C-40: a processor that declares token updates but does not take ``new_token_ids`` is
+    not called on a step that accepted ids and carried no payload: it never learns of it."""
+    import omni_runtime.sched.transfer as transfer
+
+    def make(orig: Any) -> Any:
+        def _direct_call(processor: Any) -> Any:
+            call = orig(processor)
+            if call is None:
+                return None
+
+            def skipping(rid: str, payload: Any, is_final: Any, *args: Any, **kwargs: Any):
+                if payload is None and is_final is False and not args and not kwargs:
+                    return None
+                return call(rid, payload, is_final, *args, **kwargs)
+
+            return skipping
+
+        return _direct_call
+
+    return _patch(transfer, "_direct_call", make)
+
+
 def _double_eof_on_abort():
     from omni_runtime.sched.transfer import ChunkTransferAdapter
 
@@ -1700,6 +1723,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "chunk-contracts",
         "a token update's returned data is not sent downstream",
         _token_update_data_dropped,
+    ),
+    Mutant(
+        "token_update_call_skipped",
+        "C-40",
+        "chunk-contracts",
+        "a declared processor without new_token_ids is not called on ids-only steps",
+        _token_update_call_skipped,
     ),
     Mutant(
         "double_eof_on_abort",
