@@ -43,9 +43,10 @@ may reach the processor in their place, and every row the recompute owes must (C
 machine above reaches that path only rarely within its example budget.
 
 Not applicable to a subject without ``chunk_delivery`` or without a ``processor_feature``.
-Positive controls: mutants ``truthy_token_updates``, ``no_eof_when_processor_returns_none``,
-``double_eof_on_abort``, ``token_update_data_dropped``, ``token_update_call_skipped``, ``final_stage_request_sends``, ``ids_not_copied``,
-``redelivery_after_preemption``, ``trim_loses_kept_rows``, ``stale_step_chunk_sent``.
+Positive controls: mutants ``truthy_token_updates``, ``token_update_call_skipped``,
+``no_eof_when_processor_returns_none``, ``double_eof_on_abort``, ``token_update_data_dropped``,
+``final_stage_request_sends``, ``ids_not_copied``, ``redelivery_after_preemption``,
+``trim_loses_kept_rows``, ``stale_step_chunk_sent``.
 """
 
 from __future__ import annotations

@@ -837,10 +837,10 @@ class Reach:
     # suite under this profile).
     failing: list[str] = dataclasses.field(default_factory=list)
 
-    def tests_at(self, path: str, lines: Iterable[int], with_failing: bool = False) -> set[str]:
+    def tests_at(self, path: str, lines: Iterable[int]) -> set[str]:
+        """Every test that executed one of ``lines``, those failing unmutated included."""
         at = self.lines.get(path, {})
-        found = {self.tests[i] for line in lines for i in at.get(line, ())}
-        return found if with_failing else found - set(self.failing)
+        return {self.tests[i] for line in lines for i in at.get(line, ())}
 
     def to_json(self) -> str:
         return json.dumps(
@@ -1111,8 +1111,9 @@ def recheck(
                 sources[path] = (work / "mutants" / path).read_text()
             lines = mutated_lines(sources[path], function) if reach is not None else None
             if reach is not None and lines is not None:
-                reaching = reach.tests_at(path, lines)
-                if not reaching and reach.tests_at(path, lines, with_failing=True):
+                found = reach.tests_at(path, lines)
+                reaching = found - set(reach.failing)
+                if not reaching and found:
                     pass  # only tests that fail unmutated reach it: no verdict to be had
                 elif not reaching:
                     cache[key] = "unreached"  # no test executes the statement: nothing to run
