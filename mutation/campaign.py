@@ -36,7 +36,8 @@ them. Usage::
     python mutation/campaign.py resume           # go on with a stopped campaign
     python mutation/campaign.py resume --rev NEW # move it to a later commit: only mutants of
                                                  # functions that changed run again
-    python mutation/campaign.py report           # the report of the last run, again
+    python mutation/campaign.py report --recheck none  # where it stands, running nothing
+    python mutation/campaign.py report           # the report, re-checking survivors first
 
 ``run`` exits 0 when the score meets ``--min-score`` (default: none), 1 below it, 2 on bad input.
 It is a benchmark, not a test: the README's test command runs only the ``ci`` slice
@@ -1161,6 +1162,19 @@ def recheck(
             m.recheck = "killed"
 
 
+def kept_verdicts(work: Path, mutants: list[Mutant]) -> None:
+    """Give each mutant the verdict earlier re-checks kept, running nothing (``--recheck
+    none``): a kill under any profile counts, else the survival or reach a cache recorded. The
+    report then says where the campaign stands without starting hours of re-checks."""
+    killed = recheck_kills(work)
+    recorded: dict[str, str] = {}
+    for cache in sorted(work.glob("recheck-*.json")):
+        recorded.update(json.loads(cache.read_text()))
+    for m in mutants:
+        if m.status in RECHECKED:
+            m.recheck = "killed" if m.key in killed else recorded.get(m.key)
+
+
 # ---- the report -------------------------------------------------------------------------------
 
 COLUMNS = (
@@ -1270,6 +1284,8 @@ def report(
         # A targeted re-check names its tests; a full one runs the tests that reach each survivor.
         reach = None if recheck_tests else load_reach(work, recheck_profile, meta)
         recheck(work, mutants, recheck_profile, recheck_timeout, recheck_only, recheck_tests, reach)
+    else:
+        kept_verdicts(work, mutants)
     text = render(mutants, stale, meta)
     total = score(tally(mutants))
     (work / "score.md").write_text(text)
@@ -1384,7 +1400,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         only = args.recheck_only or ""
         if only.count(",") > 3:  # a list of survivors by name: the report says how many
             only = f"{only.count(',') + 1} mutants by name"
-        meta["recheck"] = args.recheck + (f" ({only})" if only else "")
+        meta["recheck"] = (args.recheck if recheck_profile else "none: earlier runs' verdicts") + (
+            f" ({only})" if only else ""
+        )
         text, total = report(
             args.work,
             chosen,

@@ -226,6 +226,23 @@ def test_a_kill_under_one_recheck_profile_counts_under_another(tmp_path: Path) -
     assert not (tmp_path / "recheck-ci.json").exists()
 
 
+def test_a_report_without_a_recheck_counts_the_kept_verdicts(tmp_path: Path) -> None:
+    """``--recheck none`` runs nothing, yet says where the campaign stands: a kill kept under any
+    profile counts, a kept survival or reach stays, and a mutant mutmut killed is left alone."""
+    (tmp_path / "recheck-ci.json").write_text(json.dumps({"m.f__mutmut_1 -a | +b": "killed"}))
+    thorough = {"m.f__mutmut_1 -a | +b": "survived", "m.f__mutmut_2 -c | +d": "unreached"}
+    (tmp_path / "recheck-thorough.json").write_text(json.dumps(thorough))
+    mutants = [
+        campaign.Mutant("m.f__mutmut_1", "t", "survived", ("-a", "+b")),
+        campaign.Mutant("m.f__mutmut_2", "t", "survived", ("-c", "+d")),
+        campaign.Mutant("m.f__mutmut_3", "t", "no tests", ("-e", "+f")),
+        campaign.Mutant("m.f__mutmut_4", "t", "killed", ("-g", "+h")),
+    ]
+    campaign.kept_verdicts(tmp_path, mutants)
+    assert [m.recheck for m in mutants] == ["killed", "unreached", None, None]
+    assert [m.final for m in mutants] == ["killed", "survived", "no tests", "killed"]
+
+
 def test_a_suite_failing_on_clean_code_stops_the_rerun(tmp_path: Path) -> None:
     """A refreshed suite that fails with no mutant active would count false kills: refused."""
     tests = tmp_path / "mutants" / "invariants"
