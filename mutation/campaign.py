@@ -1064,6 +1064,7 @@ def recheck(
     tests_only: Sequence[str] = (),
     reach: Reach | None = None,
     workers: int = 2,
+    quick: float | None = None,
 ) -> None:
     """Run each survivor the ledger does not explain, each timeout, and each mutant no test
     called when the campaign recorded its coverage, again under ``profile``. Results are kept in
@@ -1079,7 +1080,16 @@ def recheck(
     ``tests_only``: run just these tests (node ids or paths in the suite), the properties added
     for a class of survivors, instead of every covering test. Only kills are kept then: a
     mutant they do not kill has not met the rest of the suite, so it gets no verdict and a later
-    full re-check still runs it."""
+    full re-check still runs it.
+
+    ``quick`` (seconds, with ``reach``): every survivor, whatever a cache says of its survival,
+    runs just the tests that executed its statement and took at most ``quick`` seconds unmutated,
+    quickest first; only kills are kept, as with ``tests_only``. A kept survival was decided
+    against the suite of its day, and a property added since (often a quick one) may kill it:
+    this finds those kills for the cost of the quick tests, where a full re-check of a survivor
+    that the lock-step machines reach costs every one of them."""
+    if quick is not None and reach is None:
+        raise CampaignError("a quick re-check needs the reach of its profile")
     stats = json.loads((work / "mutants" / "mutmut-stats.json").read_text())
     tests_by_function = stats["tests_by_mangled_function_name"]
     durations: dict[str, float] = stats["duration_by_test"]
@@ -1105,6 +1115,21 @@ def recheck(
         if tests_only and cache.get(key) not in ("killed", "timeout"):
             # A survival the cache holds was against the suite of its day, without these tests.
             jobs.append((m, list(tests_only), timeout))
+        elif quick is not None and reach is not None:
+            if cache.get(key) not in ("killed", "timeout"):
+                module, function = m.name.rsplit(".", 1)
+                path = module.replace(".", "/") + ".py"
+                if path not in sources:
+                    sources[path] = (work / "mutants" / path).read_text()
+                lines = mutated_lines(sources[path], function)
+                found = reach.tests_at(path, lines) if lines is not None else set()
+                fast = sorted(
+                    (t for t in found - set(reach.failing) if reach.durations.get(t, 0.0) <= quick),
+                    key=lambda t: (reach.durations.get(t, 0.0), t),
+                )
+                if fast:
+                    clean = sum(reach.durations.get(t, 0.0) for t in fast)
+                    jobs.append((m, fast, 3 * (clean + STARTUP_SECONDS)))
         elif key not in cache:
             module, function = m.name.rsplit(".", 1)
             path = module.replace(".", "/") + ".py"
@@ -1150,7 +1175,7 @@ def recheck(
                 else {0: "survived", 1: "killed"}.get(code, f"exit {code}")
             )
             print(f"re-check ({profile}) {m.name}: {verdict}", flush=True)
-            if tests_only and verdict not in ("killed", "timeout"):
+            if (tests_only or quick is not None) and verdict not in ("killed", "timeout"):
                 continue  # these tests alone decide only kills
             cache[m.key] = m.recheck = verdict
             _merge_into(cache_path, cache)
@@ -1262,6 +1287,7 @@ def report(
     recheck_timeout: float,
     recheck_only: str | None = None,
     recheck_tests: Sequence[str] = (),
+    recheck_quick: float | None = None,
 ) -> tuple[str, float]:
     mutants = load_results(work, chosen.targets)
     wanted = [m.name for m in mutants if m.status in RECHECKED]
@@ -1283,7 +1309,16 @@ def report(
     if recheck_profile:
         # A targeted re-check names its tests; a full one runs the tests that reach each survivor.
         reach = None if recheck_tests else load_reach(work, recheck_profile, meta)
-        recheck(work, mutants, recheck_profile, recheck_timeout, recheck_only, recheck_tests, reach)
+        recheck(
+            work,
+            mutants,
+            recheck_profile,
+            recheck_timeout,
+            recheck_only,
+            recheck_tests,
+            reach,
+            quick=recheck_quick,
+        )
     else:
         kept_verdicts(work, mutants)
     text = render(mutants, stale, meta)
@@ -1346,6 +1381,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "of survivors); only their kills are kept",
     )
     parser.add_argument(
+        "--recheck-quick",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="re-check every survivor, kept survivals too, with only the tests that reach it and "
+        "took at most SECONDS unmutated (the re-check profile's reach); only kills are kept",
+    )
+    parser.add_argument(
         "--refresh-suite",
         action="store_true",
         help="report: re-check against the checkout's suite and harness, not the campaign's copy",
@@ -1393,7 +1436,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             chosen = SLICES[str(meta.get("slice"))]
         if args.refresh_suite:
             refresh_suite(args.work)
-            if recheck_profile:
+            # A re-check through the reach needs no clean run of its own: the reach run is one,
+            # and the tests it saw fail unmutated are never run against a mutant.
+            if recheck_profile and args.recheck_tests:
                 clean_run(args.work, recheck_profile)
             meta["suite_refreshed_from"] = git_head()
             meta_path.write_text(json.dumps(meta, indent=1))
@@ -1411,6 +1456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.recheck_timeout,
             args.recheck_only,
             tuple(t for t in args.recheck_tests.split(",") if t),
+            args.recheck_quick,
         )
         save_state(args.work, chosen, args.state)
     except CampaignError as exc:

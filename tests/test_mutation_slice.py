@@ -429,3 +429,45 @@ def test_a_survivor_no_test_reaches_is_not_run(tmp_path: Path) -> None:
 
 
 UNREACHED_NOTE = "no test executes the mutated statement"
+
+
+def test_a_quick_recheck_runs_only_quick_reaching_tests_and_keeps_kills(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``quick``: a survivor the caches say survived runs again, with only the tests that reach
+    its statement and took at most ``quick`` seconds, quickest first; a kill is kept, a
+    survival is not (it says nothing of the slower tests), and a kept kill is not run again."""
+    mutants = tmp_path / "mutants"
+    (mutants / "omni_runtime").mkdir(parents=True)
+    (mutants / "omni_runtime" / "m.py").write_text(_MUTANTS_SOURCE)
+    stats = {"tests_by_mangled_function_name": {}, "duration_by_test": {}}
+    (mutants / "mutmut-stats.json").write_text(json.dumps(stats))
+    tests = ["t::slow", "t::quick", "t::quicker", "t::failing"]
+    durations = {"t::slow": 500.0, "t::quick": 5.0, "t::quicker": 1.0, "t::failing": 0.5}
+    # Every test reaches every line of the function: lines 1..30 of the source.
+    lines = {"omni_runtime/m.py": {n: [0, 1, 2, 3] for n in range(1, 31)}}
+    reach = campaign.Reach("ci", "abc", 1.0, tests, durations, lines, ["t::failing"])
+    killed = campaign.Mutant("omni_runtime.m.x_f__mutmut_1", "m", "survived", ("-a", "+b"))
+    spared = campaign.Mutant("omni_runtime.m.x_f__mutmut_2", "m", "survived", ("-c", "+d"))
+    before = campaign.Mutant("omni_runtime.m.x_f__mutmut_3", "m", "survived", ("-e", "+f"))
+    cache = {killed.key: "survived", spared.key: "survived", before.key: "killed"}
+    (tmp_path / "recheck-ci.json").write_text(json.dumps(cache))
+    ran: list[tuple[str, list[str]]] = []
+
+    def run_tests(work: Path, mutant: str, profile: str, tests: list[str], timeout: float):
+        ran.append((mutant, list(tests)))
+        return 1 if mutant == killed.name else 0
+
+    monkeypatch.setattr(campaign, "run_tests", run_tests)
+    campaign.recheck(
+        tmp_path, [killed, spared, before], "ci", 10.0, reach=reach, workers=1, quick=10.0
+    )
+    assert sorted(ran) == [
+        (killed.name, ["t::quicker", "t::quick"]),
+        (spared.name, ["t::quicker", "t::quick"]),
+    ]
+    assert [m.final for m in (killed, spared, before)] == ["killed", "survived", "killed"]
+    kept = json.loads((tmp_path / "recheck-ci.json").read_text())
+    assert kept == cache | {killed.key: "killed"}
+    with pytest.raises(campaign.CampaignError, match="reach"):
+        campaign.recheck(tmp_path, [spared], "ci", 10.0, quick=10.0)
