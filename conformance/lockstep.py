@@ -249,6 +249,14 @@ class Lockstep:
     def apply(self, op: Op) -> Comparison:
         if self.failure is not None:
             raise RuntimeError("lock-step already failed; start a new session")
+        if (
+            isinstance(op, AddRequest)
+            and op.client_index
+            and getattr(self.subject, "single_engine_client", False)
+        ):
+            # The subject's engine has one client: both sides get the request from it, and the
+            # trace records the request as it ran.
+            op = replace(op, client_index=0)
         index = len(self.trace.ops)
         self.trace.ops.append(op)
         arrival = float(self._arrivals)
@@ -461,7 +469,7 @@ def _weight(ops: list[Op]) -> tuple[int, int, int]:
             late += i
             detail += len(op.prompt) + op.max_tokens + len(op.stop_token_ids)
             detail += (op.prefix is not None) + (not op.ignore_eos) + (op.final_stage is not None)
-            detail += op.trace_headers is not None
+            detail += (op.trace_headers is not None) + (op.client_index != 0)
         elif isinstance(op, Abort):
             detail += len(op.request_ids)
         elif isinstance(op, ResetPrefixCache):
@@ -503,6 +511,8 @@ def _simplifications(op: AddRequest) -> list[list[dict[str, Any]]]:
         groups.append([{"final_stage": None}])
     if op.trace_headers is not None:
         groups.append([{"trace_headers": None}])
+    if op.client_index:
+        groups.append([{"client_index": 0}])
     return [g for g in groups if g]
 
 
@@ -513,7 +523,7 @@ class Shrinker:
     aborts); delta-debugging removal of chunks of operations, halving the chunk down to single
     operations; collapse runs of repeated steps; drop aborted ids one at a time; simplify each
     request (no shared prefix, shorter prompt, fewer max_tokens, no stop ids, ignore_eos, no
-    final stage, no trace headers); move requests earlier (past the steps before them), which
+    final stage, no trace headers, the first client); move requests earlier (past the steps before them), which
     lets the steps that only waited for them go in the next round; trade a step for a block
     more of some earlier request's prompt (KV-cache pressure with fewer operations). Every
     candidate is strictly smaller (``_weight``) than the current trace, so the search ends, and

@@ -61,6 +61,11 @@ def client_trace_headers(n: int, count: int) -> tuple[tuple[str, str], ...] | No
     return tuple(headers)
 
 
+def second_client(length: int, salt: int, max_tokens: int) -> int:
+    """The client a request of these draws comes from: 1 for about one in eight, else 0."""
+    return int(salt == 3 and (length + max_tokens) % 2 == 1)
+
+
 # The tight budget the suite runs with: 14 blocks of 16 tokens, so preemption and eviction happen.
 # Derive variants with ``TIGHT.with_(...)``.
 TIGHT = HarnessConfig(num_blocks=14, max_num_batched_tokens=48, max_num_seqs=6, max_model_len=128)
@@ -116,6 +121,10 @@ class LockstepMachine(RuleBasedStateMachine):
         # from a draw of its own: a new draw would shift every example the suite's derandomized
         # runs explore, and with them what its fixed example budgets reach.
         trace_headers = client_trace_headers(self.counter, (length + salt) % 3)
+        # The same holds for the client: about one request in eight comes from a second one, so
+        # that most steps still have a single client (upstream's common case, and the omni
+        # scheduler's fast path) while some interleave two.
+        client_index = second_client(length, salt, max_tokens)
         self.counter += 1
         prompt = tuple(100 + (salt * 37 + i) % 200 for i in range(length))
         final_stage = final.draw(st.sampled_from(self.final_stages))
@@ -129,6 +138,7 @@ class LockstepMachine(RuleBasedStateMachine):
                 ignore_eos=ignore_eos,
                 final_stage=final_stage,
                 trace_headers=trace_headers,
+                client_index=client_index,
             )
         )
 

@@ -18,6 +18,7 @@ dotted key paths are the *field paths* that comparisons, the differences registr
                                  ``num_output_tokens.<id>``, ``block_ids.<id>``
 ``outputs.<id>.<field>``         new_token_ids, finish_reason, stop_reason, prefill_stats,
                                  trace_headers (sorted pairs; only when the output has any),
+                                 client (the container it came back in; only when not 0),
                                  ``__type__`` (None for upstream's ``EngineCoreOutput``, else the
                                  subclass name) and any non-default trailing subclass field
                                  (``omni_chunk_refs``, ``omni_eof``); a second output for the same
@@ -105,6 +106,8 @@ def observe_outputs(outputs: dict[int, Any] | None) -> dict[str, Any]:
             headers = vc.output_trace_headers(out)
             if headers is not None:  # absent when unset: snapshots of untraced runs unchanged
                 entry["trace_headers"] = headers
+            if client:  # likewise: single-client snapshots are as they were
+                entry["client"] = client
             extra = vc.output_extra_fields(out)
             if extra:
                 entry.update(extra)

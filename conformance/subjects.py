@@ -116,6 +116,11 @@ class Subject(Protocol):
 
     def feature_configs(self) -> dict[str, dict[str, Any]]: ...
 
+    # Optional: ``single_engine_client = True`` for a subject whose engine serves one client
+    # only (a stage process, whose one client is its parent): the harness then sends it every
+    # request as client 0, where it otherwise draws some from a second client, as several API
+    # server processes in front of one vLLM engine send them.
+
 
 def make_sampling_params(op: AddRequest, cfg: HarnessConfig) -> Any:
     from vllm.sampling_params import SamplingParams
@@ -139,6 +144,8 @@ class BaseSubject:
     async_scheduler: str | type = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
     # A vLLM WorkerBase subclass (qualname or class) for the harness's real-worker mode.
     worker_cls: str | type | None = None
+    # The subject's engine serves one client only (``Subject``'s optional attribute).
+    single_engine_client = False
 
     def scheduler_class(self, cfg: HarnessConfig) -> type:
         spec = self.async_scheduler if cfg.async_scheduling else self.sync_scheduler
@@ -163,8 +170,10 @@ class BaseSubject:
             arrival_time=arrival,
             block_hasher=block_hasher(cfg.block_size),
             # As vLLM's engine builds it from the client's ``EngineCoreRequest``: a subject's
-            # hook must carry ``op.trace_headers`` into its request the way its engine does.
+            # hook must carry ``op.trace_headers`` and ``op.client_index`` into its request the
+            # way its engine does.
             trace_headers=op.headers(),
+            client_index=op.client_index,
         )
 
     def admit(self, scheduler: Any, request: Any) -> None:

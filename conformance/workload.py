@@ -6,8 +6,9 @@ It is the unit of replay: every failure is written as a trace (JSON, see ``to_js
 
 * ``AddRequest``      a request: prompt (after an optional shared prefix), sampling limits, the
                       tracing context its client sent (``trace_headers``, which upstream copies
-                      onto every output of the request), and the omni metadata a subject may use
-                      (its final stage);
+                      onto every output of the request), the client it came from
+                      (``client_index``: upstream returns each client's outputs in a container
+                      of its own), and the omni metadata a subject may use (its final stage);
 * ``Step``            one engine step (sync: schedule/execute/update; async: one
                       ``step_with_batch_queue`` iteration);
 * ``Abort``           ``finish_requests(ids, FINISHED_ABORTED)`` between steps, as EngineCore does;
@@ -43,6 +44,9 @@ class AddRequest:
     # (name, value) pairs, kept as a tuple so that the operation stays hashable; ``headers()``
     # gives the mapping a request carries. None: the client sent none (upstream's default).
     trace_headers: tuple[tuple[str, str], ...] | None = None
+    # The engine client the request came from (``EngineCoreRequest.client_index``; several API
+    # server processes front one engine): a step's outputs come back grouped by it.
+    client_index: int = 0
 
     def headers(self) -> dict[str, str] | None:
         """The trace headers as the mapping vLLM's ``Request.trace_headers`` holds."""
@@ -55,6 +59,7 @@ class AddRequest:
             f" stop={list(self.stop_token_ids)} ignore_eos={self.ignore_eos}"
             + (f" final_stage={self.final_stage}" if self.final_stage else "")
             + (f" trace_headers={self.headers()}" if self.trace_headers is not None else "")
+            + (f" client={self.client_index}" if self.client_index else "")
         )
 
 
@@ -115,7 +120,7 @@ def op_to_dict(op: Op) -> dict[str, Any]:
     for k, v in asdict(op).items():
         # A field left at its default is not written, so traces from before a field existed
         # and traces after it read the same, and a trace shows only what was chosen.
-        if k == "trace_headers" and v is None:
+        if (k, v) in (("trace_headers", None), ("client_index", 0)):
             continue
         d[k] = _as_lists(v)
     return d

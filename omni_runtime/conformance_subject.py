@@ -647,6 +647,7 @@ class OmniSchedulerSubject(BaseSubject):
                 final_stage_id=op.final_stage,
                 arrival_time=arrival,
                 trace_headers=op.headers(),
+                client_index=op.client_index,
             )
         )
 
@@ -1012,6 +1013,8 @@ class ProcessStageSubject(OmniSubject):
     """``omni`` with its schedulers as they run inside a stage process (module docstring)."""
 
     name = "omni-process-stage"
+    # A stage process's engine has one client, its parent (``PARENT_CLIENT``).
+    single_engine_client = True
     sync_scheduler = "omni_runtime.sched.process_stage.ProcessStageScheduler"
     async_scheduler = "omni_runtime.sched.process_stage.ProcessStageAsyncScheduler"
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import xml.etree.ElementTree as ET
+from dataclasses import replace
 
 import pytest
 
@@ -85,6 +86,49 @@ def test_trace_round_trips_through_json(tmp_path):
         Trace.from_dict({**trace.to_dict(), "format": "other"})
 
 
+class _OneClientRequests(BaseSubject):
+    """A subject hook that drops the request's client: every request as client 0."""
+
+    name = "one-client-requests"
+
+    def make_request(self, op, prompt, cfg, scheduler, arrival):
+        return super().make_request(replace(op, client_index=0), prompt, cfg, scheduler, arrival)
+
+
+def _two_client_trace() -> Trace:
+    return Trace(
+        config=HarnessConfig(num_blocks=12, max_num_batched_tokens=32),
+        ops=[
+            AddRequest("a", tuple(range(10, 30)), max_tokens=3),
+            AddRequest("b", tuple(range(40, 55)), max_tokens=2, client_index=1),
+            *[Step()] * 4,
+        ],
+    )
+
+
+def test_a_second_client_is_written_replayed_and_compared(tmp_path):
+    """A request of client 1 round-trips (client 0 is not written, so old traces read the
+    same), each step's outputs name their client, and a subject whose hook loses the client is
+    caught there; a subject whose engine serves one client gets its requests from client 0."""
+    trace = _two_client_trace()
+    back = Trace.load(trace.save(tmp_path / "t.json"))
+    assert back.ops == trace.ops
+    written = json.loads((tmp_path / "t.json").read_text())["ops"]
+    assert "client_index" not in written[0] and written[1]["client_index"] == 1
+    assert "client=1" in trace.ops[1].describe()
+
+    assert run_trace(trace, UpstreamSubject()).failure is None
+    failure = run_trace(trace, _OneClientRequests()).failure
+    assert failure is not None and failure.path == "outputs.b.client", failure
+
+    single = _OneClientRequests()
+    single.single_engine_client = True  # type: ignore[attr-defined]
+    result = run_trace(trace, single)
+    assert result.failure is None
+    assert [getattr(op, "client_index", 0) for op in result.trace.ops] == [0] * 6
+
+
+# ---- token source ------------------------------------------------------------------------
 # ---- token source ------------------------------------------------------------------------
 
 

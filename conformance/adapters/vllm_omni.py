@@ -292,6 +292,7 @@ class VllmOmniSubject(BaseSubject):
             arrival_time=arrival,
             block_hasher=block_hasher(cfg.block_size),
             trace_headers=op.headers(),
+            client_index=op.client_index,
         )
 
     def differences(self) -> Sequence[DifferenceEntry]:

@@ -438,8 +438,17 @@ def _outputs_in_order(outputs: dict[int, Any] | None) -> list[Any]:
     return [out for client in sorted(outputs) for out in outputs[client].outputs]
 
 
+def _clients(outputs: dict[int, Any] | None) -> list[tuple[int, int]]:
+    """(client, number of outputs) of each client with outputs, in the snapshot's order."""
+    if not outputs:
+        return []
+    return [(c, n) for c in sorted(outputs) if (n := len(outputs[c].outputs))]
+
+
 def same_outputs(a: dict[int, Any] | None, b: dict[int, Any] | None) -> bool:
     """Whether ``observe_outputs`` of the two sides' outputs would be equal."""
+    if _clients(a) != _clients(b):  # the snapshot names each output's client
+        return False
     outs_a, outs_b = _outputs_in_order(a), _outputs_in_order(b)
     if len(outs_a) != len(outs_b):
         return False

@@ -126,6 +126,18 @@ class RepeatsFinishedOutput:
         return outputs
 
 
+class OutputsUnderOneClient:
+    """C-07: a step's outputs all come back in one client's container (a scheduler written for
+    a single API server), so a second client's requests never get theirs."""
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        outputs = super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+        first, *rest = sorted(outputs) or [0]
+        for client in rest:
+            outputs[first].outputs.extend(outputs.pop(client).outputs)
+        return outputs
+
+
 _LAST_SCHEDULER: list[Any] = []
 
 
@@ -1933,6 +1945,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "fault-containment",
         "a request's error output leaves out the trace headers the request was sent with",
         _error_output_drops_trace_headers,
+    ),
+    Mutant(
+        "outputs_under_one_client",
+        "C-07",
+        "lockstep-off",
+        "a step's outputs all come back in one client's container",
+        _sub(scheduler_mixin=OutputsUnderOneClient),
     ),
     Mutant(
         "trace_headers_dropped",
