@@ -1116,7 +1116,7 @@ def recheck(
             # A survival the cache holds was against the suite of its day, without these tests.
             jobs.append((m, list(tests_only), timeout))
         elif quick is not None and reach is not None:
-            if cache.get(key) not in ("killed", "timeout"):
+            if cache.get(key) not in ("killed", "timeout") and key not in killed_elsewhere:
                 module, function = m.name.rsplit(".", 1)
                 path = module.replace(".", "/") + ".py"
                 if path not in sources:

@@ -450,8 +450,15 @@ def test_a_quick_recheck_runs_only_quick_reaching_tests_and_keeps_kills(
     killed = campaign.Mutant("omni_runtime.m.x_f__mutmut_1", "m", "survived", ("-a", "+b"))
     spared = campaign.Mutant("omni_runtime.m.x_f__mutmut_2", "m", "survived", ("-c", "+d"))
     before = campaign.Mutant("omni_runtime.m.x_f__mutmut_3", "m", "survived", ("-e", "+f"))
-    cache = {killed.key: "survived", spared.key: "survived", before.key: "killed"}
+    elsewhere = campaign.Mutant("omni_runtime.m.x_f__mutmut_4", "m", "survived", ("-g", "+h"))
+    cache = {
+        killed.key: "survived",
+        spared.key: "survived",
+        before.key: "killed",
+        elsewhere.key: "survived",
+    }
     (tmp_path / "recheck-ci.json").write_text(json.dumps(cache))
+    (tmp_path / "recheck-smoke.json").write_text(json.dumps({elsewhere.key: "killed"}))
     ran: list[tuple[str, list[str]]] = []
 
     def run_tests(work: Path, mutant: str, profile: str, tests: list[str], timeout: float):
@@ -460,13 +467,24 @@ def test_a_quick_recheck_runs_only_quick_reaching_tests_and_keeps_kills(
 
     monkeypatch.setattr(campaign, "run_tests", run_tests)
     campaign.recheck(
-        tmp_path, [killed, spared, before], "ci", 10.0, reach=reach, workers=1, quick=10.0
+        tmp_path,
+        [killed, spared, before, elsewhere],
+        "ci",
+        10.0,
+        reach=reach,
+        workers=1,
+        quick=10.0,
     )
     assert sorted(ran) == [
         (killed.name, ["t::quicker", "t::quick"]),
         (spared.name, ["t::quicker", "t::quick"]),
     ]
-    assert [m.final for m in (killed, spared, before)] == ["killed", "survived", "killed"]
+    assert [m.final for m in (killed, spared, before, elsewhere)] == [
+        "killed",
+        "survived",
+        "killed",
+        "killed",  # a kill under another profile stands
+    ]
     kept = json.loads((tmp_path / "recheck-ci.json").read_text())
     assert kept == cache | {killed.key: "killed"}
     with pytest.raises(campaign.CampaignError, match="reach"):
