@@ -254,6 +254,11 @@ class InputAdapterProbe(Protocol):
         """A request for ``scheduler`` from stage-input ``fields`` (``prompt_token_ids``,
         ``prompt_embeds``, ``conditioning``, ``additional_information``, ``final_stage_id``)."""
 
+    # Optional: ``additional_information(request) -> Mapping[str, Any]``, the additional
+    # information a request ``build`` made carries for its stage's model, as that model reads
+    # it; then a well-formed input's must arrive with every key and value (a list may arrive as
+    # a tuple, a tensor as an equal copy).
+
 
 @runtime_checkable
 class RunnerProbes(Protocol):

@@ -186,6 +186,10 @@ def check_wellformed_accepted(probe: Any, scheduler: Any) -> None:
             f"C-13: well-formed input {i} ({', '.join(kw)}) of {len(prompt)} prompt tokens became "
             f"a request of {request.num_prompt_tokens}"
         )
+        carried = getattr(probe, "additional_information", None)
+        if carried is not None and "additional_information" in kw:
+            problem = information_problem(kw["additional_information"], carried(request))
+            assert problem is None, f"C-13: well-formed input {i}: {problem}"
         if not probe.spec.request_fields:
             continue
         for name, value in PASSED_THROUGH.items():
@@ -198,6 +202,25 @@ def check_wellformed_accepted(probe: Any, scheduler: Any) -> None:
             f"C-13: well-formed input {i} became a request with arrival_time "
             f"{request.arrival_time!r}, not a time"
         )
+
+
+def information_problem(given: Mapping[str, Any], carried: Mapping[str, Any]) -> str | None:
+    """What the request's additional information lost or changed of ``given`` (None: nothing).
+    A list may come back as a tuple and a tensor as a copy; keys and values are compared."""
+    if sorted(carried) != sorted(given):
+        return f"additional information {sorted(given)} arrived as keys {sorted(carried)}"
+    for key, value in given.items():
+        got = carried[key]
+        if isinstance(value, torch.Tensor):
+            same = isinstance(got, torch.Tensor) and got.dtype == value.dtype
+            same = same and torch.equal(got, value)
+        elif isinstance(value, list | tuple):
+            same = isinstance(got, list | tuple) and list(got) == list(value)
+        else:
+            same = type(got) is type(value) and got == value
+        if not same:
+            return f"additional information {key!r} was {value!r}, the request carries {got!r}"
+    return None
 
 
 @pytest.mark.clauses("C-13", "C-60")

@@ -608,6 +608,12 @@ class OmniInputAdapterProbe:
         )
         return adapter.build(StageInput(request_id, sampling_params, **fields))
 
+    def additional_information(self, request: Any) -> Any:
+        from omni_runtime.adapters.input import omni_state_of
+
+        state = omni_state_of(request)
+        return {} if state is None else state.additional_information
+
 
 # ---- the subjects --------------------------------------------------------------------------
 

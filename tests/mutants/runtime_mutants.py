@@ -545,6 +545,21 @@ def _adapter_takes_meta_tensor():
     return _patch(InputAdapter, "_tensor", make)
 
 
+def _adapter_drops_list_information():
+    """C-13: the input adapter accepts a list in a request's additional information and keeps
+    an empty tuple in its place: the stage's model never sees the caller's values."""
+    from omni_runtime.adapters import InputAdapter
+
+    def make(orig: Any) -> Any:
+        def _additional(self: Any, rid: str, info: Any) -> Any:
+            kept = dict(orig(self, rid, info))
+            return {k: (() if isinstance(v, tuple) else v) for k, v in kept.items()}
+
+        return _additional
+
+    return _patch(InputAdapter, "_additional", make)
+
+
 def _adapter_accepts_nan_embeds():
     from omni_runtime.adapters import InputAdapter
 
@@ -1573,6 +1588,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "malformed-inputs",
         "a rejection of a value of the wrong type names another type",
         _adapter_misnames_wrong_type,
+    ),
+    Mutant(
+        "adapter_drops_list_information",
+        "C-13",
+        "malformed-inputs",
+        "a list in a request's additional information is kept as an empty tuple",
+        _adapter_drops_list_information,
     ),
     Mutant(
         "adapter_takes_meta_tensor",
