@@ -292,6 +292,9 @@ class RunnerProbes(Protocol):
 
     # Optional: ``final_feature(include_hidden) -> Feature``, the same stage with nobody
     # downstream (the request's last stage): its runner has nothing to deliver (C-50).
+    # Optional: ``unknown_output_feature(name) -> Feature``, the multimodal payload feature
+    # with a per-token output called ``name`` among those it asks for, which the model does not
+    # provide: building its worker must fail with an error that names ``name`` (C-30).
     # Optional: ``postprocessed(payload) -> bool``, for a subject whose models may postprocess
     # each payload their runner builds (a model's own step after the build, which sees every
     # scheduled request's payload on every step, one with nothing else to deliver included):

@@ -289,6 +289,40 @@ def test_conditioning_survives_stale_reset(conformance_subject):
     assert not problems, problems
 
 
+# Names of per-token outputs no model provides: plain, and one that reads like a real one.
+UNKNOWN_OUTPUTS = ("no-such-output", "logits_")
+
+
+def check_unknown_output(subject: Any, name: str) -> None:
+    """A stage asking for a per-token output its model does not provide is refused when its
+    worker is built, with an error naming the output (C-30): a runner that skipped it would
+    deliver payloads without it, and the downstream stage would find out on its first read."""
+    probes = probes_of(subject)
+    unknown_feature = getattr(probes, "unknown_output_feature", None)
+    if unknown_feature is None:
+        raise NotApplicable("the subject's probes name no stage with an unknown output")
+    cfg = worker_harness_config(subject, unknown_feature(name), mode="sync", prefix=True)
+    try:
+        runner = subject.make_worker(cfg)
+    except Exception as exc:  # noqa: BLE001 - any refusal will do, if it names the output
+        assert name in str(exc), (
+            f"C-30: the stage asking for the unknown output {name!r} was refused with "
+            f"{type(exc).__name__}: {exc!s:.200}, which does not name it"
+        )
+        return
+    probes.shutdown(runner)
+    raise AssertionError(
+        f"C-30: a stage asking for the per-token output {name!r}, which its model does not "
+        "provide, built a worker"
+    )
+
+
+@pytest.mark.clauses("C-30")
+@pytest.mark.parametrize("name", UNKNOWN_OUTPUTS)
+def test_an_unknown_output_is_refused(conformance_subject, name):
+    check_unknown_output(conformance_subject, name)
+
+
 def check_last_stage(workload: list[Job], subject: Any, *, include_hidden: bool) -> int:
     """Run ``workload`` on a stage with nobody downstream; raise AssertionError when its runner
     builds payload objects (C-50). Returns the steps run."""

@@ -465,6 +465,11 @@ class OmniRunnerProbes:
         stage["multimodal_outputs"] = ["logits", "hidden_norm"]
         return Feature(f"thinker-final-{include_hidden}", {"omni_stage": stage}, use_worker=True)
 
+    def unknown_output_feature(self, name: str) -> Feature:
+        stage = thinker_stage(include_hidden=False, full_prefix=False, materialization="inline")
+        stage["multimodal_outputs"] = ["logits", name]
+        return Feature(f"thinker-unknown-output-{name}", {"omni_stage": stage}, use_worker=True)
+
     def includes_hidden(self, feature: Feature) -> bool:
         stage = stage_of(feature)
         return bool(stage) and bool(stage.get("omni_pooler_payload_include_hidden", True))

@@ -294,6 +294,18 @@ def _stage_inputs_probe(subject: Any, cfg: settings) -> tuple[BaseException | No
     return _given_probe(stage_inputs(probe.spec), check, lambda v: 1)(subject, cfg)
 
 
+def _unknown_output_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
+    """What ``test_an_unknown_output_is_refused`` checks, for each of its names."""
+    from invariants.test_payload_contracts import UNKNOWN_OUTPUTS, check_unknown_output
+
+    try:
+        for name in UNKNOWN_OUTPUTS:
+            check_unknown_output(subject, name)
+    except AssertionError as exc:
+        return exc, 1
+    return None, 1
+
+
 def _registry_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
     """What ``invariants/test_registry.py`` checks: completeness, then each entry's witness
     (the length is the number of registry entries)."""
@@ -407,6 +419,7 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
         "check_last_stage", "invariants.test_payload_contracts", include_hidden=True
     ),
     "connector-faults": _connector_faults_probe,
+    "unknown-output": _unknown_output_probe,
     "builder-cleared": _builder_cleared_probe,
     "builder-abandoned": _builder_abandoned_probe,
     "registry": _registry_probe,

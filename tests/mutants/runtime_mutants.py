@@ -1001,6 +1001,25 @@ def _batched_chunks_unnamed():
     return _patch(ChunkTransferAdapter, "_run_batch", make)
 
 
+def _unknown_output_ignored():
+    """C-30: the runner skips the per-token outputs its model does not provide instead of
+    refusing the stage: payloads go downstream without an output the stage asked for."""
+    from omni_runtime.worker.runner import OmniARModelRunner
+
+    def make(orig: Any) -> Any:
+        def _producers(self: Any, names: tuple[str, ...]) -> Any:
+            known = [
+                n
+                for n in names
+                if n == "logits" or n in getattr(self.model, "omni_output_producers", {})
+            ]
+            return orig(self, tuple(known))
+
+        return _producers
+
+    return _patch(OmniARModelRunner, "_producers", make)
+
+
 def _last_stage_builds_payloads():
     """C-50: the runner builds payloads for every omni step, also at a stage with nobody
     downstream (nothing to deliver)."""
@@ -1848,6 +1867,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "last-stage",
         "a stage with nobody downstream builds payload objects",
         _last_stage_builds_payloads,
+    ),
+    Mutant(
+        "unknown_output_ignored",
+        "C-30",
+        "unknown-output",
+        "a per-token output the model does not provide is skipped, not refused",
+        _unknown_output_ignored,
     ),
     Mutant(
         "connector_fault_swallowed",
