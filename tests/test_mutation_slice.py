@@ -208,6 +208,18 @@ def test_verdicts_outlive_the_work_folder(tmp_path: Path) -> None:
         campaign.restore(tmp_path / "three", chosen, None, state)
 
 
+def _numbered(*statuses: str) -> list:
+    """Mutants ``m.f__mutmut_1``, ``_2``, ... of the given mutmut statuses, changing ``-a`` to
+    ``+b``, ``-c`` to ``+d``, and so on (their cache keys: ``m.f__mutmut_1 -a | +b``, ...)."""
+    letters = "abcdefghij"
+    return [
+        campaign.Mutant(
+            f"m.f__mutmut_{i + 1}", "t", status, (f"-{letters[2 * i]}", f"+{letters[2 * i + 1]}")
+        )
+        for i, status in enumerate(statuses)
+    ]
+
+
 def test_a_kill_under_one_recheck_profile_counts_under_another(tmp_path: Path) -> None:
     """A quick ``smoke`` re-check's kill stands for the slow profile's; its survivor does not."""
     (tmp_path / "mutants").mkdir()
@@ -215,11 +227,7 @@ def test_a_kill_under_one_recheck_profile_counts_under_another(tmp_path: Path) -
     (tmp_path / "mutants" / "mutmut-stats.json").write_text(json.dumps(stats))
     smoke = {"m.f__mutmut_1 -a | +b": "killed", "m.f__mutmut_2 -c | +d": "survived"}
     (tmp_path / "recheck-smoke.json").write_text(json.dumps(smoke))
-    mutants = [
-        campaign.Mutant("m.f__mutmut_1", "t", "survived", ("-a", "+b")),
-        campaign.Mutant("m.f__mutmut_2", "t", "survived", ("-c", "+d")),
-        campaign.Mutant("m.f__mutmut_3", "t", "killed", ("-e", "+f")),
-    ]
+    mutants = _numbered("survived", "survived", "killed")
     campaign.recheck(tmp_path, mutants, "ci", 10.0)
     assert [m.final for m in mutants] == ["killed", "survived", "killed"]
     # Nothing was run under ``ci``: nothing calls these functions.
@@ -232,12 +240,7 @@ def test_a_report_without_a_recheck_counts_the_kept_verdicts(tmp_path: Path) -> 
     (tmp_path / "recheck-ci.json").write_text(json.dumps({"m.f__mutmut_1 -a | +b": "killed"}))
     thorough = {"m.f__mutmut_1 -a | +b": "survived", "m.f__mutmut_2 -c | +d": "unreached"}
     (tmp_path / "recheck-thorough.json").write_text(json.dumps(thorough))
-    mutants = [
-        campaign.Mutant("m.f__mutmut_1", "t", "survived", ("-a", "+b")),
-        campaign.Mutant("m.f__mutmut_2", "t", "survived", ("-c", "+d")),
-        campaign.Mutant("m.f__mutmut_3", "t", "no tests", ("-e", "+f")),
-        campaign.Mutant("m.f__mutmut_4", "t", "killed", ("-g", "+h")),
-    ]
+    mutants = _numbered("survived", "survived", "no tests", "killed")
     campaign.kept_verdicts(tmp_path, mutants)
     assert [m.recheck for m in mutants] == ["killed", "unreached", None, None]
     assert [m.final for m in mutants] == ["killed", "survived", "no tests", "killed"]
