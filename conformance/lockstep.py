@@ -57,6 +57,11 @@ class SubjectBroken(AssertionError):
         super().__init__(difference.headline())
 
 
+class ClientNotCarried(Exception):
+    """The subject built a request for another client than the operation's: its
+    ``make_request`` hook, or the input adapter behind it, did not carry ``op.client_index``."""
+
+
 @dataclass
 class Side:
     """One side of a session in this process: a subject's scheduler, driver and executor.
@@ -113,6 +118,16 @@ class Side:
                 assert prompt is not None
                 request = self.subject.make_request(op, prompt, cfg, sched, arrival)
                 admit_request(self.subject, sched, request)
+                client = getattr(request, "client_index", op.client_index)
+                if client != op.client_index:
+                    # Said here, in the hook's terms (after the admission, so that this is the
+                    # step's first difference): as an output difference it would read as the
+                    # scheduler misrouting outputs, which it may not be doing.
+                    raise ClientNotCarried(
+                        f"make_request built request {op.request_id} for client {client}, not "
+                        f"{op.client_index}: the subject's hook (and its input adapter) must "
+                        "carry op.client_index as the engine carries EngineCoreRequest.client_index"
+                    )
             elif isinstance(op, Abort):
                 from vllm.v1.request import RequestStatus
 

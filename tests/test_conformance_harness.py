@@ -95,6 +95,31 @@ class _OneClientRequests(BaseSubject):
         return super().make_request(replace(op, client_index=0), prompt, cfg, scheduler, arrival)
 
 
+class _OutputsUnderClientZero(BaseSubject):
+    """A scheduler that returns every output in client 0's container."""
+
+    name = "outputs-under-client-zero"
+
+    def build_scheduler(self, cfg):
+        scheduler = super().build_scheduler(cfg)
+        update = scheduler.update_from_output
+
+        def update_from_output(*args, **kwargs):
+            outputs = update(*args, **kwargs)
+            for client in [c for c in outputs if c != 0]:
+                moved = outputs.pop(client).outputs
+                if 0 in outputs:
+                    outputs[0].outputs.extend(moved)
+                else:
+                    from vllm.v1.engine import EngineCoreOutputs
+
+                    outputs[0] = EngineCoreOutputs(outputs=moved)
+            return outputs
+
+        scheduler.update_from_output = update_from_output
+        return scheduler
+
+
 def _two_client_trace() -> Trace:
     return Trace(
         config=HarnessConfig(num_blocks=12, max_num_batched_tokens=32),
@@ -118,7 +143,12 @@ def test_a_second_client_is_written_replayed_and_compared(tmp_path):
     assert "client=1" in trace.ops[1].describe()
 
     assert run_trace(trace, UpstreamSubject()).failure is None
+    # A hook that loses the client is named as such, at the request it built.
     failure = run_trace(trace, _OneClientRequests()).failure
+    assert failure is not None and failure.path == "exception", failure
+    assert "ClientNotCarried" in failure.subject and "op.client_index" in failure.subject
+    # A scheduler that hands the outputs back under another client shows in the outputs.
+    failure = run_trace(trace, _OutputsUnderClientZero()).failure
     assert failure is not None and failure.path == "outputs.b.client", failure
 
     single = _OneClientRequests()
