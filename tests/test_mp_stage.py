@@ -169,6 +169,25 @@ def test_thinker_outputs_and_chunks_are_bit_identical(async_scheduling, include_
     assert {c.request_id for c in ref["chunks"]} == {"r0", "r1", "r3", "r4"}
 
 
+def test_a_request_of_another_client_is_served_as_in_process():
+    """A stage input from a second API client (``client_index`` 1) is served by a stage process
+    as by an in-process stage. Before, its outputs were routed to a client socket the stage
+    process does not have, and the stage never finished the request."""
+    items = [dataclasses.replace(i, client_index=1) for i in stage_inputs(n=2)]
+    results = {}
+    for backend in ("inprocess", "multiprocess"):
+        engine = make_stage_engine(
+            THINKER, CONFIG.stage_ids, EngineOptions(async_scheduling=False, backend=backend)
+        )
+        try:
+            results[backend] = run_stage(engine, items, timeout=60.0)
+        finally:
+            engine.shutdown()
+    ref, mp = results["inprocess"], results["multiprocess"]
+    assert set(ref["ids"]) == {"r0", "r1"}
+    assert mp["ids"] == ref["ids"] and mp["reasons"] == ref["reasons"]
+
+
 def test_bad_input_is_refused_before_it_crosses(mp_thinker):
     check_bad_input_refused(mp_thinker)
 

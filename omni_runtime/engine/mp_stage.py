@@ -88,6 +88,10 @@ logger = logging.getLogger(__name__)
 _SYNC = f"{ProcessStageScheduler.__module__}.{ProcessStageScheduler.__qualname__}"
 _ASYNC = f"{ProcessStageAsyncScheduler.__module__}.{ProcessStageAsyncScheduler.__qualname__}"
 
+# The client index of every request this engine sends its stage process: the process's only
+# client (its one output socket) is this engine.
+STAGE_CLIENT = 0
+
 # How long ``step`` waits for a message when no stage process has one ready (seconds). Any
 # stage process's message ends the wait at once (``_Arrivals``), so this only bounds the wait
 # when everything is slow; it keeps an idle orchestrator from spinning on shared cores.
@@ -296,7 +300,11 @@ class MPStageEngine:
             cache_salt=request.cache_salt,
             data_parallel_rank=None,
             prompt_embeds=request.prompt_embeds,
-            client_index=request.client_index,
+            # The stage process has one client, this engine: its output thread routes each
+            # output to the socket of its request's client, and a request keyed to any other
+            # index would have its outputs sent to a socket that does not exist (the stage
+            # then never finishes it). Outputs come back here by request id either way.
+            client_index=STAGE_CLIENT,
             priority=request.priority,
             trace_headers=request.trace_headers,
         )
