@@ -62,7 +62,7 @@ import tempfile
 import threading
 import time
 import tomllib
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -1065,6 +1065,7 @@ def recheck(
     reach: Reach | None = None,
     workers: int = 2,
     quick: float | None = None,
+    keep: Callable[[], None] | None = None,
 ) -> None:
     """Run each survivor the ledger does not explain, each timeout, and each mutant no test
     called when the campaign recorded its coverage, again under ``profile``. Results are kept in
@@ -1087,7 +1088,11 @@ def recheck(
     quickest first; only kills are kept, as with ``tests_only``. A kept survival was decided
     against the suite of its day, and a property added since (often a quick one) may kill it:
     this finds those kills for the cost of the quick tests, where a full re-check of a survivor
-    that the lock-step machines reach costs every one of them."""
+    that the lock-step machines reach costs every one of them.
+
+    ``keep`` runs after every verdict: the campaign's state in the checkout is brought up to
+    date then (``save_state``), so a re-check that outlasts its session loses at most the
+    survivors still running."""
     if quick is not None and reach is None:
         raise CampaignError("a quick re-check needs the reach of its profile")
     stats = json.loads((work / "mutants" / "mutmut-stats.json").read_text())
@@ -1179,6 +1184,8 @@ def recheck(
                 continue  # these tests alone decide only kills
             cache[m.key] = m.recheck = verdict
             _merge_into(cache_path, cache)
+            if keep is not None:
+                keep()
     for m in mutants:  # earlier re-checks of mutants this one skipped still count
         key = m.key
         if m.recheck is None and key in cache:
@@ -1288,6 +1295,7 @@ def report(
     recheck_only: str | None = None,
     recheck_tests: Sequence[str] = (),
     recheck_quick: float | None = None,
+    keep: Callable[[], None] | None = None,
 ) -> tuple[str, float]:
     mutants = load_results(work, chosen.targets)
     wanted = [m.name for m in mutants if m.status in RECHECKED]
@@ -1309,6 +1317,8 @@ def report(
     if recheck_profile:
         # A targeted re-check names its tests; a full one runs the tests that reach each survivor.
         reach = None if recheck_tests else load_reach(work, recheck_profile, meta)
+        if keep is not None:
+            keep()  # a reach measured now cost a whole suite run: kept before any re-check
         recheck(
             work,
             mutants,
@@ -1318,6 +1328,7 @@ def report(
             recheck_tests,
             reach,
             quick=recheck_quick,
+            keep=keep,
         )
     else:
         kept_verdicts(work, mutants)
@@ -1457,6 +1468,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.recheck_only,
             tuple(t for t in args.recheck_tests.split(",") if t),
             args.recheck_quick,
+            keep=lambda: save_state(args.work, chosen, args.state),
         )
         save_state(args.work, chosen, args.state)
     except CampaignError as exc:

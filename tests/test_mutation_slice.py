@@ -469,6 +469,7 @@ def test_a_quick_recheck_runs_only_quick_reaching_tests_and_keeps_kills(
         return 1 if mutant == killed.name else 0
 
     monkeypatch.setattr(campaign, "run_tests", run_tests)
+    kept: list[int] = []
     campaign.recheck(
         tmp_path,
         [killed, spared, before, elsewhere],
@@ -477,7 +478,9 @@ def test_a_quick_recheck_runs_only_quick_reaching_tests_and_keeps_kills(
         reach=reach,
         workers=1,
         quick=10.0,
+        keep=lambda: kept.append(1),
     )
+    assert kept == [1]  # the state is kept after the one verdict the pass decided
     assert sorted(ran) == [
         (killed.name, ["t::quicker", "t::quick"]),
         (spared.name, ["t::quicker", "t::quick"]),
