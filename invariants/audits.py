@@ -257,7 +257,7 @@ class CheckingExecutor:
 # ---- what crosses a process boundary (C-46) -------------------------------------------------
 
 
-def _tensor_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
+def tensor_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
     if a.dtype != b.dtype:
         return f"dtype {a.dtype} became {b.dtype}"
     if tuple(a.shape) != tuple(b.shape):
@@ -271,7 +271,7 @@ def _tensor_difference(a: torch.Tensor, b: torch.Tensor) -> str | None:
     return None
 
 
-def _same_scalar(a: Any, b: Any) -> bool:
+def same_scalar(a: Any, b: Any) -> bool:
     if type(a) is not type(b):
         return False
     if isinstance(a, float) and a != a:
@@ -304,11 +304,11 @@ def crossing_problems(crossings: Iterable[Any]) -> list[str]:
                         f"{type(b).__name__}"
                     )
                     break
-                why = _tensor_difference(a, b)
+                why = tensor_difference(a, b)
                 if why is not None:
                     problems.append(f"C-46: {c.label}: tensor {path}: {why}")
                     break
-            elif not _same_scalar(a, b):
+            elif not same_scalar(a, b):
                 problems.append(f"C-46: {c.label}: {path} was {a!r}, arrived as {b!r}")
                 break
     return problems

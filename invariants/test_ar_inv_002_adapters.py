@@ -44,6 +44,7 @@ from conformance.capabilities import (
     require,
 )
 from conformance.subjects import admit_request
+from invariants.audits import same_scalar, tensor_difference
 from invariants.machines import check_machine, lockstep_run, suite_settings
 from invariants.strategies import Malformed, malformed_inputs, malformed_kinds
 
@@ -206,18 +207,18 @@ def check_wellformed_accepted(probe: Any, scheduler: Any) -> None:
 
 def information_problem(given: Mapping[str, Any], carried: Mapping[str, Any]) -> str | None:
     """What the request's additional information lost or changed of ``given`` (None: nothing).
-    A list may come back as a tuple and a tensor as a copy; keys and values are compared."""
+    A list may come back as a tuple and a tensor as a copy (bit for bit, as C-46 compares them)."""
     if sorted(carried) != sorted(given):
         return f"additional information {sorted(given)} arrived as keys {sorted(carried)}"
     for key, value in given.items():
         got = carried[key]
         if isinstance(value, torch.Tensor):
-            same = isinstance(got, torch.Tensor) and got.dtype == value.dtype
-            same = same and torch.equal(got, value)
+            same = isinstance(got, torch.Tensor) and tensor_difference(value, got) is None
         elif isinstance(value, list | tuple):
-            same = isinstance(got, list | tuple) and list(got) == list(value)
+            same = isinstance(got, list | tuple) and len(got) == len(value)
+            same = same and all(map(same_scalar, value, got))
         else:
-            same = type(got) is type(value) and got == value
+            same = same_scalar(value, got)
         if not same:
             return f"additional information {key!r} was {value!r}, the request carries {got!r}"
     return None

@@ -1108,6 +1108,25 @@ def recheck(
     killed_elsewhere = recheck_kills(work, skip=cache_path)
     sources: dict[str, str] = {}
     jobs: list[tuple[Mutant, list[str], float]] = []
+
+    def reached_by(m: Mutant, reach: Reach) -> tuple[set[str], list[str]] | None:
+        """Every test that executed ``m``'s mutated statement, and those of them that pass
+        unmutated, quickest first; None when the statement cannot be located."""
+        module, function = m.name.rsplit(".", 1)
+        path = module.replace(".", "/") + ".py"
+        if path not in sources:
+            sources[path] = (work / "mutants" / path).read_text()
+        lines = mutated_lines(sources[path], function)
+        if lines is None:
+            return None
+        found = reach.tests_at(path, lines)
+        passing = found - set(reach.failing)
+        return found, sorted(passing, key=lambda t: (reach.durations.get(t, 0.0), t))
+
+    def limit(tests: list[str], reach: Reach) -> float:
+        """Three times what ``tests`` took unmutated: longer is a timeout (a kill)."""
+        return 3 * (sum(reach.durations.get(t, 0.0) for t in tests) + STARTUP_SECONDS)
+
     for m in mutants:
         if m.status not in RECHECKED or m.equivalent:
             continue
@@ -1121,38 +1140,22 @@ def recheck(
             # A survival the cache holds was against the suite of its day, without these tests.
             jobs.append((m, list(tests_only), timeout))
         elif quick is not None and reach is not None:
-            if cache.get(key) not in ("killed", "timeout") and key not in killed_elsewhere:
-                module, function = m.name.rsplit(".", 1)
-                path = module.replace(".", "/") + ".py"
-                if path not in sources:
-                    sources[path] = (work / "mutants" / path).read_text()
-                lines = mutated_lines(sources[path], function)
-                found = reach.tests_at(path, lines) if lines is not None else set()
-                fast = sorted(
-                    (t for t in found - set(reach.failing) if reach.durations.get(t, 0.0) <= quick),
-                    key=lambda t: (reach.durations.get(t, 0.0), t),
-                )
-                if fast:
-                    clean = sum(reach.durations.get(t, 0.0) for t in fast)
-                    jobs.append((m, fast, 3 * (clean + STARTUP_SECONDS)))
+            undecided = cache.get(key) not in ("killed", "timeout") and key not in killed_elsewhere
+            hit = reached_by(m, reach) if undecided else None
+            fast = [t for t in (hit[1] if hit else []) if reach.durations.get(t, 0.0) <= quick]
+            if fast:
+                jobs.append((m, fast, limit(fast, reach)))
         elif key not in cache:
-            module, function = m.name.rsplit(".", 1)
-            path = module.replace(".", "/") + ".py"
-            if reach is not None and path not in sources:
-                sources[path] = (work / "mutants" / path).read_text()
-            lines = mutated_lines(sources[path], function) if reach is not None else None
-            if reach is not None and lines is not None:
-                found = reach.tests_at(path, lines)
-                reaching = found - set(reach.failing)
+            hit = reached_by(m, reach) if reach is not None else None
+            if reach is not None and hit is not None:
+                found, reaching = hit
                 if not reaching and found:
                     pass  # only tests that fail unmutated reach it: no verdict to be had
                 elif not reaching:
                     cache[key] = "unreached"  # no test executes the statement: nothing to run
                     _merge_into(cache_path, cache)
                 else:
-                    ordered = sorted(reaching, key=lambda t: (reach.durations.get(t, 0.0), t))
-                    clean = sum(reach.durations.get(t, 0.0) for t in ordered)
-                    jobs.append((m, ordered, 3 * (clean + STARTUP_SECONDS)))
+                    jobs.append((m, reaching, limit(reaching, reach)))
             else:
                 # The suite's newer tests first: they were added to kill survivors. Then the
                 # covering tests quickest first (by the campaign's timings): the run stops at the

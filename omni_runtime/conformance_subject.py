@@ -60,8 +60,6 @@ CODEC_VOCAB = 256
 # here, not read from the class, so a changed default is a difference the gate reports.
 CODEC_CHUNK = 8
 CODEC_STREAMER = "omni_runtime.sched.processors.CodecTokenStreamer"
-# The client index of a stage process's one client (the parent's ``MPStageEngine``).
-PARENT_CLIENT = 0
 HIDDEN_FORWARDER = "omni_runtime.sched.processors.HiddenRowsForwarder"
 
 
@@ -1024,7 +1022,7 @@ class ProcessStageSubject(OmniSubject):
     """``omni`` with its schedulers as they run inside a stage process (module docstring)."""
 
     name = "omni-process-stage"
-    # A stage process's engine has one client, its parent (``PARENT_CLIENT``).
+    # A stage process's engine has one client, its parent (``process_stage.PARENT_CLIENT``).
     single_engine_client = True
     sync_scheduler = "omni_runtime.sched.process_stage.ProcessStageScheduler"
     async_scheduler = "omni_runtime.sched.process_stage.ProcessStageAsyncScheduler"
@@ -1080,6 +1078,7 @@ class ProcessStageSubject(OmniSubject):
         from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
 
         from omni_runtime.adapters.shm_wire import ShmEngineCoreOutputs, read_chunks
+        from omni_runtime.sched.process_stage import PARENT_CLIENT
 
         encoder, decoder = MsgpackEncoder(), MsgpackDecoder(ShmEngineCoreOutputs)
         received: dict[int, Any] = {}

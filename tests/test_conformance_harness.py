@@ -95,29 +95,19 @@ class _OneClientRequests(BaseSubject):
         return super().make_request(replace(op, client_index=0), prompt, cfg, scheduler, arrival)
 
 
-class _OutputsUnderClientZero(BaseSubject):
-    """A scheduler that returns every output in client 0's container."""
+class _OutputsUnderOneClient(BaseSubject):
+    """Upstream's scheduler with the runtime mutant's flaw: a step's outputs all come back in
+    one client's container."""
 
-    name = "outputs-under-client-zero"
+    name = "outputs-under-one-client"
 
-    def build_scheduler(self, cfg):
-        scheduler = super().build_scheduler(cfg)
-        update = scheduler.update_from_output
+    @property
+    def sync_scheduler(self):  # type: ignore[override]
+        from vllm.v1.core.sched.scheduler import Scheduler
 
-        def update_from_output(*args, **kwargs):
-            outputs = update(*args, **kwargs)
-            for client in [c for c in outputs if c != 0]:
-                moved = outputs.pop(client).outputs
-                if 0 in outputs:
-                    outputs[0].outputs.extend(moved)
-                else:
-                    from vllm.v1.engine import EngineCoreOutputs
+        from tests.mutants.runtime_mutants import OutputsUnderOneClient
 
-                    outputs[0] = EngineCoreOutputs(outputs=moved)
-            return outputs
-
-        scheduler.update_from_output = update_from_output
-        return scheduler
+        return type("OneClientScheduler", (OutputsUnderOneClient, Scheduler), {})
 
 
 def _two_client_trace() -> Trace:
@@ -148,7 +138,7 @@ def test_a_second_client_is_written_replayed_and_compared(tmp_path):
     assert failure is not None and failure.path == "exception", failure
     assert "ClientNotCarried" in failure.subject and "op.client_index" in failure.subject
     # A scheduler that hands the outputs back under another client shows in the outputs.
-    failure = run_trace(trace, _OutputsUnderClientZero()).failure
+    failure = run_trace(trace, _OutputsUnderOneClient()).failure
     assert failure is not None and failure.path == "outputs.b.client", failure
 
     single = _OneClientRequests()

@@ -75,6 +75,7 @@ from omni_runtime.engine.graph import ARStageSpec
 from omni_runtime.engine.stage import StageOutput, StageStep
 from omni_runtime.platform import install_for_process
 from omni_runtime.sched.process_stage import (
+    PARENT_CLIENT,
     PROCESS_STAGE_KEY,
     ProcessStageAsyncScheduler,
     ProcessStageScheduler,
@@ -87,10 +88,6 @@ logger = logging.getLogger(__name__)
 
 _SYNC = f"{ProcessStageScheduler.__module__}.{ProcessStageScheduler.__qualname__}"
 _ASYNC = f"{ProcessStageAsyncScheduler.__module__}.{ProcessStageAsyncScheduler.__qualname__}"
-
-# The client index of every request this engine sends its stage process: the process's only
-# client (its one output socket) is this engine.
-STAGE_CLIENT = 0
 
 # How long ``step`` waits for a message when no stage process has one ready (seconds). Any
 # stage process's message ends the wait at once (``_Arrivals``), so this only bounds the wait
@@ -304,7 +301,7 @@ class MPStageEngine:
             # output to the socket of its request's client, and a request keyed to any other
             # index would have its outputs sent to a socket that does not exist (the stage
             # then never finishes it). Outputs come back here by request id either way.
-            client_index=STAGE_CLIENT,
+            client_index=PARENT_CLIENT,
             priority=request.priority,
             trace_headers=request.trace_headers,
         )

@@ -36,9 +36,17 @@ from omni_runtime.adapters.input import attach_slot_from_extra_args
 from omni_runtime.adapters.shm_wire import ChunkDescriptor, ShmChunkWriter, ShmEngineCoreOutputs
 from omni_runtime.sched.scheduler import OmniARAsyncScheduler, OmniARScheduler
 
-__all__ = ["PROCESS_STAGE_KEY", "ProcessStageAsyncScheduler", "ProcessStageScheduler"]
+__all__ = [
+    "PARENT_CLIENT",
+    "PROCESS_STAGE_KEY",
+    "ProcessStageAsyncScheduler",
+    "ProcessStageScheduler",
+]
 
 PROCESS_STAGE_KEY = "omni_process_stage"
+# The client index of every request in a stage process: its engine's one client (its one
+# output socket) is the parent's ``MPStageEngine``.
+PARENT_CLIENT = 0
 
 
 class ProcessStageScheduler(OmniARScheduler):
