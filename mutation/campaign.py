@@ -558,6 +558,14 @@ def restore(work: Path, chosen: Slice, rev: str | None, root: Path) -> None:
     if proc.returncode != 0:
         tail = proc.stderr.decode(errors="replace")[-800:]
         raise CampaignError(f"generating the mutants in {work} failed:\n{tail}")
+    refreshed = meta.get("suite_refreshed_from")
+    if refreshed and commit == commit_of(meta):
+        # The kept verdicts and reach were decided against that suite, not the commit's own: a
+        # reach measured over the commit's suite but labelled with the refresh would pair one
+        # suite's lines with another's verdicts.
+        refresh_suite(work, str(refreshed))
+    elif refreshed:
+        del meta["suite_refreshed_from"]  # moved to another commit: its own suite from now on
     if commit != commit_of(meta):
         meta.update(rev=commit, commit=commit, complete=False)
     (work / "campaign.json").write_text(json.dumps(meta, indent=1))
@@ -707,19 +715,33 @@ SUITE_PATHS = (
 )
 
 
-def refresh_suite(work: Path) -> None:
-    """Copy the checkout's suite and harness over the work folder's, so survivors are re-checked
-    against the suite as it is now (the triage loop: add a property, re-check what survived)."""
+def refresh_suite(work: Path, rev: str | None = None) -> None:
+    """Copy the checkout's suite and harness (or those of commit ``rev``) over the work folder's,
+    so survivors are re-checked against the suite as it is now (the triage loop: add a property,
+    re-check what survived), or as it was when the kept verdicts were decided (``restore``)."""
+    source = REPO
+    if rev is not None:
+        source = work / "suite-of-refresh"
+        shutil.rmtree(source, ignore_errors=True)
+        source.mkdir(parents=True)
+        archive = subprocess.run(
+            ["git", "archive", "--format=tar", rev, *SUITE_PATHS], cwd=REPO, capture_output=True
+        )
+        if archive.returncode != 0:
+            raise CampaignError(f"the suite of {rev}: {archive.stderr.decode().strip()}")
+        subprocess.run(["tar", "-x", "-C", str(source)], input=archive.stdout, check=True)
     # Both copies: mutmut copies the work folder's ``conformance`` and ``invariants`` over its
     # own on every run (``rerun``), and the tests run from its own.
     for rel in SUITE_PATHS:
         for dest in (work / rel, work / "mutants" / rel):
-            src = REPO / rel
+            src = source / rel
             if src.is_dir():
                 shutil.rmtree(dest, ignore_errors=True)
                 shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
             else:
                 shutil.copy2(src, dest)
+    if rev is not None:
+        shutil.rmtree(source)
 
 
 def clean_run(work: Path, profile: str) -> None:

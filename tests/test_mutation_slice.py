@@ -202,6 +202,33 @@ def test_verdicts_outlive_the_work_folder(tmp_path: Path) -> None:
     # The mutants exist again, so the report can show what each one changed.
     assert campaign.mutant_change(tmp_path / "two", names[0]) == chosen.expected[0][1]
 
+    # A campaign whose suite was refreshed is rebuilt with that suite, not its commit's: its
+    # kept verdicts and reach were decided against it.
+    touched = subprocess.run(
+        ["git", "log", "-2", "--format=%H", "--", "invariants/audits.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    if len(touched) == 2:  # else a shallow clone: no earlier suite to rebuild with
+        older = touched[1]
+        then = subprocess.run(
+            ["git", "show", f"{older}:invariants/audits.py"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert then != (ROOT / "invariants" / "audits.py").read_text()
+        (kept / "campaign.json").write_text(json.dumps(meta | {"suite_refreshed_from": older}))
+        campaign.restore(tmp_path / "four", chosen, None, state)
+        for copy in (tmp_path / "four", tmp_path / "four" / "mutants"):
+            assert (copy / "invariants" / "audits.py").read_text() == then
+        rebuilt = json.loads((tmp_path / "four" / "campaign.json").read_text())
+        assert rebuilt["suite_refreshed_from"] == older
+        assert not (tmp_path / "four" / "suite-of-refresh").exists()
+
     # A campaign over a working tree cannot be rebuilt: the error says so and how to go on.
     (kept / "campaign.json").write_text(json.dumps(meta | {"rev": "abc + working tree"}))
     with pytest.raises(campaign.CampaignError, match="pass --rev"):
