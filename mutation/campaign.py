@@ -1265,7 +1265,15 @@ def score(row: dict[str, int]) -> float:
 UNREACHED = "; no test executes the mutated statement under the re-check's profile"
 
 
-def render(mutants: list[Mutant], stale: list[dict[str, object]], meta: dict[str, object]) -> str:
+def render(
+    mutants: list[Mutant],
+    stale: list[dict[str, object]],
+    meta: dict[str, object],
+    left_out: Sequence[str] = (),
+) -> str:
+    """The report. ``left_out``: the tests the re-check's reach run saw fail with no mutant
+    active, which no re-check runs (a refreshed harness the work folder's runtime does not
+    match fails whole files this way, and narrows every re-check without it)."""
     labels = list(dict.fromkeys(m.target for m in mutants))
     lines = [
         "# Mutation score of the invariant suite",
@@ -1305,6 +1313,9 @@ def render(mutants: list[Mutant], stale: list[dict[str, object]], meta: dict[str
             f"`{' / '.join(m.change)}`"
             for m in left
         ]
+    if left_out:
+        lines += ["", "## Tests left out of the re-checks (they fail with no mutant active)", ""]
+        lines += [f"- `{t}`" for t in left_out]
     if stale:
         lines += ["", "## Stale ledger entries (match no survivor)", ""]
         lines += [f"- `{e['function']}`: `{' / '.join(map(str, e['change']))}`" for e in stale]  # type: ignore[call-overload]
@@ -1339,6 +1350,7 @@ def report(
     stale = [
         e for e in apply_ledger(mutants, load_ledger()) if str(e["function"]).startswith(modules)
     ]
+    reach = None
     if recheck_profile:
         # A targeted re-check names its tests; a full one runs the tests that reach each survivor.
         reach = None if recheck_tests else load_reach(work, recheck_profile, meta)
@@ -1357,7 +1369,7 @@ def report(
         )
     else:
         kept_verdicts(work, mutants)
-    text = render(mutants, stale, meta)
+    text = render(mutants, stale, meta, reach.failing if reach is not None else ())
     total = score(tally(mutants))
     (work / "score.md").write_text(text)
     (work / "score.json").write_text(

@@ -456,6 +456,10 @@ def test_a_survivor_no_test_reaches_is_not_run(tmp_path: Path) -> None:
         if (tmp_path / "recheck-ci.json").exists()
         else "{}"
     )
+    # The report names such tests: every re-check runs without them.
+    text = campaign.render([other], [], {}, failing.failing)
+    assert "Tests left out of the re-checks" in text and "- `t::a`" in text
+    assert "left out" not in campaign.render([other], [], {})
 
 
 UNREACHED_NOTE = "no test executes the mutated statement"
