@@ -57,7 +57,10 @@ class Feature:
     are ids where the subject's handling of sampled ids changes (the ends of an id range it
     treats apart), which the harness's token source then samples at a fixed share of positions
     (``conformance.tokens.EDGE_PERIOD``): uniform sampling over the vocabulary rarely or never
-    reaches them.
+    reaches them. ``plain_requests``: the subject's engine also serves requests from clients
+    that know nothing of its runtime (upstream's own requests, without its per-request data), so
+    the workload draws some (``AddRequest.plain``); each must be served as upstream serves it and
+    send nothing downstream (C-42).
     """
 
     name: str
@@ -65,6 +68,7 @@ class Feature:
     final_stages: tuple[str | None, ...] = (None,)
     use_worker: bool = False
     token_edges: tuple[int, ...] = ()
+    plain_requests: bool = False
 
     @classmethod
     def from_config(cls, name: str, cfg: Mapping[str, Any]) -> Feature:
@@ -75,6 +79,7 @@ class Feature:
             tuple(cfg.get("final_stages") or (None,)),
             bool(cfg.get("use_worker", False)),
             tuple(int(t) for t in cfg.get("token_edges") or ()),
+            bool(cfg.get("plain_requests", False)),
         )
 
 

@@ -86,6 +86,7 @@ class LockstepMachine(RuleBasedStateMachine):
         config: HarnessConfig,
         *,
         final_stages: tuple[str | None, ...] = (None,),
+        plain_requests: bool = False,
         name: str = "lockstep",
         session: Any = None,
     ) -> None:
@@ -93,6 +94,13 @@ class LockstepMachine(RuleBasedStateMachine):
         self.recorder = recorder
         self.config = config
         self.final_stages = final_stages
+        # What the ``final`` draw picks from: a final stage, or (for a feature with
+        # ``plain_requests``) a request of a client that knows nothing of the runtime. One draw
+        # for both, so a feature without plain requests explores exactly the examples it did
+        # before the option existed.
+        self.destinations: list[tuple[str | None, bool]] = [(f, False) for f in final_stages]
+        if plain_requests:
+            self.destinations.append((None, True))
         self.name = name
         self.session = session or recorder.lockstep(config, prefixes=PREFIXES)
         self.counter = 0
@@ -127,7 +135,7 @@ class LockstepMachine(RuleBasedStateMachine):
         client_index = second_client(length, salt, max_tokens)
         self.counter += 1
         prompt = tuple(100 + (salt * 37 + i) % 200 for i in range(length))
-        final_stage = final.draw(st.sampled_from(self.final_stages))
+        final_stage, plain = final.draw(st.sampled_from(self.destinations))
         self.session.apply(
             AddRequest(
                 rid,
@@ -139,6 +147,7 @@ class LockstepMachine(RuleBasedStateMachine):
                 final_stage=final_stage,
                 trace_headers=trace_headers,
                 client_index=client_index,
+                plain=plain,
             )
         )
 
@@ -198,7 +207,10 @@ def machine_for(
     config: HarnessConfig,
     *,
     final_stages: tuple[str | None, ...] = (None,),
+    plain_requests: bool = False,
     name: str = "lockstep",
 ) -> Callable[[], LockstepMachine]:
     """A factory for ``run_state_machine_as_test``: one fresh machine per example."""
-    return lambda: LockstepMachine(recorder, config, final_stages=final_stages, name=name)
+    return lambda: LockstepMachine(
+        recorder, config, final_stages=final_stages, plain_requests=plain_requests, name=name
+    )

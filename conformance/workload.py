@@ -47,6 +47,12 @@ class AddRequest:
     # The engine client the request came from (``EngineCoreRequest.client_index``; several API
     # server processes front one engine): a step's outputs come back grouped by it.
     client_index: int = 0
+    # The request comes from a client that knows nothing of the subject's runtime (vLLM's own
+    # front end, a health check): it is upstream's request as upstream's engine builds it, with
+    # none of the runtime's per-request data. Drawn only for a feature that declares
+    # ``plain_requests``; its subject must then serve it as upstream would and send nothing
+    # downstream for it (C-42).
+    plain: bool = False
 
     def headers(self) -> dict[str, str] | None:
         """The trace headers as the mapping vLLM's ``Request.trace_headers`` holds."""
@@ -60,6 +66,7 @@ class AddRequest:
             + (f" final_stage={self.final_stage}" if self.final_stage else "")
             + (f" trace_headers={self.headers()}" if self.trace_headers is not None else "")
             + (f" client={self.client_index}" if self.client_index else "")
+            + (" plain" if self.plain else "")
         )
 
 
@@ -120,7 +127,7 @@ def op_to_dict(op: Op) -> dict[str, Any]:
     for k, v in asdict(op).items():
         # A field left at its default is not written, so traces from before a field existed
         # and traces after it read the same, and a trace shows only what was chosen.
-        if (k, v) in (("trace_headers", None), ("client_index", 0)):
+        if (k, v) in (("trace_headers", None), ("client_index", 0), ("plain", False)):
             continue
         d[k] = _as_lists(v)
     return d

@@ -4,7 +4,8 @@ During a session each request's prompt, accepted tokens and finish are recorded
 (``RequestLedger``); the subject's chunks are read through its ``ChunkDelivery.view``. At teardown:
 
 * C-42 — a request whose final stage is this one (``has_downstream`` false in the subject's
-  request facts) caused no chunk;
+  request facts), or one from a client that knows nothing of the runtime (``AddRequest.plain``,
+  which must not claim a downstream either), caused no chunk;
 * C-43 — every other request got exactly one EOF, as its last chunk, with seqs ``0..n-1``
   (a request the caller aborted: none, when the subject declares ``abort_eof = False``, C-46);
 * C-40/C-44/C-45 — the ids the configured processor streamed equal what the subject says it
@@ -38,6 +39,8 @@ class RequestLedger:
     steps: list[tuple[int, ...]] = field(default_factory=list)
     finish_reason: str | None = None
     aborted: bool = False
+    # From a client that knows nothing of the runtime (``AddRequest.plain``).
+    plain: bool = False
 
     @property
     def emitted(self) -> list[int]:
@@ -64,6 +67,16 @@ def ledger_problems(
     for rid, entry in session.ledger.items():
         facts = session.facts.get(rid, {})
         chunks = sorted(views.pop(rid, []), key=lambda c: c.seq)
+        if entry.plain:
+            # Upstream's own request: the runtime must not give it a consumer downstream (its
+            # facts would then claim one, and the check below would judge it by that claim).
+            if chunks or facts.get("has_downstream"):
+                claim = " and claims a downstream" if facts.get("has_downstream") else ""
+                problems.append(
+                    f"C-42: {rid} came from a client that knows nothing of the runtime, yet "
+                    f"sent {len(chunks)} chunk(s){claim}"
+                )
+            continue
         if not facts.get("has_downstream"):
             if chunks:
                 problems.append(

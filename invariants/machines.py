@@ -113,7 +113,7 @@ class AuditedLockstep(Lockstep):
         live_before = set(self.sub.scheduler.requests)
         result = super().apply(op)
         if isinstance(op, AddRequest) and op.request_id in self.sub.scheduler.requests:
-            self.ledger[op.request_id] = RequestLedger(self.trace.prompt_of(op))
+            self.ledger[op.request_id] = RequestLedger(self.trace.prompt_of(op), plain=op.plain)
             self.terminal.entered(op.request_id)
         elif isinstance(op, Abort):
             for rid in op.request_ids:
@@ -284,6 +284,7 @@ class InvariantMachine(LockstepMachine):
             run.recorder,
             run.config,
             final_stages=run.feature.final_stages,
+            plain_requests=run.feature.plain_requests,
             name=run.name,
             session=run.open_session(),
         )

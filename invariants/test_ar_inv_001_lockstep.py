@@ -34,6 +34,7 @@ def test_lockstep_parity(conformance, mode, feature):
         conformance,
         cfg,
         final_stages=feature.final_stages,
+        plain_requests=feature.plain_requests,
         name=f"AR-INV-001-{mode}-{feature.name}",
     )
     run_state_machine_as_test(machine)

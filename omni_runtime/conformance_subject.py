@@ -217,6 +217,8 @@ class OmniChunkDelivery:
         "chunk-contracts",
         {"omni_stage": talker_stage(chunk_processor=None)},
         (None, "talker", "code2wav"),
+        # A stage's engine serves vLLM's own clients too: their requests carry no omni slot.
+        plain_requests=True,
     )
 
     def install_sink(self, scheduler: Any, sink: Any) -> bool:
@@ -640,7 +642,9 @@ class OmniSchedulerSubject(BaseSubject):
         from omni_runtime.config import OmniStageConfig
 
         stage = OmniStageConfig.from_vllm_config(scheduler.vllm_config)
-        if stage is None:
+        if stage is None or op.plain:
+            # A plain vLLM client's request reaches the stage's engine as upstream builds it
+            # (``Request.from_engine_core_request``): no stage input, no omni slot.
             return super().make_request(op, prompt, cfg, scheduler, arrival)
         adapter = InputAdapter(
             stage,

@@ -148,7 +148,40 @@ def test_a_second_client_is_written_replayed_and_compared(tmp_path):
     assert [getattr(op, "client_index", 0) for op in result.trace.ops] == [0] * 6
 
 
-# ---- token source ------------------------------------------------------------------------
+def test_a_plain_request_is_written_replayed_and_served_as_upstream(tmp_path):
+    """A request from a client that knows nothing of the runtime (``plain``) round-trips (unset
+    is not written), reaches the omni stage without a slot, and sends nothing downstream while
+    its neighbour with a slot streams (C-42)."""
+    from omni_runtime.adapters import omni_state_of
+    from omni_runtime.conformance_subject import TOKEN_UPDATES
+
+    cfg = HarnessConfig(
+        num_blocks=12,
+        max_num_batched_tokens=32,
+        additional_config=dict(TOKEN_UPDATES[1]["additional_config"]),
+    )
+    adds = [
+        AddRequest("omni", tuple(range(10, 30)), max_tokens=3),
+        AddRequest("plain", tuple(range(40, 55)), max_tokens=3, plain=True),
+    ]
+    trace = Trace(config=cfg, ops=[*adds, *[Step()] * 5, DeliverChunks()])
+    back = Trace.load(trace.save(tmp_path / "t.json"))
+    assert back.ops == trace.ops
+    written = json.loads((tmp_path / "t.json").read_text())["ops"]
+    assert "plain" not in written[0] and written[1]["plain"] is True
+    assert trace.ops[1].describe().endswith(" plain")
+
+    session = Lockstep(cfg, OmniSubject())
+    for op in adds:
+        session.apply(op)
+    held = session.sub.scheduler.requests
+    assert omni_state_of(held["omni"]) is not None and omni_state_of(held["plain"]) is None
+    for op in trace.ops[len(adds) :]:
+        session.apply(op)
+    assert session.failure is None, session.failure
+    assert {c.request_id for c in session.sub.chunks} == {"omni"}
+
+
 # ---- token source ------------------------------------------------------------------------
 
 

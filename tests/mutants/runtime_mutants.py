@@ -106,6 +106,20 @@ class FinalStageRequestSends:
         return result
 
 
+class PlainRequestGetsSlot:
+    """C-42: a request without an omni slot (a plain vLLM client's, which upstream serves as is)
+    is given one at admission, with the stage's downstream, so its tokens stream to a consumer
+    that never asked for them."""
+
+    def add_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        from omni_runtime.adapters import OmniRequestState, omni_state_of
+
+        stage = getattr(self, "omni_stage", None)
+        if stage is not None and omni_state_of(request) is None:
+            request.omni = OmniRequestState(stage.stage_id, stage.stages[-1], stage.downstream)
+        return super().add_request(request, *args, **kwargs)  # type: ignore[misc]
+
+
 class SendsStaleSteps:
     """C-45: the scheduler forgets which requests upstream put in drop mode (a prefix-cache reset
     of running requests, a resumable stop with steps in flight), so the chunk-transfer decision
@@ -1762,6 +1776,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "chunk-contracts",
         "a request final at this stage gets an EOF delivery on free",
         _sub(scheduler_mixin=FinalStageRequestSends),
+    ),
+    Mutant(
+        "plain_request_gets_slot",
+        "C-42",
+        "chunk-contracts",
+        "a plain vLLM client's request (no omni slot) is given the stage's downstream",
+        _sub(scheduler_mixin=PlainRequestGetsSlot),
     ),
     Mutant(
         "no_eof_when_processor_returns_none",
