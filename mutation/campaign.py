@@ -62,7 +62,7 @@ import tempfile
 import threading
 import time
 import tomllib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -491,6 +491,7 @@ def save_state(work: Path, chosen: Slice, root: Path) -> None:
     files = [(work / "campaign.json", dest / "campaign.json")]
     files += [(f, dest / f.name) for f in sorted(work.glob("recheck-*.json"))]
     files += [(f, dest / f.name) for f in sorted(work.glob("reach-*.json"))]
+    files += [(f, dest / f.name) for f in sorted(work.glob("parts-*.json"))]
     files.append((work / "mutants" / _STATS, dest / _STATS))
     files += [
         (work / "mutants" / f"{t.path}.meta", dest / "meta" / f"{t.path}.meta")
@@ -544,7 +545,7 @@ def restore(work: Path, chosen: Slice, rev: str | None, root: Path) -> None:
         )
     profile = str(meta.get("profile", "ci"))
     prepare(work, chosen, profile, commit)
-    for f in [*src.glob("recheck-*.json"), *src.glob("reach-*.json")]:
+    for f in [*src.glob("recheck-*.json"), *src.glob("reach-*.json"), *src.glob("parts-*.json")]:
         shutil.copyfile(f, work / f.name)
     if (src / _STATS).is_file():
         shutil.copyfile(src / _STATS, work / "mutants" / _STATS)
@@ -744,20 +745,15 @@ def refresh_suite(work: Path, rev: str | None = None) -> None:
         shutil.rmtree(source)
 
 
-def clean_run(work: Path, profile: str) -> None:
-    """Run the work folder's suite with no mutant active, under ``profile``: a refreshed suite
-    that fails on the unmutated runtime (a harness change the work folder's runtime copy lacks,
-    say) would count every mutant it covers as killed."""
+def clean_run(work: Path, profile: str, tests: tuple[str, ...] = ()) -> None:
+    """Run the work folder's suite (or only ``tests``) with no mutant active, under ``profile``:
+    a refreshed suite that fails on the unmutated runtime (a harness change the work folder's
+    runtime copy lacks, say) would count every mutant it covers as killed."""
+    # A targeted re-check trusts the failures of its own tests only, so only they must pass:
+    # the rest of a refreshed suite may need runtime code the campaign's commit lacks.
+    targets = list(tests) or ["invariants", PROCESS_STAGE_TESTS]
     # Pinned as every re-check is: the examples a kill was drawn from must pass here.
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        *pytest_args(profile),
-        *PINNED_SEED,
-        "invariants",
-        PROCESS_STAGE_TESTS,
-    ]
+    cmd = [sys.executable, "-m", "pytest", *pytest_args(profile), *PINNED_SEED, *targets]
     with tempfile.TemporaryDirectory(dir=work) as examples:
         env = campaign_env(work) | {"MUTANT_UNDER_TEST": ""} | pinned_hypothesis(examples)
         proc = subprocess.run(cmd, cwd=work / "mutants", env=env, capture_output=True, text=True)
@@ -806,6 +802,49 @@ def recheck_kills(work: Path, skip: Path | None = None) -> set[str]:
     }
 
 
+def parts_path(work: Path, profile: str) -> Path:
+    """Where a full re-check keeps, per survivor, the tests it already passed (``PART_SECONDS``)."""
+    return work / f"parts-{profile}.json"
+
+
+def passed_parts(path: Path, suite: str) -> dict[str, list[str]]:
+    """The tests each survivor (by key) passed in earlier parts of a re-check against ``suite``;
+    parts passed against another suite count for nothing."""
+    kept = json.loads(path.read_text()) if path.is_file() else {}
+    return dict(kept.get("passed", {})) if kept.get("suite") == suite else {}
+
+
+def record_part(path: Path, suite: str, key: str, tests: Sequence[str] | None) -> None:
+    """Add ``tests`` to what the survivor ``key`` passed against ``suite`` (``None``: forget the
+    survivor's parts, once its verdict is in the re-check's cache), atomically beside the other
+    re-check running at the same time (as ``_merge_into``)."""
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        passed = passed_parts(path, suite)
+        if tests is None:
+            passed.pop(key, None)
+        else:
+            passed[key] = sorted({*passed.get(key, ()), *tests})
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"suite": suite, "passed": passed}, indent=1, sort_keys=True))
+        tmp.replace(path)
+
+
+def split_parts(tests: Sequence[str], durations: Mapping[str, float]) -> list[list[str]]:
+    """``tests`` in order, cut into runs of at most ``PART_SECONDS`` of unmutated time."""
+    parts: list[list[str]] = []
+    total = PART_SECONDS
+    for t in tests:
+        took = durations.get(t, 0.0)
+        if parts and total + took <= PART_SECONDS:
+            parts[-1].append(t)
+            total += took
+        else:
+            parts.append([t])
+            total = took
+    return parts
+
+
 def run_tests(
     work: Path, mutant: str, profile: str, tests: Sequence[str], timeout: float
 ) -> int | None:
@@ -832,6 +871,11 @@ REACH_PLUGIN = REPO / "mutation" / "reach_plugin.py"
 # What a re-check's pytest costs before its first test (imports, collection): part of the clean
 # time its timeout is a multiple of.
 STARTUP_SECONDS = 30.0
+# A full re-check through the reach runs a survivor's tests in parts of at most this many seconds
+# (of their unmutated time; a longer test is a part of its own) and keeps each part that passes.
+# A survivor the lock-step machines reach costs up to two hours under ``thorough``, as long as a
+# good share of a working session: run whole, one cut off with its session left nothing behind.
+PART_SECONDS = 900.0
 
 
 def pinned_hypothesis(examples: str) -> dict[str, str]:
@@ -1129,7 +1173,11 @@ def recheck(
     # spares the slow profile's run for every mutant it kills.
     killed_elsewhere = recheck_kills(work, skip=cache_path)
     sources: dict[str, str] = {}
-    jobs: list[tuple[Mutant, list[str], float]] = []
+    # (mutant, tests, timeout, run in parts): a full re-check through the reach runs in parts.
+    jobs: list[tuple[Mutant, list[str], float, bool]] = []
+    parts_file = parts_path(work, profile)
+    passed = passed_parts(parts_file, reach.suite) if reach is not None else {}
+    keep_lock = threading.Lock()  # parts finish on the pool's threads
 
     def reached_by(m: Mutant, reach: Reach) -> tuple[set[str], list[str]] | None:
         """Every test that executed ``m``'s mutated statement, and those of them that pass
@@ -1160,13 +1208,13 @@ def recheck(
             continue
         if tests_only and cache.get(key) not in ("killed", "timeout"):
             # A survival the cache holds was against the suite of its day, without these tests.
-            jobs.append((m, list(tests_only), timeout))
+            jobs.append((m, list(tests_only), timeout, False))
         elif quick is not None and reach is not None:
             undecided = cache.get(key) not in ("killed", "timeout") and key not in killed_elsewhere
             hit = reached_by(m, reach) if undecided else None
             fast = [t for t in (hit[1] if hit else []) if reach.durations.get(t, 0.0) <= quick]
             if fast:
-                jobs.append((m, fast, limit(fast, reach)))
+                jobs.append((m, fast, limit(fast, reach), False))
         elif key not in cache:
             hit = reached_by(m, reach) if reach is not None else None
             if reach is not None and hit is not None:
@@ -1177,7 +1225,10 @@ def recheck(
                     cache[key] = "unreached"  # no test executes the statement: nothing to run
                     _merge_into(cache_path, cache)
                 else:
-                    jobs.append((m, reaching, limit(reaching, reach)))
+                    # The parts an earlier run passed with this mutant active are not run again.
+                    done = set(passed.get(key, ()))
+                    left = [t for t in reaching if t not in done]
+                    jobs.append((m, left, limit(left, reach), True))
             else:
                 # The suite's newer tests first: they were added to kill survivors. Then the
                 # covering tests quickest first (by the campaign's timings): the run stops at the
@@ -1186,13 +1237,23 @@ def recheck(
                 covering = tests_by_function.get(m.function, ())
                 tests = new_tests + sorted(covering, key=lambda t: (durations.get(t, 0.0), t))
                 if tests:  # else still nothing calls it
-                    jobs.append((m, tests, timeout))
+                    jobs.append((m, tests, timeout, False))
         if key in cache:
             m.recheck = cache[key]
 
-    def run(job: tuple[Mutant, list[str], float]) -> tuple[Mutant, int | None]:
-        m, tests, limit = job
-        return m, run_tests(work, m.name, profile, tests, limit)
+    def run(job: tuple[Mutant, list[str], float, bool]) -> tuple[Mutant, int | None]:
+        m, tests, timeout, parted = job
+        if not parted or reach is None:
+            return m, run_tests(work, m.name, profile, tests, timeout)
+        for part in split_parts(tests, reach.durations):
+            code = run_tests(work, m.name, profile, part, limit(part, reach))
+            if code != 0:
+                return m, code
+            record_part(parts_file, reach.suite, m.key, part)
+            if keep is not None:
+                with keep_lock:
+                    keep()
+        return m, 0
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
         # Cheapest first: a session that ends part-way has decided the most survivors.
@@ -1209,8 +1270,11 @@ def recheck(
                 continue  # these tests alone decide only kills
             cache[m.key] = m.recheck = verdict
             _merge_into(cache_path, cache)
+            if reach is not None:
+                record_part(parts_file, reach.suite, m.key, None)
             if keep is not None:
-                keep()
+                with keep_lock:
+                    keep()
     for m in mutants:  # earlier re-checks of mutants this one skipped still count
         key = m.key
         if m.recheck is None and key in cache:
@@ -1487,7 +1551,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             # A re-check through the reach needs no clean run of its own: the reach run is one,
             # and the tests it saw fail unmutated are never run against a mutant.
             if recheck_profile and args.recheck_tests:
-                clean_run(args.work, recheck_profile)
+                named = tuple(t for t in args.recheck_tests.split(",") if t)
+                clean_run(args.work, recheck_profile, named)
             meta["suite_refreshed_from"] = git_head()
             meta_path.write_text(json.dumps(meta, indent=1))
         only = args.recheck_only or ""

@@ -274,16 +274,26 @@ def test_a_report_without_a_recheck_counts_the_kept_verdicts(tmp_path: Path) -> 
 
 
 def test_a_suite_failing_on_clean_code_stops_the_rerun(tmp_path: Path) -> None:
-    """A refreshed suite that fails with no mutant active would count false kills: refused."""
+    """A refreshed suite that fails with no mutant active would count false kills: refused. A
+    targeted re-check's clean run is its own tests: the rest of the suite may fail there."""
     tests = tmp_path / "mutants" / "invariants"
     tests.mkdir(parents=True)
     (tests / "test_broken.py").write_text(
         "import pytest\n\n@pytest.mark.invariants\ndef test_broken():\n    assert False\n"
     )
+    (tests / "test_sound.py").write_text(
+        "import pytest\n\n@pytest.mark.invariants\ndef test_sound():\n    assert True\n"
+    )
     (tmp_path / "mutants" / "tests").mkdir()
     (tmp_path / "mutants" / campaign.PROCESS_STAGE_TESTS).write_text("")
-    with pytest.raises(campaign.CampaignError, match=r"no mutant active \(exit 1\)"):
+    # The harness's pytest plugin, as a work folder has its own copy (its options and markers).
+    (tmp_path / "mutants" / "conformance").symlink_to(campaign.REPO / "conformance")
+    failing = r"no mutant active \(exit 1\)(.|\n)*test_broken.py::test_broken"
+    with pytest.raises(campaign.CampaignError, match=failing):
         campaign.clean_run(tmp_path, "smoke")
+    campaign.clean_run(tmp_path, "smoke", ("invariants/test_sound.py::test_sound",))
+    with pytest.raises(campaign.CampaignError, match=failing):
+        campaign.clean_run(tmp_path, "smoke", ("invariants/test_broken.py::test_broken",))
 
 
 # ---- reach: which test executes which mutated statement ---------------------------------------
@@ -526,3 +536,85 @@ def test_a_quick_recheck_runs_only_quick_reaching_tests_and_keeps_kills(
     assert kept == cache | {killed.key: "killed"}
     with pytest.raises(campaign.CampaignError, match="reach"):
         campaign.recheck(tmp_path, [spared], "ci", 10.0, quick=10.0)
+
+
+def test_a_full_recheck_keeps_the_parts_it_passed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full re-check through the reach runs a survivor's tests in parts of at most
+    ``PART_SECONDS`` and keeps each part it passed, so a re-check cut off part-way (its session
+    ended) goes on where it stopped; a part that fails is the verdict, and a verdict clears the
+    parts. Parts kept against another suite count for nothing."""
+    mutants = tmp_path / "mutants"
+    (mutants / "omni_runtime").mkdir(parents=True)
+    (mutants / "omni_runtime" / "m.py").write_text(_MUTANTS_SOURCE)
+    stats = {"tests_by_mangled_function_name": {}, "duration_by_test": {}}
+    (mutants / "mutmut-stats.json").write_text(json.dumps(stats))
+    monkeypatch.setattr(campaign, "PART_SECONDS", 100.0)
+    tests = ["t::a", "t::b", "t::c", "t::d"]
+    # Quickest first, as a re-check orders them.
+    durations = {"t::a": 10.0, "t::b": 80.0, "t::c": 150.0, "t::d": 160.0}
+    lines = {"omni_runtime/m.py": {n: [0, 1, 2, 3] for n in range(1, 31)}}
+    reach = campaign.Reach("thorough", "abc", 1.0, tests, durations, lines)
+    assert campaign.split_parts(tests, durations) == [["t::a", "t::b"], ["t::c"], ["t::d"]]
+    survivor = campaign.Mutant("omni_runtime.m.x_f__mutmut_1", "m", "survived", ("-a", "+b"))
+    killed = campaign.Mutant("omni_runtime.m.x_f__mutmut_2", "m", "survived", ("-c", "+d"))
+    ran: list[tuple[str, list[str], float]] = []
+
+    class SessionEnded(Exception):
+        pass
+
+    def cut_off(work: Path, mutant: str, profile: str, tests: list[str], timeout: float):
+        ran.append((mutant, list(tests), timeout))
+        if tests == ["t::d"]:
+            raise SessionEnded  # the session stops while the last part runs
+        return 0
+
+    monkeypatch.setattr(campaign, "run_tests", cut_off)
+    kept: list[int] = []
+    with pytest.raises(SessionEnded):
+        campaign.recheck(
+            tmp_path,
+            [survivor],
+            "thorough",
+            10.0,
+            reach=reach,
+            workers=1,
+            keep=lambda: kept.append(1),
+        )
+    # Each part ran with three times its own unmutated time (and start-up) as its timeout.
+    start = campaign.STARTUP_SECONDS
+    assert ran == [
+        (survivor.name, ["t::a", "t::b"], 3 * (90.0 + start)),
+        (survivor.name, ["t::c"], 3 * (150.0 + start)),
+        (survivor.name, ["t::d"], 3 * (160.0 + start)),
+    ]
+    assert kept == [1, 1]  # the state was kept after each part that passed
+    parts = campaign.parts_path(tmp_path, "thorough")
+    assert campaign.passed_parts(parts, "abc") == {survivor.key: ["t::a", "t::b", "t::c"]}
+    assert not (tmp_path / "recheck-thorough.json").exists()
+
+    # The next session: only the part left runs, and the verdict replaces the parts.
+    ran.clear()
+
+    def finish(work: Path, mutant: str, profile: str, tests: list[str], timeout: float):
+        ran.append((mutant, list(tests), timeout))
+        return 1 if mutant == killed.name and "t::c" in tests else 0
+
+    monkeypatch.setattr(campaign, "run_tests", finish)
+    campaign.recheck(tmp_path, [survivor, killed], "thorough", 10.0, reach=reach, workers=1)
+    assert [(m, t) for m, t, _ in ran] == [
+        (survivor.name, ["t::d"]),
+        (killed.name, ["t::a", "t::b"]),
+        (killed.name, ["t::c"]),  # fails: the rest of its tests need not run
+    ]
+    assert (survivor.recheck, killed.recheck) == ("survived", "killed")
+    assert campaign.passed_parts(parts, "abc") == {}
+    assert json.loads((tmp_path / "recheck-thorough.json").read_text()) == {
+        survivor.key: "survived",
+        killed.key: "killed",
+    }
+
+    # Parts passed against another suite are not taken for this one's.
+    campaign.record_part(parts, "abc", "k", ["t::a"])
+    assert campaign.passed_parts(parts, "refreshed") == {}
