@@ -39,12 +39,22 @@ are numbered without a gap (a refused chunk reached nobody, so the next takes it
 its EOF arrives once, last, unless the connector refused the EOF itself. Not applicable where
 the subject's sink only sees chunks after they crossed (``sink_is_connector`` False).
 
+The send path can also fail on a request the client has just aborted between steps (before its
+first step, or mid-stream): ``test_an_abort_that_meets_a_send_fault_stays_an_abort`` makes the
+processor's final call (the abort's own EOF delivery) raise, or the connector refuse that EOF.
+The request stays aborted: no terminal output and no cause (the client has gone), an EOF that
+went out says ``abort`` (none, for a subject whose caller ends aborted requests downstream,
+``abort_eof`` False), the processor is asked to release it when its final call raised, every
+other request ends as in the run without the fault, and when the abort returns the subject
+holds nothing of the request (C-04): the failure is the abort's to settle, not a later step's.
+
 Not applicable to a subject without ``chunk_delivery`` or without a ``processor_feature``.
 Positive controls: mutants ``send_fault_fails_neighbours`` (a fault on one request of a step
 also fails the other requests of that step), ``fault_restarts_chunk_numbering`` (the EOF after a
 fault is numbered from 0 again) and ``final_fault_not_released`` (a processor whose final call
 raised is never asked to release the request), ``connector_fault_swallowed`` (a chunk the
-connector refuses is dropped and its request goes on).
+connector refuses is dropped and its request goes on), ``abort_fault_left_pending`` (the failure
+of an abort's EOF is left for a later step to take).
 """
 
 from __future__ import annotations
@@ -55,6 +65,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from vllm.v1.request import RequestStatus
 
 from conformance.capabilities import ChunkDelivery, NotApplicable, cause_naming_problem, require
 from conformance.driver import make_driver
@@ -100,6 +111,10 @@ class Run(Outcome):
     processor: RecordingProcessor
     chunks: dict[str, list[Any]] = field(default_factory=dict)  # ChunkViews, in arrival order
     fired: int = 0
+    # The client's abort of a request (``run_workload``'s ``abort``): whether it happened, and
+    # the ids the subject's own structures still held for that request when the call returned.
+    aborted: bool = False
+    held_after_abort: list[str] = field(default_factory=list)
 
 
 def faulting(processor: RecordingProcessor, victim: str, k: int, run: Run) -> None:
@@ -154,7 +169,11 @@ def run_workload(
     limits: dict[str, int],
     fault: tuple[str, int] | None,
     sink: FaultingSink | None = None,
+    abort: tuple[str, str] | None = None,
 ) -> Run:
+    """Run the workload to the drain. ``abort``: (request, point) — the client aborts that
+    request between steps, as vLLM's engine does (``finish_requests`` with
+    ``FINISHED_ABORTED``), at one of ``ABORT_POINTS``, if it is still held there."""
     cause_field = "omni_error"
     containment = getattr(subject, "fault_containment", lambda: None)()
     if containment is not None:
@@ -169,6 +188,29 @@ def run_workload(
     pool = vc.block_pool(scheduler)
     initial = vc.num_free_blocks(pool)
     driver = make_driver(scheduler, PayloadTokenSource(delivery))
+
+    def take_chunks() -> None:
+        for chunk in sink.drain() if sink is not None else subject.drain_chunks(scheduler):
+            view = delivery.view(chunk)
+            run.chunks.setdefault(view.request_id, []).append(view)
+
+    def abort_if(point: str) -> None:
+        if abort is None or run.aborted or abort[1] != point:
+            return
+        rid = abort[0]
+        if point == "running" and not run.tokens.get(rid):
+            return  # not yet streaming: the abort waits for its first output
+        if rid not in vc.live_request_ids(scheduler):
+            return  # it ended first: nothing to abort
+        scheduler.finish_requests([rid], RequestStatus.FINISHED_ABORTED)
+        raise_pending()
+        run.aborted = True
+        # Whatever the abort's terminal delivery left in the subject's own per-request
+        # structures (a send-path failure not taken yet, a progress record) outlives the
+        # request, which the abort has ended (C-04).
+        run.held_after_abort = sorted(set(subject.live_omni_ids(scheduler)) & {rid})
+        take_chunks()
+
     for i, (rid, prompt) in enumerate(prompts.items()):
         op = AddRequest(
             rid, tuple(prompt), max_tokens=limits[rid], trace_headers=client_trace_headers(i, 1)
@@ -177,6 +219,7 @@ def run_workload(
             subject, scheduler, subject.make_request(op, prompt, cfg, scheduler, float(i))
         )
         run.admitted(op)
+    abort_if("waiting")
     while scheduler.has_requests() or driver.in_flight():
         if run.steps >= MAX_STEPS:
             raise AssertionError(f"C-62: the workload did not drain within {MAX_STEPS} steps")
@@ -184,9 +227,8 @@ def run_workload(
         raise_pending()  # a harness bug the subject's fault containment caught
         run.steps += 1
         run.record(received_outputs(subject, scheduler, obs.outputs), cause_field)
-        for chunk in sink.drain() if sink is not None else subject.drain_chunks(scheduler):
-            view = delivery.view(chunk)
-            run.chunks.setdefault(view.request_id, []).append(view)
+        take_chunks()
+        abort_if("running")
     free = vc.num_free_blocks(pool)
     assert free == initial, f"C-06: {initial - free} blocks still held after the drain"
     left = subject.live_omni_ids(scheduler)
@@ -232,15 +274,27 @@ def outcome_problems(
     clean: Run,
     where: str,
     fault: str,
+    *,
+    aborted: bool = False,
 ) -> None:
     """Raise AssertionError unless every request ended once (C-62), the victim (when the fault
     fired) with an error whose cause carries the fault, and every other one exactly as in the
     fault-free run: same end, no cause, same tokens, same ids and final calls handed to its
-    processor (C-61); and that every output carried its request's trace headers (C-07, C-61)."""
+    processor (C-61); and that every output carried its request's trace headers (C-07, C-61).
+    ``aborted``: the client aborted the victim in both runs, so the fault met a request that had
+    already ended: it must end as in the fault-free run (an abort has no terminal output to
+    turn into an error), with no cause."""
     problems = clean.header_problems("C-07") + got.header_problems("C-61")
     assert not problems, f"{'; '.join(problems)} ({where})"
     for rid in prompts:
         ends = got.terminal.get(rid, [])
+        if rid == victim and aborted:
+            assert ends == clean.terminal.get(rid, []) and rid not in got.causes, (
+                f"C-61: {rid} was aborted, and {fault} on the abort's own delivery; it ended "
+                f"{ends} (cause {got.causes.get(rid)!r}) against "
+                f"{clean.terminal.get(rid, [])} in the fault-free run ({where})"
+            )
+            continue
         assert len(ends) == 1, f"C-62: {rid} ended {len(ends)} times: {ends} ({where})"
         if rid == victim and fired:
             assert ends == ["error"], (
@@ -457,6 +511,129 @@ def test_a_connector_fault_stays_with_its_request(conformance_subject, mode):
         def prop(workload: list[Job], spec: ProcessorSpec, victim: int, at: str) -> None:
             check_connector_fault_stays_with_its_request(
                 conformance_subject, workload, spec, victim, at, mode=mode
+            )
+
+        prop()
+
+
+# Where the client aborts the victim in ``test_an_abort_that_meets_a_send_fault_stays_an_abort``:
+# before any step (the abort's EOF is its only chunk) or after the step that brought its first
+# output (the EOF ends a stream). Each is a run of its own.
+ABORT_POINTS: tuple[str, ...] = ("waiting", "running")
+# What fails on the abort's terminal delivery: the processor's final call raises, or the
+# connector refuses the EOF chunk.
+ABORT_FAULTS: tuple[str, ...] = ("processor", "connector")
+
+
+def check_abort_meets_a_send_fault(
+    subject: Any,
+    workload: list[Job],
+    spec: ProcessorSpec,
+    victim_index: int,
+    point: str,
+    path: str,
+    *,
+    mode: str,
+) -> int:
+    """The client aborts the victim between steps (``point``, one of ``ABORT_POINTS``), and the
+    send path fails on the abort's own terminal delivery (``path``, one of ``ABORT_FAULTS``).
+    Raise AssertionError on a C-61/C-43/C-04 violation; returns the steps run."""
+    delivery = processor_delivery(subject)
+    feature = delivery.processor_feature
+    connector = path == "connector"
+    if connector and not getattr(delivery, "sink_is_connector", True):
+        raise NotApplicable(f"subject {subject.name!r}'s sink is not its stage's connector")
+    cfg = harness_config(feature, mode=mode, prefix=True)
+    prompts = {f"s{i}": job_prompt(i, job) for i, job in enumerate(workload)}
+    limits = {f"s{i}": job.max_tokens for i, job in enumerate(workload)}
+    victim = f"s{victim_index % len(workload)}"
+    abort = (victim, point)
+
+    def sink(fault: tuple[str, int] | None) -> FaultingSink | None:
+        return FaultingSink(delivery, fault) if connector else None
+
+    clean = run_workload(subject, delivery, cfg, spec, prompts, limits, None, sink(None), abort)
+    where = f"{spec.describe()}, {victim} aborted {point}, {path} fault on the abort's EOF"
+    assert not clean.held_after_abort, (
+        f"C-04: the abort of {victim} returned with {clean.held_after_abort} still held ({where})"
+    )
+    if not clean.aborted:
+        return clean.steps  # the victim ended before the abort point: nothing met the fault
+    # The runs agree up to the abort, so its delivery is the victim's last call and last chunk
+    # in the fault-free run.
+    last_call = len(clean.processor.calls_for(victim)) - 1
+    last_chunk = len(clean.chunks.get(victim, [])) - 1
+    if connector:
+        got_sink = sink((victim, last_chunk))
+        got = run_workload(subject, delivery, cfg, spec, prompts, limits, None, got_sink, abort)
+        fired = bool(got_sink is not None and got_sink.refused)
+    else:
+        fault = (victim, last_call)
+        got = run_workload(subject, delivery, cfg, spec, prompts, limits, fault, None, abort)
+        fired = bool(got.fired)
+    outcome_problems(
+        subject,
+        cfg,
+        prompts,
+        victim,
+        fired,
+        got,
+        clean,
+        where,
+        "the send path failed",
+        aborted=True,
+    )
+    # The failure is the abort's to settle: nothing of the request outlives the call (C-04).
+    assert not got.held_after_abort, (
+        f"C-04: the abort of {victim} met a send-path fault and returned with "
+        f"{got.held_after_abort} still held by the subject ({where})"
+    )
+    views = sorted(got.chunks.get(victim, []), key=lambda v: v.seq)
+    assert [v.seq for v in views] == list(range(len(views))), (
+        f"C-43: {victim}'s chunks are numbered {[v.seq for v in views]} ({where})"
+    )
+    finals = [v for v in views if v.is_final]
+    # A processor fault on the final call still sends the EOF, bare; a refused EOF reached
+    # nobody (C-43); a subject whose caller ends an aborted request downstream itself sends
+    # none for it (``ChunkDelivery.abort_eof`` False, C-46).
+    want = 0 if connector and fired or not getattr(delivery, "abort_eof", True) else 1
+    assert len(finals) == want and (not finals or views[-1].is_final), (
+        f"C-43: {victim} got {len(finals)} EOF chunks of {len(views)}, expected {want} ({where})"
+    )
+    # The request ended by the client's abort, not by the fault: an EOF that says why says so.
+    for eof in finals:
+        assert eof.finish_reason is None or str(eof.finish_reason) == "abort", (
+            f"C-43: {victim} was aborted, yet its EOF says {str(eof.finish_reason)!r} ({where})"
+        )
+    if getattr(delivery, "releases_on_final_fault", False):
+        want_released = [victim] if fired and not connector else []
+        assert got.processor.released == want_released, (
+            f"C-61: the processor was asked to release {got.processor.released}, expected "
+            f"{want_released} ({where})"
+        )
+    return clean.steps + got.steps
+
+
+@pytest.mark.clauses("C-61", "C-43", "C-04")
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_abort_that_meets_a_send_fault_stays_an_abort(conformance_subject, mode):
+    """The send path fails on the terminal delivery of a request the client aborted between
+    steps: the processor's final call raises, or the connector refuses the EOF. The request
+    stays aborted (no terminal output, no cause: the client has gone), an EOF that went out says
+    ``abort``, the processor is asked to release the request when its final call raised (for a
+    subject that declares ``releases_on_final_fault``), nothing of the request is held when the
+    abort returns, and every other request ends as in the run without the fault."""
+    delivery = processor_delivery(conformance_subject)
+    paths = ABORT_FAULTS if getattr(delivery, "sink_is_connector", True) else ("processor",)
+    budget = suite_settings(10)
+    runs = [(point, path) for point in ABORT_POINTS for path in paths]
+    for point, path in runs:
+
+        @settings(budget, max_examples=max(1, budget.max_examples // len(runs)))
+        @given(jobs, fault_specs, st.integers(0, 5), st.just(point), st.just(path))
+        def prop(workload: list[Job], spec: ProcessorSpec, victim: int, at: str, fails: str):
+            check_abort_meets_a_send_fault(
+                conformance_subject, workload, spec, victim, at, fails, mode=mode
             )
 
         prop()

@@ -348,6 +348,29 @@ def _send_path_faults_probe(subject: Any, cfg: settings) -> tuple[BaseException 
     )(subject, cfg)
 
 
+def _abort_faults_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
+    """What ``test_an_abort_that_meets_a_send_fault_stays_an_abort`` checks (sync)."""
+    from invariants.strategies import jobs
+    from invariants.test_send_path_faults import (
+        ABORT_FAULTS,
+        ABORT_POINTS,
+        check_abort_meets_a_send_fault,
+        fault_specs,
+    )
+
+    return _given_probe(
+        st.tuples(
+            jobs,
+            fault_specs,
+            st.integers(0, 5),
+            st.sampled_from(ABORT_POINTS),
+            st.sampled_from(ABORT_FAULTS),
+        ),
+        lambda v, s: check_abort_meets_a_send_fault(s, *v, mode="sync"),
+        lambda v: len(v[0]),
+    )(subject, cfg)
+
+
 def _reset_in_flight_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
     """What ``invariants/test_chunk_contracts.py::test_rows_survive_a_reset_with_steps_in_flight``
     checks."""
@@ -425,6 +448,7 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     "registry": _registry_probe,
     "fault-containment": _fault_containment_probe,
     "send-path-faults": _send_path_faults_probe,
+    "abort-faults": _abort_faults_probe,
     "processor-batching": _batching_probe,
     "stage-inputs-cross": _stage_inputs_probe,
     "staged-aborts": _staged_aborts_probe,

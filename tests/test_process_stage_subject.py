@@ -156,6 +156,15 @@ def test_a_send_path_fault_stays_with_its_request(subject, mode):
     suite(subject, mode)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_an_abort_that_meets_a_send_fault_stays_an_abort(subject, mode):
+    from invariants.test_send_path_faults import (
+        test_an_abort_that_meets_a_send_fault_stays_an_abort as suite,
+    )
+
+    suite(subject, mode)
+
+
 def test_outputs_arrive_as_the_parent_decodes_them(subject):
     """OMNI-WIRE-001 happens: the parent decodes every output as ``OmniEngineCoreOutput``, its
     omni fields at their defaults for a request the step sent nothing for; the registry

@@ -535,4 +535,7 @@ class ChunkTransferAdapter:
         return out
 
     def live_request_ids(self) -> set[str]:
-        return set(self.progress)
+        """Requests this adapter holds anything of: a delivery in progress, or a send-path
+        failure the scheduler has not taken yet (it takes each in the call that recorded it, so
+        one still here after that call is a leak, C-04)."""
+        return self.progress.keys() | self.failures.keys()

@@ -935,6 +935,24 @@ def _final_fault_not_released():
     return _patch(ChunkTransferAdapter, "_release", make)
 
 
+def _abort_fault_left_pending():
+    """C-04/C-61: the failure of an abort's terminal delivery (its processor's final call raised,
+    or the connector refused its EOF) is not taken by the abort that caused it: the scheduler
+    only takes send-path failures inside a step, so the failed request's record outlives its
+    abort until some later step comes, if one ever does."""
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from omni_runtime.sched.scheduler import OmniARScheduler
+
+    def make(orig: Any) -> Any:
+        def finish_requests(self: Any, request_ids: Any, finished_status: Any) -> Any:
+            return Scheduler.finish_requests(self, request_ids, finished_status)
+
+        return finish_requests
+
+    return _patch(OmniARScheduler, "finish_requests", make)
+
+
 def _error_output_replaces_step_outputs():
     """C-61/C-62: the error output of a request failed outside upstream's pass goes into a new,
     empty container, replacing the outputs the other requests emitted in that step (when no
@@ -2000,6 +2018,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "send-path-faults",
         "a processor whose final call raised is never asked to release the request",
         _final_fault_not_released,
+    ),
+    Mutant(
+        "abort_fault_left_pending",
+        "C-04",
+        "abort-faults",
+        "a send-path failure on an abort's EOF is left for a later step to take",
+        _abort_fault_left_pending,
     ),
     Mutant(
         "error_output_replaces_step_outputs",
