@@ -50,6 +50,18 @@ PIPELINES = {
     "token id as text": (_set(0, "stop_token_ids", ["2"]), "stages[0].stop_token_ids"),
     "ray resources not an object": (_set(1, "ray_resources", 2), "stages[1].ray_resources"),
     "ray resources, unknown key": (_set(0, "ray_resources", {"cpus": 1}), "unknown keys"),
+    "processor that does not exist": (
+        _set(0, "chunk_processor", "omni_runtime.sched.processors.NoSuchForwarder"),
+        "stages[0] (thinker).chunk_processor",
+    ),
+    "processor path without a module": (
+        _set(1, "chunk_processor", "CodecTokenStreamer"),
+        "stages[1] (talker).chunk_processor",
+    ),
+    "processor that is not callable": (
+        _set(0, "chunk_processor", "omni_runtime.config.ADDITIONAL_CONFIG_KEY"),
+        "stages[0] (thinker).chunk_processor",
+    ),
 }
 
 

@@ -391,3 +391,24 @@ def test_conditioning_crosses_when_processor_has_nothing_yet():  # C-31
     assert sent[-1].is_final and sent[-1].data.tolist() == [
         token_of("a", p) for p in range(20, 23) if token_of("a", p) < 256
     ]
+
+
+@pytest.mark.parametrize(
+    "path,problem",
+    [
+        ("CodecTokenStreamer", "is not a dotted path"),
+        ("omni_runtime.sched.processors.NoSuchStreamer", "names nothing importable"),
+        ("omni_runtime.no_such_module.Streamer", "names nothing importable"),
+        ("omni_runtime.config.ADDITIONAL_CONFIG_KEY", "is not callable"),
+    ],
+)
+def test_a_processor_path_that_names_nothing_usable_is_refused_by_field(path, problem):
+    """A stage whose ``chunk_processor`` path is mistyped is refused when its scheduler is built,
+    with an error naming the configuration field (not an import error from inside vLLM)."""
+    from dataclasses import replace
+
+    cfg = HarnessConfig(
+        additional_config=stage_additional_config(replace(TALKER, chunk_processor=path))
+    )
+    with pytest.raises((TypeError, ValueError), match=f"omni_stage.chunk_processor: .*{problem}"):
+        build_scheduler(OmniARScheduler, cfg)

@@ -302,6 +302,15 @@ class PipelineConfig:
                 raise fail(where, "a stage fed by an upstream stage needs prompt_embeds_dim")
             if s.downstream and s.chunk_processor is None:
                 raise fail(where, "a stage with a downstream needs a chunk_processor")
+            if s.chunk_processor is not None:
+                # Resolved now, not when the stage's engine starts: a mistyped path is a
+                # mistake in this file, and says so before any stage runs.
+                from omni_runtime.sched.transfer import resolve_processor
+
+                try:
+                    resolve_processor(s.chunk_processor, f"{source}: {where}.chunk_processor")
+                except (TypeError, ValueError) as exc:
+                    raise PipelineConfigError(str(exc)) from None
 
         connectors: dict[str, ConnectorKind] = {}
         for edge, kind in dict(data.get("connectors") or {}).items():

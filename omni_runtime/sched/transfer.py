@@ -124,11 +124,28 @@ def accepts_new_token_ids(processor: ChunkProcessor) -> bool:
     )
 
 
+def resolve_processor(spec: str, field: str = "omni_stage.chunk_processor") -> Any:
+    """What the dotted path ``spec`` names (a processor class, or a callable), without
+    instantiating it. A path that names nothing importable, or nothing callable, is refused with
+    an error that names ``field``: a mistyped path in a stage's configuration must say where it
+    is, not surface as an import error from inside the engine's start-up."""
+    module, _, name = spec.rpartition(".")
+    if not module or not name:
+        raise ValueError(f"{field}: {spec!r} is not a dotted path (package.module.Name)")
+    try:
+        obj = resolve_obj_by_qualname(spec)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{field}: {spec!r} names nothing importable ({exc})") from exc
+    if not callable(obj):
+        raise TypeError(f"{field}: {spec!r} is not callable")
+    return obj
+
+
 def load_processor(spec: str | ChunkProcessor | None) -> ChunkProcessor | None:
     """A processor from a dotted path; a class named there is instantiated with no arguments."""
     if spec is None or callable(spec) and not isinstance(spec, type):
         return spec
-    obj = resolve_obj_by_qualname(spec) if isinstance(spec, str) else spec
+    obj = resolve_processor(spec) if isinstance(spec, str) else spec
     if isinstance(obj, type):
         obj = obj()
     if not callable(obj):
