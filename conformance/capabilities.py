@@ -310,6 +310,12 @@ class RunnerProbes(Protocol):
 
     # Optional: ``failed_requests(output) -> Mapping[str, str]``, the requests the step's output
     # reports as failed by the runner, with their causes (C-54 recovery, C-61).
+    # Optional, together: ``retry_features() -> Sequence[Feature]``, background-materialization
+    # payload features that differ from the default in how often the stage retries a failed
+    # build (its configuration's retry budget), and ``recovery_builds(feature, n) -> int``, how
+    # many builds in all the stage makes for a step of ``n`` requests when every build holding
+    # one of them fails. The recovery property then holds the runner to that number on every
+    # such step: recovery neither gives up before the configured budget nor retries past it.
 
     def reusable_buffers(self, runner: Any) -> Iterable[Any]:
         """Every buffer the runner may overwrite as soon as a step returns (C-52)."""

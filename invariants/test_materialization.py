@@ -29,10 +29,17 @@ What can fail, and why:
   other request of the step the payload an undisturbed inline runner gives it, bit for bit, with
   the same tokens. Recovery that fails the whole step, drops or misplaces a payload, or loses the
   failure is caught.
+* C-54 recovery budget — for a subject that declares how often its stages retry a failed build
+  (``RunnerProbes.retry_features`` and ``recovery_builds``, optional), the same persistent fault
+  under retry budgets other than the default: every step that holds the failing request must
+  cost exactly the builds the subject declares for that budget (counted by the probe, builds
+  deferred to collection so each step's count is its own). A runner that ignores the configured
+  budget, gives up early or retries once more is caught.
 
 Not applicable to a subject without a real worker and runner probes. Positive controls: mutants
 ``background_no_snapshot``, ``builder_error_swallowed``, ``connector_collected_on_builder``,
-``background_build_never_runs``, ``builder_threads_unrecorded``, ``recovery_fails_whole_step``.
+``background_build_never_runs``, ``builder_threads_unrecorded``, ``recovery_fails_whole_step``,
+``background_ignores_step_retries``.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conformance.capabilities import (
+    Feature,
     NotApplicable,
     RunnerProbes,
     cause_naming_problem,
@@ -410,6 +418,68 @@ def test_recovery_reports_a_fault_it_outlasted_as_cleared(conformance_subject):
 
     prop()
     assert total[0] > 0, "the planted build fault never fired"
+
+
+def check_recovery_builds_as_configured(
+    workload: list[Job], victim_index: int, subject: Any, feature: Feature
+) -> int:
+    """Every background build holding one request fails, under ``feature``'s retry budget: each
+    step that holds it must cost exactly ``RunnerProbes.recovery_builds(feature, n)`` builds
+    (C-54). Returns the number of such steps."""
+    probes = probes_of(subject)
+    cfg = worker_harness_config(subject, feature, mode="sync", prefix=True)
+    runner = subject.make_worker(cfg)
+    # Each step's builds run when its output is collected, so a step's count is its own.
+    probes.defer_background_builds(runner)
+    probe = probes.instrument(runner)
+    fail_request = getattr(probe, "fail_request", None)
+    if fail_request is None:
+        probes.shutdown(runner)
+        raise NotApplicable("the subject's probes cannot plant a per-request build fault")
+    victim = f"j{victim_index % len(workload)}"
+    fail_request(victim, PersistentBuildError(f"planted build fault of {victim}"))
+    counted = [0, 0]  # builds so far, steps checked
+
+    def on_step(step: int, sched: Any, so: Any, outs: list[Any]) -> None:
+        (out,) = outs
+        builds, counted[0] = probe.builds - counted[0], probe.builds
+        if probes.payloads(out) is None or victim not in out.req_ids:
+            return
+        n = len(out.req_ids)
+        want = probes.recovery_builds(feature, n)  # type: ignore[attr-defined]
+        assert builds == want, (
+            f"C-54: step {step} ({n} requests, {victim}'s builds always failing) cost {builds} "
+            f"builds under {feature.name}; the stage's retry budget makes that {want}"
+        )
+        counted[1] += 1
+
+    try:
+        drive_runners(workload, cfg, [RunnerExec(runner)], on_step)
+        return counted[1]
+    finally:
+        probes.shutdown(runner)
+
+
+@pytest.mark.clauses("C-54")
+def test_recovery_builds_as_often_as_configured(conformance_subject):
+    """A persistent per-request build fault under each retry budget the subject declares: each
+    step holding the failing request costs exactly the builds that budget allows."""
+    probes = probes_of(conformance_subject)
+    features = getattr(probes, "retry_features", lambda: ())()
+    if not features or not hasattr(probes, "recovery_builds"):
+        raise NotApplicable("the subject's probes declare no retry budgets to hold recovery to")
+    total = [0]
+    for feature in features:
+
+        @suite_settings(max(1, 12 // len(features)))
+        @given(jobs, st.integers(0, 5), st.just(feature))
+        def prop(workload: list[Job], victim: int, budget: Feature) -> None:
+            total[0] += check_recovery_builds_as_configured(
+                workload, victim, conformance_subject, budget
+            )
+
+        prop()
+    assert total[0] > 0, "no step held the request whose builds fail"
 
 
 class AbandonedBuildError(RuntimeError):

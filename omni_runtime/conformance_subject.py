@@ -481,6 +481,26 @@ class OmniRunnerProbes:
     def failed_requests(self, output: Any) -> Mapping[str, str]:
         return dict(getattr(output, "omni_failed", None) or {})
 
+    def retry_features(self) -> tuple[Feature, ...]:
+        # Budgets other than the default (2): a materializer that ignored the stage's setting
+        # would retry as often as with the default, and only another budget shows it.
+        base = self.payload_feature(
+            include_hidden=True, full_prefix=True, materialization="background", multimodal=True
+        )
+        features = []
+        for retries in (0, 1, 3):
+            stage = {**stage_of(base), "step_retries": retries}
+            config = {**base.additional_config, "omni_stage": stage}
+            features.append(Feature(f"{base.name}-retries{retries}", config, use_worker=True))
+        return tuple(features)
+
+    def recovery_builds(self, feature: Feature, n: int) -> int:
+        """The step's own build, ``step_retries`` builds of the whole step again, then each
+        request alone: once for those that build, ``1 + step_retries`` times for the one that
+        keeps failing (``omni_runtime.worker.materialize.recover_build``)."""
+        retries = int(stage_of(feature).get("step_retries", 2))
+        return 1 + retries + (n - 1) + (1 + retries)
+
     def reusable_buffers(self, runner: Any) -> Iterable[Any]:
         return runner.persistent_buffers().values()
 

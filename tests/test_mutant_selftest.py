@@ -371,6 +371,19 @@ def _abort_faults_probe(subject: Any, cfg: settings) -> tuple[BaseException | No
     )(subject, cfg)
 
 
+def _recovery_builds_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
+    """What ``test_recovery_builds_as_often_as_configured`` checks, each declared budget."""
+    from invariants.strategies import jobs
+    from invariants.test_materialization import check_recovery_builds_as_configured, probes_of
+
+    budgets = probes_of(subject).retry_features()  # type: ignore[attr-defined]
+    return _given_probe(
+        st.tuples(jobs, st.integers(0, 5), st.sampled_from(budgets)),
+        lambda v, s: check_recovery_builds_as_configured(v[0], v[1], s, v[2]),
+        lambda v: len(v[0]),
+    )(subject, cfg)
+
+
 def _reset_in_flight_probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
     """What ``invariants/test_chunk_contracts.py::test_rows_survive_a_reset_with_steps_in_flight``
     checks."""
@@ -449,6 +462,7 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     "fault-containment": _fault_containment_probe,
     "send-path-faults": _send_path_faults_probe,
     "abort-faults": _abort_faults_probe,
+    "recovery-builds": _recovery_builds_probe,
     "processor-batching": _batching_probe,
     "stage-inputs-cross": _stage_inputs_probe,
     "staged-aborts": _staged_aborts_probe,

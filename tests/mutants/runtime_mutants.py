@@ -935,6 +935,20 @@ def _final_fault_not_released():
     return _patch(ChunkTransferAdapter, "_release", make)
 
 
+def _background_ignores_step_retries():
+    """C-54: the background materializer is built without the stage's ``step_retries`` and
+    recovers a failed build with its own default budget, whatever the stage configured."""
+    import omni_runtime.worker.runner as runner  # the name the runner builds it through
+
+    def make(orig: Any) -> Any:
+        def make_materializer(mode: str, builder: Any, *, retries: int = 2, stage: str = "?"):
+            return orig(mode, builder, stage=stage)
+
+        return make_materializer
+
+    return _patch(runner, "make_materializer", make)
+
+
 def _abort_fault_left_pending():
     """C-04/C-61: the failure of an abort's terminal delivery (its processor's final call raised,
     or the connector refused its EOF) is not taken by the abort that caused it: the scheduler
@@ -2018,6 +2032,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "send-path-faults",
         "a processor whose final call raised is never asked to release the request",
         _final_fault_not_released,
+    ),
+    Mutant(
+        "background_ignores_step_retries",
+        "C-54",
+        "recovery-builds",
+        "the background materializer recovers with its default retry budget, not the stage's",
+        _background_ignores_step_retries,
     ),
     Mutant(
         "abort_fault_left_pending",
