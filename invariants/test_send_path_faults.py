@@ -10,7 +10,9 @@ then equal the fault-free one). The
 subject's own scheduler runs the workload twice from scratch with the harness's deterministic
 tokens and payload-carrying steps (``PayloadTokenSource``), stepped as vLLM's ``EngineCore``
 steps it, sync and async: once fault-free, once with the fault. Every request has a downstream
-consumer. What the engine's caller receives (``Subject.receive_outputs``) is what is read.
+consumer; the victim comes from a second engine client (for a subject whose engine serves more
+than one), so a step's outputs come back in two containers, its own after its neighbours' when
+one of them is scheduled first. What the engine's caller receives (``Subject.receive_outputs``) is what is read.
 
 With the fault planted:
 
@@ -53,7 +55,9 @@ Positive controls: mutants ``send_fault_fails_neighbours`` (a fault on one reque
 also fails the other requests of that step), ``fault_restarts_chunk_numbering`` (the EOF after a
 fault is numbered from 0 again) and ``final_fault_not_released`` (a processor whose final call
 raised is never asked to release the request), ``connector_fault_swallowed`` (a chunk the
-connector refuses is dropped and its request goes on), ``abort_fault_left_pending`` (the failure
+connector refuses is dropped and its request goes on), ``ended_request_missed_in_second_container``
+(a request failed on its terminal delivery is looked for only up to the first container that
+does not hold it), ``abort_fault_left_pending`` (the failure
 of an abort's EOF is left for a later step to take).
 """
 
@@ -63,7 +67,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from vllm.v1.request import RequestStatus
 
@@ -77,6 +81,7 @@ from conformance.workload import AddRequest
 from invariants.machines import harness_config, suite_settings
 from invariants.outcomes import Outcome
 from invariants.strategies import (
+    EDGE_JOBS,
     PROCESSOR_SHAPES,
     Job,
     PayloadTokenSource,
@@ -97,6 +102,12 @@ MAX_STEPS = 400
 # runtime fails the batch's requests).
 fault_specs = processor_specs_of(
     tuple(shape for shape in PROCESSOR_SHAPES if not shape.startswith("token-updates-batch"))
+)
+
+
+# A plain per-request processor that returns the payload: the shape of the explicit example.
+TWO_CLIENT_SPEC = ProcessorSpec(
+    declaration=True, policy="payload", takes_ids=False, mutate_ids=False
 )
 
 
@@ -170,10 +181,12 @@ def run_workload(
     fault: tuple[str, int] | None,
     sink: FaultingSink | None = None,
     abort: tuple[str, str] | None = None,
+    second_client: str | None = None,
 ) -> Run:
     """Run the workload to the drain. ``abort``: (request, point) — the client aborts that
     request between steps, as vLLM's engine does (``finish_requests`` with
-    ``FINISHED_ABORTED``), at one of ``ABORT_POINTS``, if it is still held there."""
+    ``FINISHED_ABORTED``), at one of ``ABORT_POINTS``, if it is still held there.
+    ``second_client``: the request that comes from engine client 1 (the others from 0)."""
     cause_field = "omni_error"
     containment = getattr(subject, "fault_containment", lambda: None)()
     if containment is not None:
@@ -211,9 +224,19 @@ def run_workload(
         run.held_after_abort = sorted(set(subject.live_omni_ids(scheduler)) & {rid})
         take_chunks()
 
+    # The victim comes from a second engine client (one whose engine serves a single client
+    # gets every request as client 0): a step's outputs then come back in two containers, the
+    # victim's after its neighbours' whenever one of them is scheduled first, and a request
+    # failed on its terminal delivery must be found in whichever container holds it (C-07,
+    # C-61).
+    two_clients = not getattr(subject, "single_engine_client", False)
     for i, (rid, prompt) in enumerate(prompts.items()):
         op = AddRequest(
-            rid, tuple(prompt), max_tokens=limits[rid], trace_headers=client_trace_headers(i, 1)
+            rid,
+            tuple(prompt),
+            max_tokens=limits[rid],
+            trace_headers=client_trace_headers(i, 1),
+            client_index=int(two_clients and rid == second_client),
         )
         admit_request(
             subject, scheduler, subject.make_request(op, prompt, cfg, scheduler, float(i))
@@ -350,10 +373,12 @@ def check_send_fault_stays_with_its_request(
     prompts = {f"s{i}": job_prompt(i, job) for i, job in enumerate(workload)}
     limits = {f"s{i}": job.max_tokens for i, job in enumerate(workload)}
     victim = f"s{victim_index % len(workload)}"
-    clean = run_workload(subject, delivery, cfg, spec, prompts, limits, None)
+    clean = run_workload(subject, delivery, cfg, spec, prompts, limits, None, second_client=victim)
     if isinstance(k, str):
         k = max(0, fault_call(k, len(clean.processor.calls_for(victim))))
-    got = run_workload(subject, delivery, cfg, spec, prompts, limits, (victim, k))
+    got = run_workload(
+        subject, delivery, cfg, spec, prompts, limits, (victim, k), second_client=victim
+    )
     where = f"{spec.describe()}, fault on {victim}'s call {k}"
     outcome_problems(
         subject,
@@ -429,6 +454,10 @@ def test_a_send_path_fault_stays_with_its_request(conformance_subject, mode):
 
         @settings(budget, max_examples=max(1, budget.max_examples // len(FAULT_CALLS)))
         @given(jobs, fault_specs, st.integers(0, 5), st.just(where))
+        # Met first at every position: the second request, from the second client, fails while
+        # the first (client 0) has an output in the same step, so the victim's output comes back
+        # in the second of two containers.
+        @example(list(EDGE_JOBS[0]), TWO_CLIENT_SPEC, 1, where)
         def prop(workload: list[Job], spec: ProcessorSpec, victim: int, call: str) -> None:
             check_send_fault_stays_with_its_request(
                 conformance_subject, workload, spec, victim, call, mode=mode
@@ -458,12 +487,22 @@ def check_connector_fault_stays_with_its_request(
     limits = {f"s{i}": job.max_tokens for i, job in enumerate(workload)}
     victim = f"s{victim_index % len(workload)}"
     clean = run_workload(
-        subject, delivery, cfg, spec, prompts, limits, None, FaultingSink(delivery, None)
+        subject,
+        delivery,
+        cfg,
+        spec,
+        prompts,
+        limits,
+        None,
+        FaultingSink(delivery, None),
+        second_client=victim,
     )
     n = len(clean.chunks.get(victim, []))
     k = {"first": 0, "middle": n // 2, "final": n - 1}[where]
     sink = FaultingSink(delivery, (victim, k))
-    got = run_workload(subject, delivery, cfg, spec, prompts, limits, None, sink)
+    got = run_workload(
+        subject, delivery, cfg, spec, prompts, limits, None, sink, second_client=victim
+    )
     at = f"{spec.describe()}, the connector refusing {victim}'s chunk {k} of {n} ({where})"
     outcome_problems(
         subject,

@@ -921,6 +921,44 @@ def _fault_restarts_chunk_numbering():
     return _patch(ChunkTransferAdapter, "take_failures", make)
 
 
+def _ended_request_missed_in_second_container():
+    """C-61/C-07: a request whose terminal delivery failed is looked for only in the step's
+    containers up to the first one that does not hold it, so when it came from a second engine
+    client, behind a container of the first, its output keeps its finish reason instead of
+    becoming an error."""
+    from omni_runtime.sched.scheduler import OmniARScheduler
+
+    def make(orig: Any) -> Any:
+        def _fail_requests_of(self: Any, failures: Any, outputs: Any = None) -> Any:
+            if not failures or not outputs:
+                return orig(self, failures, outputs)
+            ended = set(failures) - set(self.requests)
+            clients = list(outputs)
+            cut = next(
+                (
+                    i
+                    for i, c in enumerate(clients)
+                    if ended.isdisjoint(o.request_id for o in outputs[c].outputs)
+                ),
+                len(clients),
+            )
+            # What the containers past the cut held for ended requests: left as they were.
+            missed = {
+                c: {o.request_id: o for o in outputs[c].outputs if o.request_id in ended}
+                for c in clients[cut:]
+            }
+            result = orig(self, failures, outputs)
+            for c, kept in missed.items():
+                eco = result.get(c) if result else None
+                if eco is not None and kept:
+                    eco.outputs[:] = [kept.get(o.request_id, o) for o in eco.outputs]
+            return result
+
+        return _fail_requests_of
+
+    return _patch(OmniARScheduler, "_fail_requests_of", make)
+
+
 def _final_fault_not_released():
     """C-61: a processor whose final call for a request raised is never asked to release that
     request, so whatever it buffered for it stays."""
@@ -2025,6 +2063,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "send-path-faults",
         "after a send-path fault the request's EOF is numbered from 0 again",
         _fault_restarts_chunk_numbering,
+    ),
+    Mutant(
+        "ended_request_missed_in_second_container",
+        "C-61",
+        "send-path-faults",
+        "a request failed on its terminal delivery is missed behind another client's container",
+        _ended_request_missed_in_second_container,
     ),
     Mutant(
         "final_fault_not_released",
