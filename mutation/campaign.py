@@ -485,11 +485,30 @@ def state_dir(root: Path, chosen: Slice) -> Path:
     return root / name
 
 
+def merge_verdicts(src: Path, dest: Path) -> None:
+    """Bring the re-check verdicts kept in ``src`` into ``dest`` (both ``recheck-*.json``
+    caches): ``src`` decides, but a kill either holds stands. Two work folders may keep one
+    campaign's state side by side (a long ``thorough`` re-check in one, targeted re-checks in
+    another); a plain copy from either would drop the other's kills."""
+    theirs = json.loads(src.read_text())
+    with open(dest.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        ours = json.loads(dest.read_text()) if dest.is_file() else {}
+        merged = {**ours, **theirs}
+        merged.update({k: v for k, v in ours.items() if v in ("killed", "timeout")})
+        tmp = dest.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
+        tmp.replace(dest)
+
+
 def save_state(work: Path, chosen: Slice, root: Path) -> None:
-    """Copy the campaign's verdicts from the work folder into ``<root>/<slice>/``."""
+    """Copy the campaign's verdicts from the work folder into ``<root>/<slice>/`` (re-check
+    verdicts merged, ``merge_verdicts``)."""
     dest = state_dir(root, chosen)
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in sorted(work.glob("recheck-*.json")):
+        merge_verdicts(f, dest / f.name)
     files = [(work / "campaign.json", dest / "campaign.json")]
-    files += [(f, dest / f.name) for f in sorted(work.glob("recheck-*.json"))]
     files += [(f, dest / f.name) for f in sorted(work.glob("reach-*.json"))]
     files += [(f, dest / f.name) for f in sorted(work.glob("parts-*.json"))]
     files.append((work / "mutants" / _STATS, dest / _STATS))
@@ -1543,6 +1562,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.refresh_suite = False  # done by the rerun
         elif not meta_path.is_file():
             restore(args.work, chosen, None, args.state)
+        else:
+            # The work folder was made earlier: verdicts kept since by another work folder of
+            # the same campaign count here too.
+            for kept in sorted(state_dir(args.state, chosen).glob("recheck-*.json")):
+                merge_verdicts(kept, args.work / kept.name)
         meta = json.loads(meta_path.read_text())
         if meta.get("slice") != args.slice:
             chosen = SLICES[str(meta.get("slice"))]

@@ -235,6 +235,37 @@ def test_verdicts_outlive_the_work_folder(tmp_path: Path) -> None:
         campaign.restore(tmp_path / "three", chosen, None, state)
 
 
+def test_two_work_folders_keep_each_others_kills(tmp_path: Path) -> None:
+    """One campaign's state, two work folders (a long re-check in one, targeted re-checks in the
+    other): saving either keeps the kills the other saved; a survival does not overwrite a kill,
+    a later verdict otherwise replaces an earlier one."""
+    chosen = campaign.SLICES["ci"]
+    state = tmp_path / "state"
+    long, quick = tmp_path / "long", tmp_path / "quick"
+    for work in (long, quick):
+        (work / "mutants").mkdir(parents=True)
+        (work / "campaign.json").write_text("{}")
+    (long / "recheck-thorough.json").write_text(json.dumps({"a": "survived"}))
+    (long / "recheck-ci.json").write_text(json.dumps({"b": "survived", "c": "survived"}))
+    campaign.save_state(long, chosen, state)
+    (quick / "recheck-ci.json").write_text(json.dumps({"b": "killed", "d": "unreached"}))
+    campaign.save_state(quick, chosen, state)
+    # The long re-check saves again after its next verdict, from its older copy.
+    (long / "recheck-ci.json").write_text(json.dumps({"b": "survived", "c": "killed"}))
+    campaign.save_state(long, chosen, state)
+    kept = campaign.state_dir(state, chosen)
+    assert json.loads((kept / "recheck-ci.json").read_text()) == {
+        "b": "killed",
+        "c": "killed",
+        "d": "unreached",
+    }
+    assert json.loads((kept / "recheck-thorough.json").read_text()) == {"a": "survived"}
+    # A report over an existing work folder takes in what the state kept since.
+    for cache in kept.glob("recheck-*.json"):
+        campaign.merge_verdicts(cache, long / cache.name)
+    assert campaign.recheck_kills(long) == {"b", "c"}
+
+
 def _numbered(*statuses: str) -> list:
     """Mutants ``m.f__mutmut_1``, ``_2``, ... of the given mutmut statuses, changing ``-a`` to
     ``+b``, ``-c`` to ``+d``, and so on (their cache keys: ``m.f__mutmut_1 -a | +b``, ...)."""
