@@ -34,7 +34,10 @@ class Difference:
     ``DifferenceEntry``): the field patterns it tolerates, the condition as a predicate on the
     context above and in words, why, the tests that make it happen and the clauses it touches.
     ``documented_at`` names where a third-party runtime documents it, for adapters of runtimes
-    this project did not write."""
+    this project did not write. ``planted_only``: the difference follows from a fault (a
+    processor or connector that raised), so only a run that plants one may meet it; an audited
+    lock-step program that plants none and still has it tolerated reports it (C-61: the
+    subject's own code failed where nothing made it fail, and the entry would have hidden it)."""
 
     id: str
     fields: tuple[str, ...]
@@ -44,6 +47,7 @@ class Difference:
     tests: tuple[str, ...]
     clauses: tuple[str, ...]
     documented_at: tuple[str, ...] = ()
+    planted_only: bool = False
 
 
 @dataclass(frozen=True)

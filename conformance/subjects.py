@@ -85,6 +85,9 @@ class DifferenceEntry(Protocol):
     @property
     def applies(self) -> Callable[[Mapping[str, Any]], bool]: ...
 
+    # Optional: ``planted_only`` (default False), for a difference that only a planted fault
+    # makes: the audited lock-step programs, which plant none, then report every tolerance.
+
 
 @runtime_checkable
 class Subject(Protocol):

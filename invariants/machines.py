@@ -212,9 +212,22 @@ class AuditedLockstep(Lockstep):
                 reference=ref,
             )
         problems += self.ref_problems
+        problems += self.unplanted_fault_problems()
         if check_reference and ref is not None:
             problems += hf_problems(self, ref)
         return problems
+
+    def unplanted_fault_problems(self) -> list[str]:
+        """C-61: differences this program had tolerated by entries that only a planted fault
+        may make (``planted_only``): the audited programs plant none, so the subject's own code
+        failed (a shipped processor that raises, say) and the entry hid it."""
+        planted = {e.id: e for e in self.registry.entries if getattr(e, "planted_only", False)}
+        return [
+            f"C-61: {self.registry.describe(eid)} tolerated {n} difference(s), but this "
+            "program plants no fault: the subject failed a request on its own"
+            for eid, n in sorted(self.tolerated.items())
+            if eid in planted
+        ]
 
     def local_sides(self) -> list[Side]:
         """The sides in this process (the oracle's is elsewhere when it runs isolated)."""

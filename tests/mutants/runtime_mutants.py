@@ -921,6 +921,23 @@ def _fault_restarts_chunk_numbering():
     return _patch(ChunkTransferAdapter, "take_failures", make)
 
 
+def _shipped_processor_raises_at_eof():
+    """C-61: the shipped thinker processor raises on every final call, so every request that
+    reaches its end is failed as though a fault had been planted, and the registry's send-path
+    entry (OMNI-ERR-001) tolerates every difference that makes."""
+    from omni_runtime.sched.processors import HiddenRowsForwarder
+
+    def make(orig: Any) -> Any:
+        def __call__(self: Any, request_id: str, payload: Any, is_final: bool) -> Any:
+            if is_final:
+                raise RuntimeError(f"{request_id}: the forwarder cannot finish")
+            return orig(self, request_id, payload, is_final)
+
+        return __call__
+
+    return _patch(HiddenRowsForwarder, "__call__", make)
+
+
 def _ended_request_missed_in_second_container():
     """C-61/C-07: a request whose terminal delivery failed is looked for only in the step's
     containers up to the first one that does not hold it, so when it came from a second engine
@@ -2063,6 +2080,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "send-path-faults",
         "after a send-path fault the request's EOF is numbered from 0 again",
         _fault_restarts_chunk_numbering,
+    ),
+    Mutant(
+        "shipped_processor_raises_at_eof",
+        "C-61",
+        "lockstep-hidden-inline",
+        "the shipped thinker processor raises on every EOF call, hidden by the send-path entry",
+        _shipped_processor_raises_at_eof,
     ),
     Mutant(
         "ended_request_missed_in_second_container",
