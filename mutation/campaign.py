@@ -64,6 +64,7 @@ import time
 import tomllib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 LEDGER = REPO / "mutation" / "triage.toml"
@@ -485,20 +486,30 @@ def state_dir(root: Path, chosen: Slice) -> Path:
     return root / name
 
 
+def update_json(path: Path, change: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+    """Replace the JSON object in ``path`` (``{}`` when there is none) by ``change`` of it,
+    under a lock beside the file and atomically: the campaign's state files are written by
+    re-checks running side by side, and read by ``git add`` at any moment."""
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        new = change(json.loads(path.read_text()) if path.is_file() else {})
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(new, indent=1, sort_keys=True))
+        tmp.replace(path)
+
+
 def merge_verdicts(src: Path, dest: Path) -> None:
     """Bring the re-check verdicts kept in ``src`` into ``dest`` (both ``recheck-*.json``
     caches): ``src`` decides, but a kill either holds stands. Two work folders may keep one
     campaign's state side by side (a long ``thorough`` re-check in one, targeted re-checks in
     another); a plain copy from either would drop the other's kills."""
     theirs = json.loads(src.read_text())
-    with open(dest.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        ours = json.loads(dest.read_text()) if dest.is_file() else {}
-        merged = {**ours, **theirs}
-        merged.update({k: v for k, v in ours.items() if v in ("killed", "timeout")})
-        tmp = dest.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(merged, indent=1, sort_keys=True))
-        tmp.replace(dest)
+
+    def merged(ours: dict[str, Any]) -> dict[str, Any]:
+        kills = {k: v for k, v in ours.items() if v in ("killed", "timeout")}
+        return {**ours, **theirs, **kills}
+
+    update_json(dest, merged)
 
 
 def save_state(work: Path, chosen: Slice, root: Path) -> None:
@@ -798,14 +809,13 @@ def collect_tests(work: Path) -> set[str]:
 
 def _merge_into(path: Path, cache: dict[str, str]) -> None:
     """Write ``cache`` into ``path`` together with what other re-checks wrote there since it was
-    read (re-checks of disjoint globs may run side by side), atomically."""
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        on_disk = json.loads(path.read_text()) if path.is_file() else {}
+    read (re-checks of disjoint globs may run side by side); ``cache`` takes those in too."""
+
+    def merged(on_disk: dict[str, Any]) -> dict[str, Any]:
         cache.update({k: v for k, v in on_disk.items() if k not in cache})
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(cache, indent=1, sort_keys=True))
-        tmp.replace(path)
+        return cache
+
+    update_json(path, merged)
 
 
 def recheck_kills(work: Path, skip: Path | None = None) -> set[str]:
@@ -836,17 +846,17 @@ def passed_parts(path: Path, suite: str) -> dict[str, list[str]]:
 def record_part(path: Path, suite: str, key: str, tests: Sequence[str] | None) -> None:
     """Add ``tests`` to what the survivor ``key`` passed against ``suite`` (``None``: forget the
     survivor's parts, once its verdict is in the re-check's cache), atomically beside the other
-    re-check running at the same time (as ``_merge_into``)."""
-    with open(path.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        passed = passed_parts(path, suite)
+    re-check running at the same time."""
+
+    def added(kept: dict[str, Any]) -> dict[str, Any]:
+        passed = dict(kept.get("passed", {})) if kept.get("suite") == suite else {}
         if tests is None:
             passed.pop(key, None)
         else:
             passed[key] = sorted({*passed.get(key, ()), *tests})
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"suite": suite, "passed": passed}, indent=1, sort_keys=True))
-        tmp.replace(path)
+        return {"suite": suite, "passed": passed}
+
+    update_json(path, added)
 
 
 def split_parts(tests: Sequence[str], durations: Mapping[str, float]) -> list[list[str]]:
@@ -1245,8 +1255,8 @@ def recheck(
                     _merge_into(cache_path, cache)
                 else:
                     # The parts an earlier run passed with this mutant active are not run again.
-                    done = set(passed.get(key, ()))
-                    left = [t for t in reaching if t not in done]
+                    passed_before = set(passed.get(key, ()))
+                    left = [t for t in reaching if t not in passed_before]
                     jobs.append((m, left, limit(left, reach), True))
             else:
                 # The suite's newer tests first: they were added to kill survivors. Then the
