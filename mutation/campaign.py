@@ -512,6 +512,28 @@ def merge_verdicts(src: Path, dest: Path) -> None:
     update_json(dest, merged)
 
 
+def merge_command(other: Path | None, root: Path, work: Path, chosen: Slice) -> int:
+    """``merge --from STATE``: take in the re-check verdicts another state folder of this
+    campaign kept, into this one (and into the work folder, when there is one). A targeted
+    re-check against a refreshed suite runs in a work folder and state folder of its own
+    (``--work``, ``--state``), because refreshing changes the campaign's record of its suite,
+    which a long re-check in the main work folder still relies on; its kills come back here."""
+    if other is None:
+        print("mutation campaign: merge needs --from STATE", file=sys.stderr)
+        return 2
+    caches = sorted(state_dir(other, chosen).glob("recheck-*.json"))
+    if not caches:
+        print(f"mutation campaign: {state_dir(other, chosen)} keeps no verdicts", file=sys.stderr)
+        return 2
+    dests = [state_dir(root, chosen)] + ([work] if (work / "campaign.json").is_file() else [])
+    for cache in caches:
+        for dest in dests:
+            dest.mkdir(parents=True, exist_ok=True)
+            merge_verdicts(cache, dest / cache.name)
+    print(f"merged {len(caches)} re-check caches from {other} into {', '.join(map(str, dests))}")
+    return 0
+
+
 def save_state(work: Path, chosen: Slice, root: Path) -> None:
     """Copy the campaign's verdicts from the work folder into ``<root>/<slice>/`` (re-check
     verdicts merged, ``merge_verdicts``)."""
@@ -1486,7 +1508,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="mutation/campaign.py", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("command", choices=("run", "resume", "rerun", "report"))
+    parser.add_argument("command", choices=("run", "resume", "rerun", "report", "merge"))
     parser.add_argument("--work", type=Path, default=DEFAULT_WORK, help="work folder")
     parser.add_argument("--slice", choices=sorted(SLICES), default="full")
     parser.add_argument(
@@ -1535,9 +1557,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="report: re-check against the checkout's suite and harness, not the campaign's copy",
     )
     parser.add_argument("--min-score", type=float, default=None, help="exit 1 below this (0..1)")
+    parser.add_argument(
+        "--from",
+        dest="merge_from",
+        type=Path,
+        default=None,
+        metavar="STATE",
+        help="merge: another state folder of this campaign whose re-check verdicts to take in",
+    )
     args = parser.parse_args(argv)
     chosen = SLICES[args.slice]
     recheck_profile = None if args.recheck == "none" else args.recheck
+    if args.command == "merge":
+        return merge_command(args.merge_from, args.state, args.work, chosen)
     try:
         meta_path = args.work / "campaign.json"
         if args.command == "run":

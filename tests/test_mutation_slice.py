@@ -265,6 +265,22 @@ def test_two_work_folders_keep_each_others_kills(tmp_path: Path) -> None:
         campaign.merge_verdicts(cache, long / cache.name)
     assert campaign.recheck_kills(long) == {"b", "c"}
 
+    # A targeted re-check with a state folder of its own: ``merge --from`` brings its kills in.
+    other = tmp_path / "other-state"
+    campaign.state_dir(other, chosen).mkdir(parents=True)
+    (campaign.state_dir(other, chosen) / "recheck-ci.json").write_text(
+        json.dumps({"d": "killed", "e": "survived"})
+    )
+    argv = ["merge", "--slice", "ci", "--state", str(state), "--work", str(tmp_path / "none")]
+    assert campaign.main([*argv, "--from", str(other)]) == 0
+    assert json.loads((kept / "recheck-ci.json").read_text()) == {
+        "b": "killed",
+        "c": "killed",
+        "d": "killed",
+        "e": "survived",
+    }
+    assert campaign.main([*argv, "--from", str(tmp_path / "nothing")]) == 2
+
 
 def _numbered(*statuses: str) -> list:
     """Mutants ``m.f__mutmut_1``, ``_2``, ... of the given mutmut statuses, changing ``-a`` to
