@@ -221,7 +221,7 @@ class AuditedLockstep(Lockstep):
         """C-61: differences this program had tolerated by entries that only a planted fault
         may make (``planted_only``): the audited programs plant none, so the subject's own code
         failed (a shipped processor that raises, say) and the entry hid it."""
-        planted = {e.id: e for e in self.registry.entries if getattr(e, "planted_only", False)}
+        planted = {e.id for e in self.registry.entries if getattr(e, "planted_only", False)}
         return [
             f"C-61: {self.registry.describe(eid)} tolerated {n} difference(s), but this "
             "program plants no fault: the subject failed a request on its own"

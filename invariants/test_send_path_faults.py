@@ -64,7 +64,7 @@ of an abort's EOF is left for a later step to take).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 from hypothesis import example, given, settings
@@ -287,6 +287,50 @@ def processor_delivery(subject: Any) -> ChunkDelivery:
     return delivery
 
 
+class Workload(NamedTuple):
+    """One example's workload as every check here runs it: the subject's processor feature, the
+    requests (``s0``, ``s1``, ...) with their prompts and limits, and the victim."""
+
+    delivery: ChunkDelivery
+    cfg: Any
+    prompts: dict[str, list[int]]
+    limits: dict[str, int]
+    victim: str
+
+
+def workload_of(
+    subject: Any, jobs_: list[Job], victim_index: int, mode: str, *, connector: bool = False
+) -> Workload:
+    """``connector``: the check plants its fault in the connector (``sink_is_connector``)."""
+    delivery = processor_delivery(subject)
+    if connector and not getattr(delivery, "sink_is_connector", True):
+        raise NotApplicable(f"subject {subject.name!r}'s sink is not its stage's connector")
+    feature = delivery.processor_feature
+    assert feature is not None  # ``processor_delivery`` refuses a subject without one
+    return Workload(
+        delivery,
+        harness_config(feature, mode=mode, prefix=True),
+        {f"s{i}": job_prompt(i, job) for i, job in enumerate(jobs_)},
+        {f"s{i}": job.max_tokens for i, job in enumerate(jobs_)},
+        f"s{victim_index % len(jobs_)}",
+    )
+
+
+def check_victim_chunks(got: Run, victim: str, eofs: int, where: str, why: str = "") -> None:
+    """C-43: the victim's chunks are numbered ``0..n-1`` and hold ``eofs`` EOF chunks (0 or 1),
+    the EOF last; ``why`` says what the expectation follows from."""
+    views = sorted(got.chunks.get(victim, []), key=lambda v: v.seq)
+    seqs = [v.seq for v in views]
+    assert seqs == list(range(len(views))), (
+        f"C-43: {victim}'s chunks are numbered {seqs}{why} ({where})"
+    )
+    finals = [v for v in views if v.is_final]
+    assert len(finals) == eofs and (not finals or views[-1].is_final), (
+        f"C-43: {victim} got {len(finals)} EOF chunks of {len(views)}, expected {eofs}{why} "
+        f"({where})"
+    )
+
+
 def outcome_problems(
     subject: Any,
     cfg: Any,
@@ -367,12 +411,7 @@ def check_send_fault_stays_with_its_request(
     """Raise AssertionError on a C-61/C-62/C-43 violation; returns the steps run. ``k``: the
     index of the victim's call that raises, or where it is among the fault-free run's calls
     (``FAULT_CALLS``)."""
-    delivery = processor_delivery(subject)
-    feature = delivery.processor_feature
-    cfg = harness_config(feature, mode=mode, prefix=True)
-    prompts = {f"s{i}": job_prompt(i, job) for i, job in enumerate(workload)}
-    limits = {f"s{i}": job.max_tokens for i, job in enumerate(workload)}
-    victim = f"s{victim_index % len(workload)}"
+    delivery, cfg, prompts, limits, victim = workload_of(subject, workload, victim_index, mode)
     clean = run_workload(subject, delivery, cfg, spec, prompts, limits, None, second_client=victim)
     if isinstance(k, str):
         k = max(0, fault_call(k, len(clean.processor.calls_for(victim))))
@@ -414,14 +453,7 @@ def check_send_fault_stays_with_its_request(
             f"C-61: the processor was asked to release {got.processor.released} (fault-free "
             f"run: {clean.processor.released}), expected {want} ({where})"
         )
-    views = sorted(got.chunks.get(victim, []), key=lambda v: v.seq)
-    finals = [v for v in views if v.is_final]
-    assert len(finals) == 1 and views[-1].is_final, (
-        f"C-43: {victim} got {len(finals)} EOF chunks of {len(views)} ({where})"
-    )
-    assert [v.seq for v in views] == list(range(len(views))), (
-        f"C-43: {victim}'s chunks are numbered {[v.seq for v in views]} ({where})"
-    )
+    check_victim_chunks(got, victim, 1, where)
     # Every EOF that says why its request ended says what the request's terminal output said:
     # the victim's "error" too, when its own terminal delivery was the call that raised (C-43).
     required = bool(getattr(delivery, "eof_reasons", False))
@@ -478,14 +510,9 @@ def check_connector_fault_stays_with_its_request(
     """The connector (``ChunkDelivery.install_sink``) refuses one chunk of the victim: its first,
     a middle one or its EOF (``where``), by position among the victim's chunks in the fault-free
     run. Raise AssertionError on a C-61/C-62/C-43 violation; returns the steps run."""
-    delivery = processor_delivery(subject)
-    feature = delivery.processor_feature
-    if not getattr(delivery, "sink_is_connector", True):
-        raise NotApplicable(f"subject {subject.name!r}'s sink is not its stage's connector")
-    cfg = harness_config(feature, mode=mode, prefix=True)
-    prompts = {f"s{i}": job_prompt(i, job) for i, job in enumerate(workload)}
-    limits = {f"s{i}": job.max_tokens for i, job in enumerate(workload)}
-    victim = f"s{victim_index % len(workload)}"
+    delivery, cfg, prompts, limits, victim = workload_of(
+        subject, workload, victim_index, mode, connector=True
+    )
     clean = run_workload(
         subject,
         delivery,
@@ -515,20 +542,12 @@ def check_connector_fault_stays_with_its_request(
         at,
         "the connector refused its chunk",
     )
-    # The victim's chunks: in order, the EOF last, exactly one unless the connector refused the
-    # EOF itself (then none: the stage sent it, the connector failed to carry it) (C-43).
-    views = sorted(got.chunks.get(victim, []), key=lambda v: v.seq)
-    seqs = [v.seq for v in views]
-    assert seqs == list(range(len(views))), (
-        f"C-43: {victim}'s chunks are numbered {seqs}: a refused chunk was delivered to nobody, "
-        f"so the next takes its number ({at})"
-    )
+    # The victim's chunks: in order (a refused chunk was delivered to nobody, so the next takes
+    # its number), the EOF last, exactly one unless the connector refused the EOF itself (then
+    # none: the stage sent it, the connector failed to carry it) (C-43).
     refused_eof = bool(sink.refused) and delivery.view(sink.refused[0]).is_final
-    finals = [v for v in views if v.is_final]
-    assert len(finals) == (0 if refused_eof else 1) and (not finals or views[-1].is_final), (
-        f"C-43: {victim} got {len(finals)} EOF chunks of {len(views)}, the connector having "
-        f"refused {'its EOF' if refused_eof else 'another chunk'} ({at})"
-    )
+    why = f", the connector having refused {'its EOF' if refused_eof else 'another chunk'}"
+    check_victim_chunks(got, victim, 0 if refused_eof else 1, at, why)
     return clean.steps + got.steps
 
 
@@ -576,16 +595,12 @@ def check_abort_meets_a_send_fault(
 ) -> int:
     """The client aborts the victim between steps (``point``, one of ``ABORT_POINTS``), and the
     send path fails on the abort's own terminal delivery (``path``, one of ``ABORT_FAULTS``).
-    Raise AssertionError on a C-61/C-43/C-04 violation; returns the steps run."""
-    delivery = processor_delivery(subject)
-    feature = delivery.processor_feature
+    Raise AssertionError on a C-61/C-43/C-04 violation; returns the steps run, 0 when the victim
+    ended before the abort point (nothing met the fault)."""
     connector = path == "connector"
-    if connector and not getattr(delivery, "sink_is_connector", True):
-        raise NotApplicable(f"subject {subject.name!r}'s sink is not its stage's connector")
-    cfg = harness_config(feature, mode=mode, prefix=True)
-    prompts = {f"s{i}": job_prompt(i, job) for i, job in enumerate(workload)}
-    limits = {f"s{i}": job.max_tokens for i, job in enumerate(workload)}
-    victim = f"s{victim_index % len(workload)}"
+    delivery, cfg, prompts, limits, victim = workload_of(
+        subject, workload, victim_index, mode, connector=connector
+    )
     abort = (victim, point)
 
     def sink(fault: tuple[str, int] | None) -> FaultingSink | None:
@@ -597,7 +612,7 @@ def check_abort_meets_a_send_fault(
         f"C-04: the abort of {victim} returned with {clean.held_after_abort} still held ({where})"
     )
     if not clean.aborted:
-        return clean.steps  # the victim ended before the abort point: nothing met the fault
+        return 0  # the victim ended before the abort point: nothing met the fault
     # The runs agree up to the abort, so its delivery is the victim's last call and last chunk
     # in the fault-free run.
     last_call = len(clean.processor.calls_for(victim)) - 1
@@ -627,20 +642,13 @@ def check_abort_meets_a_send_fault(
         f"C-04: the abort of {victim} met a send-path fault and returned with "
         f"{got.held_after_abort} still held by the subject ({where})"
     )
-    views = sorted(got.chunks.get(victim, []), key=lambda v: v.seq)
-    assert [v.seq for v in views] == list(range(len(views))), (
-        f"C-43: {victim}'s chunks are numbered {[v.seq for v in views]} ({where})"
-    )
-    finals = [v for v in views if v.is_final]
     # A processor fault on the final call still sends the EOF, bare; a refused EOF reached
     # nobody (C-43); a subject whose caller ends an aborted request downstream itself sends
     # none for it (``ChunkDelivery.abort_eof`` False, C-46).
     want = 0 if connector and fired or not getattr(delivery, "abort_eof", True) else 1
-    assert len(finals) == want and (not finals or views[-1].is_final), (
-        f"C-43: {victim} got {len(finals)} EOF chunks of {len(views)}, expected {want} ({where})"
-    )
+    check_victim_chunks(got, victim, want, where)
     # The request ended by the client's abort, not by the fault: an EOF that says why says so.
-    for eof in finals:
+    for eof in (v for v in got.chunks.get(victim, []) if v.is_final):
         assert eof.finish_reason is None or str(eof.finish_reason) == "abort", (
             f"C-43: {victim} was aborted, yet its EOF says {str(eof.finish_reason)!r} ({where})"
         )
@@ -666,13 +674,17 @@ def test_an_abort_that_meets_a_send_fault_stays_an_abort(conformance_subject, mo
     paths = ABORT_FAULTS if getattr(delivery, "sink_is_connector", True) else ("processor",)
     budget = suite_settings(10)
     runs = [(point, path) for point in ABORT_POINTS for path in paths]
+    met: dict[tuple[str, str], int] = dict.fromkeys(runs, 0)  # steps run that met the fault
     for point, path in runs:
 
         @settings(budget, max_examples=max(1, budget.max_examples // len(runs)))
         @given(jobs, fault_specs, st.integers(0, 5), st.just(point), st.just(path))
-        def prop(workload: list[Job], spec: ProcessorSpec, victim: int, at: str, fails: str):
-            check_abort_meets_a_send_fault(
+        def prop(
+            workload: list[Job], spec: ProcessorSpec, victim: int, at: str, fails: str
+        ) -> None:
+            met[at, fails] += check_abort_meets_a_send_fault(
                 conformance_subject, workload, spec, victim, at, fails, mode=mode
             )
 
         prop()
+        assert met[point, path] > 0, f"no example aborted its victim {point} ({path} fault)"

@@ -858,11 +858,15 @@ def parts_path(work: Path, profile: str) -> Path:
     return work / f"parts-{profile}.json"
 
 
-def passed_parts(path: Path, suite: str) -> dict[str, list[str]]:
-    """The tests each survivor (by key) passed in earlier parts of a re-check against ``suite``;
-    parts passed against another suite count for nothing."""
-    kept = json.loads(path.read_text()) if path.is_file() else {}
+def _passed_against(kept: Mapping[str, Any], suite: str) -> dict[str, list[str]]:
+    """A parts file's passed tests by survivor, when it was kept against ``suite``: parts
+    passed against another suite count for nothing."""
     return dict(kept.get("passed", {})) if kept.get("suite") == suite else {}
+
+
+def passed_parts(path: Path, suite: str) -> dict[str, list[str]]:
+    """The tests each survivor (by key) passed in earlier parts of a re-check against ``suite``."""
+    return _passed_against(json.loads(path.read_text()) if path.is_file() else {}, suite)
 
 
 def record_part(path: Path, suite: str, key: str, tests: Sequence[str] | None) -> None:
@@ -871,7 +875,7 @@ def record_part(path: Path, suite: str, key: str, tests: Sequence[str] | None) -
     re-check running at the same time."""
 
     def added(kept: dict[str, Any]) -> dict[str, Any]:
-        passed = dict(kept.get("passed", {})) if kept.get("suite") == suite else {}
+        passed = _passed_against(kept, suite)
         if tests is None:
             passed.pop(key, None)
         else:
@@ -1224,7 +1228,9 @@ def recheck(
     # spares the slow profile's run for every mutant it kills.
     killed_elsewhere = recheck_kills(work, skip=cache_path)
     sources: dict[str, str] = {}
-    # (mutant, tests, timeout, run in parts): a full re-check through the reach runs in parts.
+    # (mutant, tests, timeout, run in parts): a full re-check of a survivor whose statement the
+    # reach located runs in parts; every other job (targeted, quick, or over mutmut's covering
+    # tests with the wall-clock timeout) runs whole.
     jobs: list[tuple[Mutant, list[str], float, bool]] = []
     parts_file = parts_path(work, profile)
     passed = passed_parts(parts_file, reach.suite) if reach is not None else {}
@@ -1568,6 +1574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     chosen = SLICES[args.slice]
     recheck_profile = None if args.recheck == "none" else args.recheck
+    recheck_tests = tuple(t for t in args.recheck_tests.split(",") if t)
     if args.command == "merge":
         return merge_command(args.merge_from, args.state, args.work, chosen)
     try:
@@ -1616,9 +1623,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             refresh_suite(args.work)
             # A re-check through the reach needs no clean run of its own: the reach run is one,
             # and the tests it saw fail unmutated are never run against a mutant.
-            if recheck_profile and args.recheck_tests:
-                named = tuple(t for t in args.recheck_tests.split(",") if t)
-                clean_run(args.work, recheck_profile, named)
+            if recheck_profile and recheck_tests:
+                clean_run(args.work, recheck_profile, recheck_tests)
             meta["suite_refreshed_from"] = git_head()
             meta_path.write_text(json.dumps(meta, indent=1))
         only = args.recheck_only or ""
@@ -1634,7 +1640,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             recheck_profile,
             args.recheck_timeout,
             args.recheck_only,
-            tuple(t for t in args.recheck_tests.split(",") if t),
+            recheck_tests,
             args.recheck_quick,
             keep=lambda: save_state(args.work, chosen, args.state),
         )
