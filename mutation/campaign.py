@@ -67,6 +67,11 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
+# The campaign's sibling modules, whether it runs as a script or is loaded by path (its tests).
+if str(REPO / "mutation") not in sys.path:
+    sys.path.insert(0, str(REPO / "mutation"))
+import infection  # noqa: E402  (after the path it is found on)
+
 LEDGER = REPO / "mutation" / "triage.toml"
 STATE = REPO / "mutation" / "state"
 DEFAULT_WORK = REPO / "mutation-work"
@@ -544,6 +549,7 @@ def save_state(work: Path, chosen: Slice, root: Path) -> None:
     files = [(work / "campaign.json", dest / "campaign.json")]
     files += [(f, dest / f.name) for f in sorted(work.glob("reach-*.json"))]
     files += [(f, dest / f.name) for f in sorted(work.glob("parts-*.json"))]
+    files += [(f, dest / f.name) for f in sorted(work.glob("infection-*.json"))]
     files.append((work / "mutants" / _STATS, dest / _STATS))
     files += [
         (work / "mutants" / f"{t.path}.meta", dest / "meta" / f"{t.path}.meta")
@@ -597,7 +603,8 @@ def restore(work: Path, chosen: Slice, rev: str | None, root: Path) -> None:
         )
     profile = str(meta.get("profile", "ci"))
     prepare(work, chosen, profile, commit)
-    for f in [*src.glob("recheck-*.json"), *src.glob("reach-*.json"), *src.glob("parts-*.json")]:
+    kept = ("recheck", "reach", "parts", "infection")
+    for f in [g for name in kept for g in src.glob(f"{name}-*.json")]:
         shutil.copyfile(f, work / f.name)
     if (src / _STATS).is_file():
         shutil.copyfile(src / _STATS, work / "mutants" / _STATS)
@@ -1176,6 +1183,172 @@ def mutated_lines(source: str, mutant: str) -> tuple[int, ...] | None:
     return tuple(sorted(found))
 
 
+# ---- infection: which reaching test makes a survivor's mutated code compute otherwise ---------
+
+INFECTION_PLUGIN = REPO / "mutation" / "infection_plugin.py"
+
+
+@dataclasses.dataclass
+class Infection:
+    """Per survivor, the tests of the work folder's suite in which its mutated code, probed in
+    the unmutated run under one profile and the pinned seed, ever computed something other than
+    the unmutated code (``mutation/infection.py``). A test outside that set executes the same
+    code with the same state as the mutant's run would, so it passes with the mutant: the
+    re-check runs only the others.
+
+    ``mutants``: by mutant key, ``{"probe": kind or None, "infected": [tests], "passed":
+    [tests]}``: the tests it was infected in, and those of its run that passed. A test named
+    ``""`` is an infection outside any test (a stage process between tests), which narrows
+    nothing; a test that did not pass in the mutant's run (or was not in it) is never left out.
+    ``tests``: what each test did in the runs so far (``passed``, ``failed``, ``skipped``)."""
+
+    profile: str
+    suite: str
+    seconds: float
+    tests: dict[str, str]
+    mutants: dict[str, dict[str, Any]]
+
+    def narrow(self, key: str, reaching: Sequence[str]) -> list[str] | None:
+        """The tests of ``reaching`` that ``key``'s mutant must still run, in their order; None
+        when its infection was not measured (or could not be probed): then all of them."""
+        record = self.mutants.get(key)
+        if record is None or record.get("probe") is None:
+            return None
+        infected, passed = set(record["infected"]), set(record["passed"])
+        if "" in infected:
+            return None
+        return [t for t in reaching if t in infected or t not in passed]
+
+
+def infection_path(work: Path, profile: str) -> Path:
+    return work / f"infection-{profile}.json"
+
+
+def load_infection(work: Path, profile: str, suite: str) -> Infection | None:
+    path = infection_path(work, profile)
+    if not path.is_file():
+        return None
+    kept = Infection(**json.loads(path.read_text()))
+    return kept if kept.suite == suite else None
+
+
+def measure_infection(
+    work: Path, profile: str, suite: str, plan: Mapping[str, list[str]], names: Mapping[str, str]
+) -> Infection:
+    """One run, with no mutant active, of the tests in ``plan`` (mutant key -> the tests that
+    reach it) under ``profile``, in a copy of the work folder's tree whose unmutated functions
+    carry the probes of those mutants (``names``: key -> mangled name)."""
+    root = (work / "infection").resolve()
+    shutil.rmtree(root, ignore_errors=True)
+    shutil.copytree(
+        work / "mutants", root / "mutants", ignore=shutil.ignore_patterns("__pycache__")
+    )
+    probes: dict[str, str | None] = {}
+    by_file: dict[str, list[str]] = {}
+    for key in plan:
+        module, function = names[key].rsplit(".", 1)
+        by_file.setdefault(module.replace(".", "/") + ".py", []).append(function)
+    found: dict[str, infection.Probe | None] = {}
+    for path, functions in by_file.items():
+        target = root / "mutants" / path
+        text, plans = infection.instrument_source(target.read_text(), functions)
+        target.write_text(text)
+        found.update(plans)
+    for key in plan:
+        probe = found.get(names[key].rsplit(".", 1)[1])
+        probes[key] = probe.kind if probe is not None else None
+    shutil.copyfile(INFECTION_PLUGIN, root / "mutants" / INFECTION_PLUGIN.name)
+    hits = root / "hits"
+    hits.mkdir()
+    tests = sorted({t for key, ts in plan.items() if probes[key] is not None for t in ts})
+    seconds = 0.0
+    if tests:
+        env = (
+            campaign_env(work)
+            | {"MUTANT_UNDER_TEST": "", "OMNI_INFECTION_DIR": str(hits)}
+            | pinned_hypothesis(str(root / "examples"))
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            INFECTION_PLUGIN.stem,
+            "-n",
+            "2",
+            *pytest_args(profile),
+            *PINNED_SEED,
+            "-rf",
+            *tests,
+        ]
+        cmd.remove("-x")  # every test's infections, not the first failure's
+        print(
+            f"probing {sum(p is not None for p in probes.values())} survivors' infections under "
+            f"{profile} ({len(tests)} tests, one run)",
+            flush=True,
+        )
+        start = time.monotonic()
+        proc = subprocess.run(cmd, cwd=root / "mutants", env=env, capture_output=True, text=True)
+        seconds = time.monotonic() - start
+        if proc.returncode not in (0, 1):
+            tail = "\n".join(proc.stdout.splitlines()[-15:])
+            raise CampaignError(
+                f"the infection run under {profile} broke (exit {proc.returncode}):\n{tail}"
+            )
+    ran: dict[str, str] = {}
+    for f in sorted(hits.glob("ran.*.json")):
+        for test, outcome in json.loads(f.read_text()).items():
+            if ran.get(test) != "failed":
+                ran[test] = outcome
+    infected: dict[str, set[str]] = {}
+    for f in sorted(hits.glob("hits.*.tsv")):
+        for line in f.read_text().splitlines():
+            name, _, test = line.partition("\t")
+            infected.setdefault(name, set()).add(test)
+    return Infection(
+        profile,
+        suite,
+        seconds,
+        ran,
+        {
+            key: {
+                "probe": probes[key],
+                "infected": sorted(infected.get(names[key].rsplit(".", 1)[1], ())),
+                "passed": sorted(t for t in plan[key] if ran.get(t) == "passed"),
+            }
+            for key in plan
+        },
+    )
+
+
+def infection_for(
+    work: Path, profile: str, suite: str, plan: Mapping[str, list[str]], names: Mapping[str, str]
+) -> Infection:
+    """The kept infection of the work folder's suite under ``profile``, measured first for the
+    mutants of ``plan`` it lacks (one run for all of them) and kept with the rest."""
+    kept = load_infection(work, profile, suite)
+    missing = {k: v for k, v in plan.items() if kept is None or k not in kept.mutants}
+    if not missing:
+        assert kept is not None
+        return kept
+    new = measure_infection(work, profile, suite, missing, names)
+
+    def merged(on_disk: dict[str, Any]) -> dict[str, Any]:
+        if on_disk.get("suite") != suite:
+            on_disk = {}
+        tests = {**on_disk.get("tests", {}), **new.tests}
+        return dataclasses.asdict(new) | {
+            "seconds": float(on_disk.get("seconds", 0.0)) + new.seconds,
+            "tests": tests,
+            "mutants": {**on_disk.get("mutants", {}), **new.mutants},
+        }
+
+    update_json(infection_path(work, profile), merged)
+    result = load_infection(work, profile, suite)
+    assert result is not None
+    return result
+
+
 def recheck(
     work: Path,
     mutants: list[Mutant],
@@ -1187,6 +1360,7 @@ def recheck(
     workers: int = 2,
     quick: float | None = None,
     keep: Callable[[], None] | None = None,
+    infect: bool = False,
 ) -> None:
     """Run each survivor the ledger does not explain, each timeout, and each mutant no test
     called when the campaign recorded its coverage, again under ``profile``. Results are kept in
@@ -1210,6 +1384,11 @@ def recheck(
     against the suite of its day, and a property added since (often a quick one) may kill it:
     this finds those kills for the cost of the quick tests, where a full re-check of a survivor
     that the lock-step machines reach costs every one of them.
+
+    ``infect`` (with ``reach``): before the full re-checks, one run of the suite probes where
+    their mutated code would compute otherwise (``Infection``, kept per suite); each survivor
+    then runs only the reaching tests it was infected in, and one infected in none is
+    ``uninfected`` without a run.
 
     ``keep`` runs after every verdict: the campaign's state in the checkout is brought up to
     date then (``save_state``), so a re-check that outlasts its session loses at most the
@@ -1235,6 +1414,7 @@ def recheck(
     parts_file = parts_path(work, profile)
     passed = passed_parts(parts_file, reach.suite) if reach is not None else {}
     keep_lock = threading.Lock()  # parts finish on the pool's threads
+    full: dict[str, tuple[Mutant, list[str]]] = {}  # full re-checks through the reach
 
     def reached_by(m: Mutant, reach: Reach) -> tuple[set[str], list[str]] | None:
         """Every test that executed ``m``'s mutated statement, and those of them that pass
@@ -1282,10 +1462,7 @@ def recheck(
                     cache[key] = "unreached"  # no test executes the statement: nothing to run
                     _merge_into(cache_path, cache)
                 else:
-                    # The parts an earlier run passed with this mutant active are not run again.
-                    passed_before = set(passed.get(key, ()))
-                    left = [t for t in reaching if t not in passed_before]
-                    jobs.append((m, left, limit(left, reach), True))
+                    full[key] = (m, reaching)
             else:
                 # The suite's newer tests first: they were added to kill survivors. Then the
                 # covering tests quickest first (by the campaign's timings): the run stops at the
@@ -1297,6 +1474,30 @@ def recheck(
                     jobs.append((m, tests, timeout, False))
         if key in cache:
             m.recheck = cache[key]
+
+    probed = None
+    if full and infect and reach is not None:
+        probed = infection_for(
+            work,
+            profile,
+            reach.suite,
+            {key: reaching for key, (_, reaching) in full.items()},
+            {key: m.name for key, (m, _) in full.items()},
+        )
+        if keep is not None:
+            keep()  # the infection run cost about a suite run: kept before any re-check
+    for key, (m, reaching) in full.items():
+        assert reach is not None
+        narrowed = probed.narrow(key, reaching) if probed is not None else None
+        if narrowed == []:
+            # No reaching test ever computed otherwise at the mutated code: nothing to run.
+            cache[key] = m.recheck = "uninfected"
+            _merge_into(cache_path, cache)
+            continue
+        # The parts an earlier run passed with this mutant active are not run again.
+        passed_before = set(passed.get(key, ()))
+        left = [t for t in (reaching if narrowed is None else narrowed) if t not in passed_before]
+        jobs.append((m, left, limit(left, reach), True))
 
     def run(job: tuple[Mutant, list[str], float, bool]) -> tuple[Mutant, int | None]:
         m, tests, timeout, parted = job
@@ -1336,7 +1537,7 @@ def recheck(
         key = m.key
         if m.recheck is None and key in cache:
             m.recheck = cache[key]
-        if m.recheck in (None, "survived", "unreached") and key in killed_elsewhere:
+        if m.recheck in (None, "survived", "unreached", "uninfected") and key in killed_elsewhere:
             m.recheck = "killed"
 
 
@@ -1384,6 +1585,10 @@ def score(row: dict[str, int]) -> float:
 
 
 UNREACHED = "; no test executes the mutated statement under the re-check's profile"
+UNINFECTED = (
+    "; no test that executes it computes anything otherwise there under the re-check's profile"
+)
+NOTES = {"unreached": UNREACHED, "uninfected": UNINFECTED}
 
 
 def render(
@@ -1430,8 +1635,7 @@ def render(
     if left:
         lines += ["", "## Not killed", ""]
         lines += [
-            f"- `{m.name}` ({m.final}{UNREACHED if m.recheck == 'unreached' else ''}): "
-            f"`{' / '.join(m.change)}`"
+            f"- `{m.name}` ({m.final}{NOTES.get(m.recheck or '', '')}): `{' / '.join(m.change)}`"
             for m in left
         ]
     if left_out:
@@ -1453,6 +1657,7 @@ def report(
     recheck_tests: Sequence[str] = (),
     recheck_quick: float | None = None,
     keep: Callable[[], None] | None = None,
+    infect: bool = True,
 ) -> tuple[str, float]:
     mutants = load_results(work, chosen.targets)
     wanted = [m.name for m in mutants if m.status in RECHECKED]
@@ -1487,6 +1692,7 @@ def report(
             reach,
             quick=recheck_quick,
             keep=keep,
+            infect=infect,
         )
     else:
         kept_verdicts(work, mutants)
@@ -1561,6 +1767,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--refresh-suite",
         action="store_true",
         help="report: re-check against the checkout's suite and harness, not the campaign's copy",
+    )
+    parser.add_argument(
+        "--no-infection",
+        action="store_true",
+        help="run each survivor's full re-check against every test that reaches it, without "
+        "first probing in which of them its mutated code computes otherwise",
     )
     parser.add_argument("--min-score", type=float, default=None, help="exit 1 below this (0..1)")
     parser.add_argument(
@@ -1643,6 +1855,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             recheck_tests,
             args.recheck_quick,
             keep=lambda: save_state(args.work, chosen, args.state),
+            infect=not args.no_infection,
         )
         save_state(args.work, chosen, args.state)
     except CampaignError as exc:

@@ -10,12 +10,14 @@ state kept in the checkout that lets a campaign outlive its work folder.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -665,3 +667,298 @@ def test_a_full_recheck_keeps_the_parts_it_passed(
     # Parts passed against another suite are not taken for this one's.
     campaign.record_part(parts, "abc", "k", ["t::a"])
     assert campaign.passed_parts(parts, "refreshed") == {}
+
+
+# ---- infection: in which reaching test a mutant's code computes otherwise ----------------------
+
+_PROBED_SOURCE = '''
+"""Doc."""
+
+from __future__ import annotations
+
+
+def x_g__mutmut_orig(items, limit=3, flag=False):
+    total = 0
+    for x in items:
+        if x is None or x > 100 and flag:
+            continue
+        total = max(total, x, key=None)
+    return sorted([total], reverse=flag)
+
+
+def x_g__mutmut_1(items, limit=3, flag=False):
+    total = 0
+    for x in items:
+        if x is None or x > 100 or flag:
+            continue
+        total = max(total, x, key=None)
+    return sorted([total], reverse=flag)
+
+
+def x_g__mutmut_2(items, limit=3, flag=False):
+    total = 0
+    for x in items:
+        if x is None or x > 100 and flag:
+            continue
+        total = max(total, x, key=None)
+    return sorted([total], reverse=None)
+
+
+def x_g__mutmut_3(items, limit=3, flag=False):
+    total = 0
+    for x in items:
+        if x is None or x > 100 and flag:
+            continue
+        total = max(total, x, )
+    return sorted([total], reverse=flag)
+
+
+def x_g__mutmut_4(items, limit=3, flag=False):
+    total = 0
+    for x in items:
+        if x is None or x > 100 and flag:
+            break
+        total = max(total, x, key=None)
+    return sorted([total], reverse=flag)
+
+
+def x_g__mutmut_5(items, limit=4, flag=False):
+    total = 0
+    for x in items:
+        if x is None or x > 100 and flag:
+            continue
+        total = max(total, x, key=None)
+    return sorted([total], reverse=flag)
+'''
+
+
+def _probed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Any], Path]:
+    """The instrumented module's namespace, its probes' hits going to a folder of ``tmp_path``."""
+    names = [f"x_g__mutmut_{n}" for n in range(1, 6)]
+    text, plans = campaign.infection.instrument_source(_PROBED_SOURCE, names)
+    assert {n: p.kind if p else None for n, p in plans.items()} == {
+        "x_g__mutmut_1": "truth",  # inside an ``if`` condition with no side effect
+        "x_g__mutmut_2": "value",  # a pure expression replaced (``None``)
+        "x_g__mutmut_3": "call",  # an argument dropped
+        "x_g__mutmut_4": "statement",  # ``continue`` became ``break``
+        "x_g__mutmut_5": None,  # a default in the signature: no probe
+    }
+    hits = tmp_path / "hits"
+    hits.mkdir()
+    monkeypatch.setenv("OMNI_INFECTION_DIR", str(hits))
+    monkeypatch.setenv("OMNI_INFECTION_CONTEXT", "t::one")
+    namespace: dict[str, Any] = {}
+    exec(compile(text, "probed.py", "exec"), namespace)
+    return namespace, hits
+
+
+def _hits(hits: Path) -> set[str]:
+    plugin = sys.modules[campaign.infection.PLUGIN_MODULE]
+    plugin._seen.clear()  # the next call starts a fresh record, as a new test would
+    found = {
+        line.split("\t")[0] for f in hits.glob("hits.*.tsv") for line in f.read_text().split("\n")
+    } - {""}
+    for f in hits.glob("hits.*.tsv"):
+        f.unlink()
+    return found
+
+
+def test_probes_observe_each_kind_of_mutation_without_changing_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An instrumented function returns what the unmutated one returns, and records a mutant
+    only where its code would compute otherwise: a condition whose truth flips (not merely a
+    term that changes), a value that differs, arguments that bind otherwise (a dropped one whose
+    default is the value passed binds the same), a statement that executes."""
+    namespace, hits = _probed(tmp_path, monkeypatch)
+    g, mutant_1 = namespace["x_g__mutmut_orig"], namespace["x_g__mutmut_1"]
+    # ``reverse=None`` and ``reverse=False`` are both falsy, but not the same value. ``max`` is
+    # a builtin whose signature Python cannot read: its argument lists are compared as written,
+    # so dropping ``key=None`` counts wherever the call runs.
+    assert g([1, 2]) == [2]
+    assert _hits(hits) == {"x_g__mutmut_2", "x_g__mutmut_3"}
+    # ``x > 100 or flag`` differs from ``x > 100 and flag`` only for a small x with the flag set.
+    assert g([1, 2], flag=True) == [2] and mutant_1([1, 2], flag=True) == [0]
+    assert _hits(hits) == {"x_g__mutmut_1", "x_g__mutmut_2", "x_g__mutmut_3"}
+    # ``None`` skipped: the ``continue`` executes.
+    assert g([None, 5]) == [5]
+    assert _hits(hits) == {"x_g__mutmut_2", "x_g__mutmut_3", "x_g__mutmut_4"}
+    # A falsy flag that is not a bool: the condition's truth does not flip, the value does.
+    assert g([3], flag=0) == [3]
+    assert _hits(hits) == {"x_g__mutmut_2", "x_g__mutmut_3"}
+    # No element: no condition, no call, no statement; only the value at the return.
+    assert g([]) == [0]
+    assert _hits(hits) == {"x_g__mutmut_2"}
+
+
+def test_a_dropped_argument_equal_to_its_default_binds_the_same(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    source = """
+def helper(a, b=False):
+    return (a, b)
+
+
+def x_h__mutmut_orig(a, b):
+    return helper(a, b)
+
+
+def x_h__mutmut_1(a, b):
+    return helper(a, )
+"""
+    text, plans = campaign.infection.instrument_source(source, ["x_h__mutmut_1"])
+    assert plans["x_h__mutmut_1"] is not None and plans["x_h__mutmut_1"].kind == "call"
+    hits = tmp_path / "hits"
+    hits.mkdir()
+    monkeypatch.setenv("OMNI_INFECTION_DIR", str(hits))
+    namespace: dict[str, Any] = {}
+    exec(compile(text, "probed.py", "exec"), namespace)
+    h = namespace["x_h__mutmut_orig"]
+    assert h(1, False) == (1, False)
+    assert _hits(hits) == set()
+    assert h(1, True) == (1, True)
+    assert _hits(hits) == {"x_h__mutmut_1"}
+    assert h(1, 0) == (1, 0)  # 0 is not the default False: another value, though as falsy
+    assert _hits(hits) == {"x_h__mutmut_1"}
+
+
+_INFECTED_MODULE = '''
+"""A module as mutmut's tree holds it: the unmutated function and a mutant of it."""
+
+from __future__ import annotations
+
+import multiprocessing
+
+
+def x_scale__mutmut_orig(x, factor):
+    if x > 10 and factor:
+        return x * 2
+    return x
+
+
+def x_scale__mutmut_1(x, factor):
+    if x > 10 or factor:
+        return x * 2
+    return x
+
+
+def scale(x, factor):
+    return x_scale__mutmut_orig(x, factor)
+
+
+def in_child(x):
+    scale(x, True)
+
+
+def fork_and_scale(x):
+    child = multiprocessing.get_context("fork").Process(target=in_child, args=(x,))
+    child.start()
+    child.join()
+    return child.exitcode
+'''
+
+_INFECTING_TESTS = """
+import pytest
+
+from omni_runtime import infected
+
+
+@pytest.mark.invariants
+def test_same_truth():
+    assert infected.scale(20, True) == 40 and infected.scale(3, False) == 3
+
+
+@pytest.mark.invariants
+def test_flips_in_process():
+    assert infected.scale(3, True) == 3
+
+
+@pytest.mark.invariants
+def test_flips_in_a_child():
+    assert infected.fork_and_scale(3) == 0
+"""
+
+
+def test_the_infection_run_names_the_tests_a_mutant_is_infected_in(tmp_path: Path) -> None:
+    """One run with no mutant active, probes in place, names per mutant the tests in which its
+    code computed otherwise, in the test's process and in one the test forked; the re-check
+    then runs only those (and any test that did not pass in that run)."""
+    mutants = tmp_path / "mutants"
+    (mutants / "omni_runtime").mkdir(parents=True)
+    (mutants / "omni_runtime" / "__init__.py").write_text("")
+    (mutants / "omni_runtime" / "infected.py").write_text(_INFECTED_MODULE)
+    (mutants / "invariants").mkdir()
+    (mutants / "invariants" / "test_infecting.py").write_text(_INFECTING_TESTS)
+    here = "invariants/test_infecting.py::"
+    tests = [
+        here + t for t in ("test_same_truth", "test_flips_in_process", "test_flips_in_a_child")
+    ]
+    key = "omni_runtime.infected.x_scale__mutmut_1 -and | +or"
+    names = {key: "omni_runtime.infected.x_scale__mutmut_1"}
+    found = campaign.infection_for(tmp_path, "smoke", "abc", {key: tests}, names)
+    assert found.mutants[key] == {
+        "probe": "truth",
+        "infected": sorted(tests[1:]),
+        "passed": sorted(tests),
+    }
+    assert found.narrow(key, tests) == tests[1:]
+    assert found.narrow("another", tests) is None  # not measured: every reaching test runs
+    # A test the run did not pass, or did not run, is never left out.
+    assert found.narrow(key, [here + "test_new", *tests]) == [here + "test_new", *tests[1:]]
+    # Kept per suite in the work folder: asked again, nothing runs.
+    kept = campaign.load_infection(tmp_path, "smoke", "abc")
+    assert kept == found and campaign.load_infection(tmp_path, "smoke", "other") is None
+    # The run leaves the work folder's own tree as it was.
+    assert (mutants / "omni_runtime" / "infected.py").read_text() == _INFECTED_MODULE
+
+
+def test_a_full_recheck_runs_only_the_tests_a_survivor_is_infected_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``infect``, a full re-check through the reach runs each survivor's infected tests
+    only; one infected in none is ``uninfected`` without a run and stays a survivor; one whose
+    infection could not be probed, or was met outside any test, runs every reaching test."""
+    mutants = tmp_path / "mutants"
+    (mutants / "omni_runtime").mkdir(parents=True)
+    (mutants / "omni_runtime" / "m.py").write_text(_MUTANTS_SOURCE)
+    stats = {"tests_by_mangled_function_name": {}, "duration_by_test": {}}
+    (mutants / "mutmut-stats.json").write_text(json.dumps(stats))
+    tests = ["t::a", "t::b", "t::c"]
+    durations = {"t::a": 1.0, "t::b": 2.0, "t::c": 3.0}
+    lines = {"omni_runtime/m.py": {n: [0, 1, 2] for n in range(1, 31)}}
+    reach = campaign.Reach("thorough", "abc", 1.0, tests, durations, lines)
+    m = [
+        campaign.Mutant(f"omni_runtime.m.x_f__mutmut_{n}", "m", "survived", (f"-{n}", "+n"))
+        for n in (1, 2, 3, 4)
+    ]
+    record = {"probe": "value", "passed": tests}
+    kept = campaign.Infection(
+        "thorough",
+        "abc",
+        5.0,
+        dict.fromkeys(tests, "passed"),
+        {
+            m[0].key: record | {"infected": ["t::b"]},
+            m[1].key: record | {"infected": []},
+            m[2].key: record | {"infected": ["", "t::a"]},
+            m[3].key: record | {"probe": None, "infected": []},
+        },
+    )
+    campaign.infection_path(tmp_path, "thorough").write_text(json.dumps(dataclasses.asdict(kept)))
+    ran: list[tuple[str, list[str]]] = []
+
+    def run_tests(work: Path, mutant: str, profile: str, tests: list[str], timeout: float):
+        ran.append((mutant, list(tests)))
+        return 0
+
+    monkeypatch.setattr(campaign, "run_tests", run_tests)
+    campaign.recheck(tmp_path, m, "thorough", 10.0, reach=reach, workers=1, infect=True)
+    assert sorted(ran) == [(m[0].name, ["t::b"]), (m[2].name, tests), (m[3].name, tests)]
+    assert [x.recheck for x in m] == ["survived", "uninfected", "survived", "survived"]
+    assert m[1].final == "survived"
+    assert "computes anything otherwise" in campaign.render(m, [], {})
+    # Without ``infect`` every reaching test runs, as before.
+    ran.clear()
+    (tmp_path / "recheck-thorough.json").unlink()
+    campaign.recheck(tmp_path, m[:1], "thorough", 10.0, reach=reach, workers=1)
+    assert ran == [(m[0].name, tests)]
