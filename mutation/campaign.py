@@ -1233,11 +1233,24 @@ def load_infection(work: Path, profile: str, suite: str) -> Infection | None:
 
 
 def measure_infection(
-    work: Path, profile: str, suite: str, plan: Mapping[str, list[str]], names: Mapping[str, str]
+    work: Path,
+    profile: str,
+    suite: str,
+    plan: Mapping[str, list[str]],
+    names: Mapping[str, str],
+    controls: Mapping[str, list[str]] | None = None,
 ) -> Infection:
     """One run, with no mutant active, of the tests in ``plan`` (mutant key -> the tests that
     reach it) under ``profile``, in a copy of the work folder's tree whose unmutated functions
-    carry the probes of those mutants (``names``: key -> mangled name)."""
+    carry the probes of those mutants (``names``: key -> mangled name).
+
+    ``controls``: mutants a re-check under ``profile`` killed, with the tests that reach them,
+    probed in the same run as positive controls: a kill needs a test in which the mutated code
+    computed otherwise, so each control whose reaching tests all ran must be infected in one.
+    One that is not means the probes miss infections, and narrowing by them would drop tests
+    that kill: the run is refused."""
+    controls = dict(controls or {})
+    plan = {**controls, **plan}
     root = (work / "infection").resolve()
     shutil.rmtree(root, ignore_errors=True)
     shutil.copytree(
@@ -1260,7 +1273,9 @@ def measure_infection(
     shutil.copyfile(INFECTION_PLUGIN, root / "mutants" / INFECTION_PLUGIN.name)
     hits = root / "hits"
     hits.mkdir()
-    tests = sorted({t for key, ts in plan.items() if probes[key] is not None for t in ts})
+    tests = sorted(
+        {t for key, ts in plan.items() if key not in controls and probes[key] for t in ts}
+    )
     seconds = 0.0
     if tests:
         env = (
@@ -1305,6 +1320,14 @@ def measure_infection(
         for line in f.read_text().splitlines():
             name, _, test = line.partition("\t")
             infected.setdefault(name, set()).add(test)
+    found_in = {key: sorted(infected.get(names[key].rsplit(".", 1)[1], ())) for key in plan}
+    for key, reaching in controls.items():
+        if probes[key] and reaching and set(reaching) <= set(tests) and not found_in[key]:
+            raise CampaignError(
+                f"the infection probes missed {names[key]}: a re-check under {profile} killed "
+                f"it, yet no probe ({probes[key]}) saw its code compute otherwise in any of the "
+                f"{len(reaching)} tests that reach it; narrowing by them would drop killing tests"
+            )
     return Infection(
         profile,
         suite,
@@ -1313,25 +1336,32 @@ def measure_infection(
         {
             key: {
                 "probe": probes[key],
-                "infected": sorted(infected.get(names[key].rsplit(".", 1)[1], ())),
+                "infected": found_in[key],
                 "passed": sorted(t for t in plan[key] if ran.get(t) == "passed"),
             }
+            | ({"control": True} if key in controls else {})
             for key in plan
         },
     )
 
 
 def infection_for(
-    work: Path, profile: str, suite: str, plan: Mapping[str, list[str]], names: Mapping[str, str]
+    work: Path,
+    profile: str,
+    suite: str,
+    plan: Mapping[str, list[str]],
+    names: Mapping[str, str],
+    controls: Mapping[str, list[str]] | None = None,
 ) -> Infection:
     """The kept infection of the work folder's suite under ``profile``, measured first for the
-    mutants of ``plan`` it lacks (one run for all of them) and kept with the rest."""
+    mutants of ``plan`` it lacks (one run for all of them, with ``controls``,
+    ``measure_infection``) and kept with the rest."""
     kept = load_infection(work, profile, suite)
     missing = {k: v for k, v in plan.items() if kept is None or k not in kept.mutants}
     if not missing:
         assert kept is not None
         return kept
-    new = measure_infection(work, profile, suite, missing, names)
+    new = measure_infection(work, profile, suite, missing, names, controls)
 
     def merged(on_disk: dict[str, Any]) -> dict[str, Any]:
         if on_disk.get("suite") != suite:
@@ -1477,12 +1507,19 @@ def recheck(
 
     probed = None
     if full and infect and reach is not None:
+        # The kills this profile's re-checks made are the probes' positive controls.
+        killed = {
+            m.key: hit[1]
+            for m in mutants
+            if cache.get(m.key) in ("killed", "timeout") and (hit := reached_by(m, reach))
+        }
         probed = infection_for(
             work,
             profile,
             reach.suite,
             {key: reaching for key, (_, reaching) in full.items()},
-            {key: m.name for key, (m, _) in full.items()},
+            {key: m.name for m in mutants for key in (m.key,) if key in full or key in killed},
+            killed,
         )
         if keep is not None:
             keep()  # the infection run cost about a suite run: kept before any re-check

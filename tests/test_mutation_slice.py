@@ -842,6 +842,18 @@ def x_scale__mutmut_1(x, factor):
     return x
 
 
+def x_scale__mutmut_2(x, factor):
+    if x > 10 and factor:
+        return x * 3
+    return x
+
+
+def x_scale__mutmut_3(x, factor):
+    if x > 11 and factor:
+        return x * 2
+    return x
+
+
 def scale(x, factor):
     return x_scale__mutmut_orig(x, factor)
 
@@ -910,6 +922,23 @@ def test_the_infection_run_names_the_tests_a_mutant_is_infected_in(tmp_path: Pat
     assert kept == found and campaign.load_infection(tmp_path, "smoke", "other") is None
     # The run leaves the work folder's own tree as it was.
     assert (mutants / "omni_runtime" / "infected.py").read_text() == _INFECTED_MODULE
+
+    # Kills are the probes' positive controls: one that no probe saw infected in any test that
+    # reaches it (here a mutant that could not have been killed, passed off as a kill) refuses
+    # the run; a real one passes and is kept as a control.
+    base = "omni_runtime.infected.x_scale__mutmut_"
+    control = {f"{base}2 -2 | +3": f"{base}2"}
+    missed = {f"{base}3 -10 | +11": f"{base}3"}
+    plan = {key: tests}
+    measured = campaign.measure_infection(
+        tmp_path, "smoke", "abc", plan, names | control, dict.fromkeys(control, tests)
+    )
+    assert measured.mutants[f"{base}2 -2 | +3"]["infected"] == [tests[0]]
+    assert measured.mutants[f"{base}2 -2 | +3"]["control"] is True
+    with pytest.raises(campaign.CampaignError, match="probes missed .*x_scale__mutmut_3"):
+        campaign.measure_infection(
+            tmp_path, "smoke", "abc", plan, names | missed, dict.fromkeys(missed, tests)
+        )
 
 
 def test_a_full_recheck_runs_only_the_tests_a_survivor_is_infected_in(
