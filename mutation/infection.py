@@ -36,9 +36,10 @@ coarsest, chosen per mutant by ``plan_probe``:
 
 A mutation in the signature (a default value) gets no probe: its survivor runs every reaching
 test, as before. "Without side effects" is judged from the syntax: names, constants, attribute
-and item reads, operators, displays and the calls ``isinstance``, ``callable``, ``len``,
-``type``, ``bool`` and ``hasattr``; attribute reads are taken not to change state, as the
-runtime's properties do not. The probe runtime and its pytest plugin are
+reads, operators, displays and the calls ``isinstance``, ``callable``, ``len``, ``type``,
+``bool`` and ``hasattr``; attribute reads are taken not to change state, as the runtime's
+properties do not. Item reads are not in the list: a ``defaultdict`` adds the key it is asked
+for. The probe runtime and its pytest plugin are
 ``mutation/infection_plugin.py``.
 """
 
@@ -56,7 +57,6 @@ _PURE_NODES = (
     ast.Name,
     ast.Constant,
     ast.Attribute,
-    ast.Subscript,
     ast.Compare,
     ast.BoolOp,
     ast.UnaryOp,
@@ -127,11 +127,11 @@ def _differences(a: ast.AST, b: ast.AST, path: Path, out: list[Path]) -> None:
             for i, (x, y) in enumerate(zip(va, vb, strict=True)):
                 if isinstance(x, ast.AST) and isinstance(y, ast.AST):
                     _differences(x, y, (*path, (field, i)), out)
-                elif x != y:
+                elif type(x) is not type(y) or x != y:
                     out.append(path)
         elif isinstance(va, ast.AST) and isinstance(vb, ast.AST):
             _differences(va, vb, (*path, (field, None)), out)
-        elif va != vb:
+        elif type(va) is not type(vb) or va != vb:  # ``1 == True``, yet another constant
             out.append(path)
 
 
