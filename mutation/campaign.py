@@ -1035,40 +1035,68 @@ def measure_reach(work: Path, profile: str, suite: str) -> Reach:
             ]
         )
     )
-    shutil.copyfile(REACH_PLUGIN, work / "mutants" / REACH_PLUGIN.name)
-    env = (
-        campaign_env(work)
-        | {"MUTANT_UNDER_TEST": "", "OMNI_REACH_RCFILE": str(rcfile)}
-        | pinned_hypothesis(str(out / "examples"))
+    print(f"measuring which test reaches which line under {profile} (one suite run)", flush=True)
+    failing, seconds = observed_run(
+        work,
+        work / "mutants",
+        REACH_PLUGIN,
+        profile,
+        ["invariants", PROCESS_STAGE_TESTS],
+        {"OMNI_REACH_RCFILE": str(rcfile)},
+        out / "examples",
+        "reach",
     )
+    reach = read_reach(out / "data", work / "mutants", profile, suite, seconds)
+    reach.failing = failing
+    return reach
+
+
+def observed_run(
+    work: Path,
+    tree: Path,
+    plugin: Path,
+    profile: str,
+    targets: Sequence[str],
+    env: Mapping[str, str],
+    examples: Path,
+    what: str,
+) -> tuple[list[str], float]:
+    """One pytest in ``tree`` (the work folder's ``mutants/`` or a probed copy of it) over
+    ``targets`` with no mutant active and ``plugin`` (copied into ``tree``) observing it:
+    under ``profile`` and the pinned seed, two workers, every test run (no stop at the first
+    failure). Returns the tests that failed and the wall clock; a run that broke (not a test
+    failure) raises, naming ``what`` run it was."""
+    shutil.copyfile(plugin, tree / plugin.name)
     cmd = [
         sys.executable,
         "-m",
         "pytest",
         "-p",
-        REACH_PLUGIN.stem,
+        plugin.stem,
         "-n",
         "2",
         *pytest_args(profile),
         *PINNED_SEED,
         "-rf",
-        "invariants",
-        PROCESS_STAGE_TESTS,
+        *targets,
     ]
-    cmd.remove("-x")  # every test's reach, not the first failure's
-    print(f"measuring which test reaches which line under {profile} (one suite run)", flush=True)
+    cmd.remove("-x")
+    full_env = (
+        campaign_env(work)
+        | {"MUTANT_UNDER_TEST": ""}
+        | dict(env)
+        | pinned_hypothesis(str(examples))
+    )
     start = time.monotonic()
-    proc = subprocess.run(cmd, cwd=work / "mutants", env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=tree, env=full_env, capture_output=True, text=True)
     seconds = time.monotonic() - start
     failing = failed_tests(proc.stdout)
     if proc.returncode not in (0, 1) or (proc.returncode == 1 and not failing):
         tail = "\n".join(proc.stdout.splitlines()[-15:])
         raise CampaignError(
-            f"the reach run under {profile} broke (exit {proc.returncode}):\n{tail}"
+            f"the {what} run under {profile} broke (exit {proc.returncode}):\n{tail}"
         )
-    reach = read_reach(out / "data", work / "mutants", profile, suite, seconds)
-    reach.failing = failing
-    return reach
+    return failing, seconds
 
 
 def failed_tests(output: str) -> list[str]:
@@ -1270,7 +1298,6 @@ def measure_infection(
     for key in plan:
         probe = found.get(names[key].rsplit(".", 1)[1])
         probes[key] = probe.kind if probe is not None else None
-    shutil.copyfile(INFECTION_PLUGIN, root / "mutants" / INFECTION_PLUGIN.name)
     hits = root / "hits"
     hits.mkdir()
     tests = sorted(
@@ -1278,38 +1305,23 @@ def measure_infection(
     )
     seconds = 0.0
     if tests:
-        env = (
-            campaign_env(work)
-            | {"MUTANT_UNDER_TEST": "", "OMNI_INFECTION_DIR": str(hits)}
-            | pinned_hypothesis(str(root / "examples"))
-        )
-        cmd = [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-p",
-            INFECTION_PLUGIN.stem,
-            "-n",
-            "2",
-            *pytest_args(profile),
-            *PINNED_SEED,
-            "-rf",
-            *tests,
-        ]
-        cmd.remove("-x")  # every test's infections, not the first failure's
+        probed = [key for key, kind in probes.items() if kind is not None]
         print(
-            f"probing {sum(p is not None for p in probes.values())} survivors' infections under "
-            f"{profile} ({len(tests)} tests, one run)",
+            f"probing the infections of {sum(k not in controls for k in probed)} survivors and "
+            f"{sum(k in controls for k in probed)} kills (controls) under {profile} "
+            f"({len(tests)} tests, one run)",
             flush=True,
         )
-        start = time.monotonic()
-        proc = subprocess.run(cmd, cwd=root / "mutants", env=env, capture_output=True, text=True)
-        seconds = time.monotonic() - start
-        if proc.returncode not in (0, 1):
-            tail = "\n".join(proc.stdout.splitlines()[-15:])
-            raise CampaignError(
-                f"the infection run under {profile} broke (exit {proc.returncode}):\n{tail}"
-            )
+        _, seconds = observed_run(
+            work,
+            root / "mutants",
+            INFECTION_PLUGIN,
+            profile,
+            tests,
+            {"OMNI_INFECTION_DIR": str(hits)},
+            root / "examples",
+            "infection",
+        )
     ran: dict[str, str] = {}
     for f in sorted(hits.glob("ran.*.json")):
         for test, outcome in json.loads(f.read_text()).items():
