@@ -747,6 +747,31 @@ def load_ledger(path: Path = LEDGER) -> list[dict[str, object]]:
     return list(entries)
 
 
+def load_guards(mutants: Sequence[Mutant], path: Path = LEDGER) -> dict[str, str]:
+    """The infection guards of the ledger's ``[[guard]]`` entries (``function``, ``change``,
+    ``when``, ``reason``), by the key of the mutant each matches, as the equivalents match."""
+    try:
+        entries = tomllib.loads(path.read_text()).get("guard", [])
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise CampaignError(f"{path}: {exc}") from exc
+    found: dict[str, str] = {}
+    for i, entry in enumerate(entries):
+        for key in ("function", "change", "when", "reason"):
+            if not entry.get(key):
+                raise CampaignError(f"{path}: guard entry {i + 1} has no {key!r}")
+        try:
+            compile(str(entry["when"]), str(path), "eval")
+        except SyntaxError as exc:
+            raise CampaignError(
+                f"{path}: guard entry {i + 1}: 'when' is no expression: {exc}"
+            ) from exc
+        change = tuple(str(c) for c in entry["change"])
+        for m in mutants:
+            if m.function == entry["function"] and m.change == change:
+                found[m.key] = str(entry["when"])
+    return found
+
+
 def apply_ledger(mutants: list[Mutant], ledger: list[dict[str, object]]) -> list[dict[str, object]]:
     """Mark ledger matches equivalent; return the entries that matched no mutant (stale)."""
     used: set[int] = set()
@@ -1267,6 +1292,7 @@ def measure_infection(
     plan: Mapping[str, list[str]],
     names: Mapping[str, str],
     controls: Mapping[str, list[str]] | None = None,
+    guards: Mapping[str, str] | None = None,
 ) -> Infection:
     """One run, with no mutant active, of the tests in ``plan`` (mutant key -> the tests that
     reach it) under ``profile``, in a copy of the work folder's tree whose unmutated functions
@@ -1276,8 +1302,10 @@ def measure_infection(
     probed in the same run as positive controls: a kill needs a test in which the mutated code
     computed otherwise, so each control whose reaching tests all ran must be infected in one.
     One that is not means the probes miss infections, and narrowing by them would drop tests
-    that kill: the run is refused."""
+    that kill: the run is refused. ``guards``: by mutant key, the ledger's guard of a survivor
+    (``load_guards``); a control is never guarded."""
     controls = dict(controls or {})
+    guards = {k: v for k, v in (guards or {}).items() if k in plan and k not in controls}
     plan = {**controls, **plan}
     root = (work / "infection").resolve()
     shutil.rmtree(root, ignore_errors=True)
@@ -1292,7 +1320,8 @@ def measure_infection(
     found: dict[str, infection.Probe | None] = {}
     for path, functions in by_file.items():
         target = root / "mutants" / path
-        text, plans = infection.instrument_source(target.read_text(), functions)
+        by_name = {names[k].rsplit(".", 1)[1]: when for k, when in guards.items()}
+        text, plans = infection.instrument_source(target.read_text(), functions, by_name)
         target.write_text(text)
         found.update(plans)
     for key in plan:
@@ -1352,6 +1381,7 @@ def measure_infection(
                 "passed": sorted(t for t in plan[key] if ran.get(t) == "passed"),
             }
             | ({"control": True} if key in controls else {})
+            | ({"guard": guards[key]} if key in guards else {})
             for key in plan
         },
     )
@@ -1364,16 +1394,22 @@ def infection_for(
     plan: Mapping[str, list[str]],
     names: Mapping[str, str],
     controls: Mapping[str, list[str]] | None = None,
+    guards: Mapping[str, str] | None = None,
 ) -> Infection:
     """The kept infection of the work folder's suite under ``profile``, measured first for the
-    mutants of ``plan`` it lacks (one run for all of them, with ``controls``,
-    ``measure_infection``) and kept with the rest."""
+    mutants of ``plan`` it lacks, or holds under another guard (one run for all of them, with
+    ``controls`` and ``guards``, ``measure_infection``), and kept with the rest."""
+    guards = guards or {}
     kept = load_infection(work, profile, suite)
-    missing = {k: v for k, v in plan.items() if kept is None or k not in kept.mutants}
+    missing = {
+        k: v
+        for k, v in plan.items()
+        if kept is None or k not in kept.mutants or kept.mutants[k].get("guard") != guards.get(k)
+    }
     if not missing:
         assert kept is not None
         return kept
-    new = measure_infection(work, profile, suite, missing, names, controls)
+    new = measure_infection(work, profile, suite, missing, names, controls, guards)
 
     def merged(on_disk: dict[str, Any]) -> dict[str, Any]:
         if on_disk.get("suite") != suite:
@@ -1532,6 +1568,7 @@ def recheck(
             {key: reaching for key, (_, reaching) in full.items()},
             {key: m.name for m in mutants for key in (m.key,) if key in full or key in killed},
             killed,
+            load_guards(mutants),
         )
         if keep is not None:
             keep()  # the infection run cost about a suite run: kept before any re-check

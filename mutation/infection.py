@@ -34,6 +34,12 @@ coarsest, chosen per mutant by ``plan_probe``:
 * ``statement``: anything else inside the body (a statement replaced, say ``continue`` by
   ``break``). Infected whenever the statement executes: the reach's own criterion, per test.
 
+A probe may carry a guard: the triage ledger's ``[[guard]]`` entry for a survivor gives an
+expression, evaluated in the function's scope where the probe sees a difference, that is false
+where the difference provably cannot matter (a flipped branch whose body is a no-op in the state
+at hand, a value stored and overwritten before any read), with the reason. The infection run
+then checks the argument's premise under the re-check's profile instead of taking it on trust.
+
 A mutation in the signature (a default value) gets no probe: its survivor runs every reaching
 test, as before. "Without side effects" is judged from the syntax: names, constants, attribute
 reads, operators, displays and the calls ``isinstance``, ``callable``, ``len``, ``type``,
@@ -48,7 +54,7 @@ from __future__ import annotations
 import ast
 import copy
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 
 PLUGIN_MODULE = "infection_plugin"  # imported by instrumented modules under this name
 _ALIAS = "_omni_infection"  # one leading underscore: not mangled inside class bodies
@@ -306,8 +312,17 @@ def _call_spec(orig_call: ast.Call, mut_call: ast.Call) -> ast.Lambda:
 def instrument(
     orig: ast.FunctionDef | ast.AsyncFunctionDef,
     probes: Sequence[tuple[Probe, ast.FunctionDef | ast.AsyncFunctionDef]],
+    guards: Mapping[str, str] | None = None,
 ) -> ast.FunctionDef | ast.AsyncFunctionDef:
-    """A copy of ``orig`` with every probe in place (each with its mutant's definition)."""
+    """A copy of ``orig`` with every probe in place (each with its mutant's definition, and
+    the mutant's guard from ``guards`` when it has one: an expression, in the function's scope
+    at the probe, false where the difference cannot matter)."""
+    guards = guards or {}
+
+    def guard(probe: Probe) -> list[ast.expr]:
+        text = guards.get(probe.mutant)
+        return [_lambda(ast.parse(text, mode="eval").body)] if text else []
+
     fn = copy.deepcopy(orig)
     # Each probe's target is found by path in the pristine copy, then replaced by identity: a
     # wrapper keeps the node it wraps, so probes on the same or nested nodes compose.
@@ -321,7 +336,7 @@ def instrument(
         other = copy.deepcopy(node_at(mutant, probe.path))
         if probe.kind in ("truth", "value"):
             assert isinstance(node, ast.expr) and isinstance(other, ast.expr)
-            wrapper = _probe_call(probe.kind, name, node, _lambda(other))
+            wrapper = _probe_call(probe.kind, name, node, _lambda(other), *guard(probe))
         else:
             assert isinstance(node, ast.Call) and isinstance(other, ast.Call)
             wrapper = _probe_call(
@@ -333,10 +348,11 @@ def instrument(
                     [ast.Constant(k.arg) for k in node.keywords], [k.value for k in node.keywords]
                 ),
                 _call_spec(node, other),
+                *guard(probe),
             )
         _replace(fn, node, wrapper)
     for probe, node in statements:
-        hit = ast.Expr(_probe_call("hit", ast.Constant(probe.mutant)))
+        hit = ast.Expr(_probe_call("hit", ast.Constant(probe.mutant), *guard(probe)))
         for parent in ast.walk(fn):
             for _field, value in ast.iter_fields(parent):
                 if isinstance(value, list) and any(item is node for item in value):
@@ -349,10 +365,13 @@ def instrument(
     return fn
 
 
-def instrument_source(source: str, mutants: Sequence[str]) -> tuple[str, dict[str, Probe | None]]:
+def instrument_source(
+    source: str, mutants: Sequence[str], guards: Mapping[str, str] | None = None
+) -> tuple[str, dict[str, Probe | None]]:
     """``source`` (a file of mutmut's ``mutants/`` tree) with the unmutated functions of
     ``mutants`` (mangled names) instrumented, and each mutant's probe (None: none possible,
-    or the mutant is not in this file)."""
+    or the mutant is not in this file). ``guards``: by mangled name, the guard of a mutant
+    (``instrument``)."""
     tree = ast.parse(source)
     fns = functions(tree)
     plans: dict[str, Probe | None] = {}
@@ -372,7 +391,7 @@ def instrument_source(source: str, mutants: Sequence[str]) -> tuple[str, dict[st
         orig = fns[orig_name]
         start = min([orig.lineno, *(d.lineno for d in orig.decorator_list)]) - 1
         indent = " " * orig.col_offset
-        text = ast.unparse(instrument(orig, by_function[orig_name]))
+        text = ast.unparse(instrument(orig, by_function[orig_name], guards))
         lines[start : orig.end_lineno] = [
             indent + line + "\n" if line else "\n" for line in text.splitlines()
         ]

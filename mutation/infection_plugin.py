@@ -2,7 +2,7 @@
 
 Instrumented modules (``mutation/infection.py``) call ``truth``, ``value``, ``call`` and ``hit``
 at their mutants' spots; each returns what the unmutated code computes there and records, once
-per mutant and test, an infection: a line ``mutant<TAB>test`` in a file of its process under
+per mutant and test, an infection (unless the mutant's guard excuses it): a line ``mutant<TAB>test`` in a file of its process under
 ``OMNI_INFECTION_DIR``. Loaded as a plugin (``-p infection_plugin``), it names the running test
 in ``OMNI_INFECTION_CONTEXT`` around each test, so a process the test starts (a stage engine)
 labels its infections with that test too; an infection outside any test is recorded with an
@@ -54,25 +54,40 @@ def same(a: Any, b: Any) -> bool:
     return False
 
 
-def truth(mutant: str, value: Any, other: Callable[[], Any]) -> Any:
+def _guarded(mutant: str, when: Callable[[], Any] | None) -> None:
+    """Record an infection the probe saw, unless the mutant's guard (a triage ledger entry's
+    ``when``) says the difference cannot matter here. A guard that raises does not excuse."""
+    try:
+        excused = when is not None and not when()
+    except Exception:
+        excused = False
+    if not excused:
+        _record(mutant)
+
+
+def truth(
+    mutant: str, value: Any, other: Callable[[], Any], when: Callable[[], Any] | None = None
+) -> Any:
     """A condition: infected when the mutant's condition has another truth (or raises)."""
     try:
         infected = bool(value) != bool(other())
     except Exception:
         infected = True
     if infected:
-        _record(mutant)
+        _guarded(mutant, when)
     return value
 
 
-def value(mutant: str, value: Any, other: Callable[[], Any]) -> Any:
+def value(
+    mutant: str, value: Any, other: Callable[[], Any], when: Callable[[], Any] | None = None
+) -> Any:
     """An expression: infected when the mutant's expression has another value (or raises)."""
     try:
         infected = not same(value, other())
     except Exception:
         infected = True
     if infected:
-        _record(mutant)
+        _guarded(mutant, when)
     return value
 
 
@@ -82,6 +97,7 @@ def call(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     other: Callable[[tuple[Any, ...], dict[str, Any]], tuple[tuple[Any, ...], dict[str, Any]]],
+    when: Callable[[], Any] | None = None,
 ) -> Any:
     """A call: infected when the mutant's arguments bind to ``func``'s parameters otherwise
     (defaults applied) than the unmutated ones, or not at all. The call itself is made once,
@@ -105,13 +121,13 @@ def call(
     except Exception:
         infected = True
     if infected:
-        _record(mutant)
+        _guarded(mutant, when)
     return func(*args, **kwargs)
 
 
-def hit(mutant: str) -> None:
+def hit(mutant: str, when: Callable[[], Any] | None = None) -> None:
     """A statement: infected whenever it executes."""
-    _record(mutant)
+    _guarded(mutant, when)
 
 
 @pytest.hookimpl(hookwrapper=True)
