@@ -1585,25 +1585,51 @@ def recheck(
         left = [t for t in (reaching if narrowed is None else narrowed) if t not in passed_before]
         jobs.append((m, left, limit(left, reach), True))
 
-    def run(job: tuple[Mutant, list[str], float, bool]) -> tuple[Mutant, int | None]:
-        m, tests, timeout, parted = job
+    # The pool's tasks: a whole job, or one part of a full re-check through the reach. Parts,
+    # not survivors, share the workers: with one survivor left, both cores still work on it.
+    tasks: list[tuple[Mutant, list[str], float, bool]] = []
+    parts_left: dict[str, int] = {}
+    # Cheapest first: a session that ends part-way has decided the most survivors.
+    for m, tests, timeout, parted in sorted(jobs, key=lambda j: j[2]):
         if not parted or reach is None:
+            tasks.append((m, tests, timeout, False))
+            continue
+        parts = split_parts(tests, reach.durations) or [[]]  # none left: survived already
+        parts_left[m.key] = len(parts)
+        tasks += [(m, part, limit(part, reach), True) for part in parts]
+    failed_parts: set[str] = set()  # survivors a part killed: their other parts need not run
+    skip = object()
+
+    def run(task: tuple[Mutant, list[str], float, bool]) -> tuple[Mutant, Any]:
+        m, tests, timeout, parted = task
+        if not parted:
             return m, run_tests(work, m.name, profile, tests, timeout)
-        for part in split_parts(tests, reach.durations):
-            code = run_tests(work, m.name, profile, part, limit(part, reach))
+        if m.key in failed_parts:
+            return m, skip
+        code = run_tests(work, m.name, profile, tests, timeout) if tests else 0
+        with keep_lock:
             if code != 0:
-                return m, code
-            record_part(parts_file, reach.suite, m.key, part)
-            if keep is not None:
-                with keep_lock:
+                failed_parts.add(m.key)
+            elif tests and m.key not in failed_parts:
+                assert reach is not None
+                record_part(parts_file, reach.suite, m.key, tests)
+                if keep is not None:
                     keep()
-        return m, 0
+        return m, code
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        # Cheapest first: a session that ends part-way has decided the most survivors.
-        running = [pool.submit(run, job) for job in sorted(jobs, key=lambda j: j[2])]
+        running = {pool.submit(run, task): task[3] for task in tasks}
         for done in concurrent.futures.as_completed(running):
             m, code = done.result()
+            if code is skip:
+                continue
+            if running[done]:  # a part: the survivor is decided by a failing part, or by all
+                if m.key in parts_left and code == 0:
+                    parts_left[m.key] -= 1
+                    if parts_left[m.key]:
+                        continue
+                if parts_left.pop(m.key, None) is None:
+                    continue  # decided already
             verdict = (
                 "timeout"
                 if code is None

@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -991,3 +992,37 @@ def test_a_full_recheck_runs_only_the_tests_a_survivor_is_infected_in(
     (tmp_path / "recheck-thorough.json").unlink()
     campaign.recheck(tmp_path, m[:1], "thorough", 10.0, reach=reach, workers=1)
     assert ran == [(m[0].name, tests)]
+
+
+def test_one_survivor_s_parts_share_the_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one survivor left, its parts run side by side on the workers, not one after the
+    other; a failing part is its verdict, whatever the parts still running do, and no part of
+    a killed survivor is kept."""
+    mutants = tmp_path / "mutants"
+    (mutants / "omni_runtime").mkdir(parents=True)
+    (mutants / "omni_runtime" / "m.py").write_text(_MUTANTS_SOURCE)
+    stats = {"tests_by_mangled_function_name": {}, "duration_by_test": {}}
+    (mutants / "mutmut-stats.json").write_text(json.dumps(stats))
+    monkeypatch.setattr(campaign, "PART_SECONDS", 100.0)
+    tests = ["t::a", "t::b", "t::c"]
+    durations = {"t::a": 90.0, "t::b": 95.0, "t::c": 99.0}
+    lines = {"omni_runtime/m.py": {n: [0, 1, 2] for n in range(1, 31)}}
+    reach = campaign.Reach("thorough", "abc", 1.0, tests, durations, lines)
+    survivor = campaign.Mutant("omni_runtime.m.x_f__mutmut_1", "m", "survived", ("-a", "+b"))
+    together = threading.Barrier(2, timeout=30)
+    ran: list[list[str]] = []
+
+    def run_tests(work: Path, mutant: str, profile: str, tests: list[str], timeout: float):
+        ran.append(list(tests))
+        if tests != ["t::c"]:
+            together.wait()  # both of the first two parts are running at once
+            return 1 if tests == ["t::a"] else 0
+        return 0
+
+    monkeypatch.setattr(campaign, "run_tests", run_tests)
+    campaign.recheck(tmp_path, [survivor], "thorough", 10.0, reach=reach, workers=2)
+    assert survivor.recheck == "killed"
+    assert sorted(ran)[:2] == [["t::a"], ["t::b"]]
+    assert campaign.passed_parts(campaign.parts_path(tmp_path, "thorough"), "abc") == {}
