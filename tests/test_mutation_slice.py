@@ -1026,3 +1026,26 @@ def test_one_survivor_s_parts_share_the_workers(
     assert survivor.recheck == "killed"
     assert sorted(ran)[:2] == [["t::a"], ["t::b"]]
     assert campaign.passed_parts(campaign.parts_path(tmp_path, "thorough"), "abc") == {}
+
+
+def test_guards_match_by_function_and_change_and_bad_ones_are_refused(tmp_path: Path) -> None:
+    """A ledger guard applies to the survivor whose function and change it names (as an
+    equivalent entry does); one without a field, or whose ``when`` is no expression, is refused
+    naming the file and the entry."""
+    ledger = tmp_path / "triage.toml"
+    ledger.write_text(
+        "[[guard]]\n"
+        'function = "omni_runtime.m.x_f"\n'
+        'change = ["-a", "+b"]\n'
+        'when = "x is None"\n'
+        'reason = "why"\n'
+    )
+    hit = campaign.Mutant("omni_runtime.m.x_f__mutmut_1", "m", "survived", ("-a", "+b"))
+    other = campaign.Mutant("omni_runtime.m.x_f__mutmut_2", "m", "survived", ("-a", "+c"))
+    assert campaign.load_guards([hit, other], ledger) == {hit.key: "x is None"}
+    ledger.write_text('[[guard]]\nfunction = "f"\nchange = ["-a"]\nreason = "why"\n')
+    with pytest.raises(campaign.CampaignError, match="triage.toml: guard entry 1 has no 'when'"):
+        campaign.load_guards([hit], ledger)
+    ledger.write_text('[[guard]]\nfunction = "f"\nchange = ["-a"]\nwhen = "x is"\nreason = "why"\n')
+    with pytest.raises(campaign.CampaignError, match="guard entry 1: 'when' is no expression"):
+        campaign.load_guards([hit], ledger)
