@@ -80,7 +80,8 @@ _PURE_NODES = (
     ast.cmpop,
     ast.boolop,
 )
-_IGNORED_FIELDS = frozenset({"ctx", "type_comment", "name"})
+# The bodies are compared, never the definitions' own names (``…__mutmut_orig`` / ``…_N``).
+_IGNORED_FIELDS = frozenset({"ctx", "type_comment"})
 
 Path = tuple[tuple[str, int | None], ...]  # (field, index in a list field or None) from the def
 
@@ -111,8 +112,6 @@ def pure(node: ast.AST) -> bool:
         if isinstance(n, ast.Call) and not (
             isinstance(n.func, ast.Name) and n.func.id in PURE_CALLS and not n.keywords
         ):
-            return False
-        if isinstance(n, ast.Starred):
             return False
     return True
 
