@@ -1285,28 +1285,34 @@ def load_infection(work: Path, profile: str, suite: str) -> Infection | None:
     return kept if kept.suite == suite else None
 
 
-def measure_infection(
-    work: Path,
-    profile: str,
-    suite: str,
-    plan: Mapping[str, list[str]],
-    names: Mapping[str, str],
-    controls: Mapping[str, list[str]] | None = None,
-    guards: Mapping[str, str] | None = None,
-) -> Infection:
-    """One run, with no mutant active, of the tests in ``plan`` (mutant key -> the tests that
-    reach it) under ``profile``, in a copy of the work folder's tree whose unmutated functions
-    carry the probes of those mutants (``names``: key -> mangled name).
+@dataclasses.dataclass(frozen=True)
+class ProbePlan:
+    """What an infection run probes: ``reaching``, survivors by key with the tests that reach
+    them; ``names``, every probed mutant's mangled name by key; ``controls``, kills probed as
+    positive controls, with their reaching tests; ``guards``, the ledger's guards by key."""
+
+    reaching: Mapping[str, list[str]]
+    names: Mapping[str, str]
+    controls: Mapping[str, list[str]] = dataclasses.field(default_factory=dict)
+    guards: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+
+def measure_infection(work: Path, profile: str, suite: str, request: ProbePlan) -> Infection:
+    """One run, with no mutant active, of the tests that reach ``request``'s survivors, under
+    ``profile``, in a copy of the work folder's tree whose unmutated functions carry the probes
+    of those mutants and of its controls.
 
     ``controls``: mutants a re-check under ``profile`` killed, with the tests that reach them,
     probed in the same run as positive controls: a kill needs a test in which the mutated code
     computed otherwise, so each control whose reaching tests all ran must be infected in one.
     One that is not means the probes miss infections, and narrowing by them would drop tests
-    that kill: the run is refused. ``guards``: by mutant key, the ledger's guard of a survivor
-    (``load_guards``); a control is never guarded."""
-    controls = dict(controls or {})
-    guards = {k: v for k, v in (guards or {}).items() if k in plan and k not in controls}
-    plan = {**controls, **plan}
+    that kill: the run is refused. A guard (``load_guards``) applies to a survivor, never to a
+    control."""
+    controls, names = request.controls, request.names
+    guards = {
+        k: v for k, v in request.guards.items() if k in request.reaching and k not in controls
+    }
+    plan = {**controls, **request.reaching}
     root = (work / "infection").resolve()
     shutil.rmtree(root, ignore_errors=True)
     shutil.copytree(
@@ -1387,29 +1393,22 @@ def measure_infection(
     )
 
 
-def infection_for(
-    work: Path,
-    profile: str,
-    suite: str,
-    plan: Mapping[str, list[str]],
-    names: Mapping[str, str],
-    controls: Mapping[str, list[str]] | None = None,
-    guards: Mapping[str, str] | None = None,
-) -> Infection:
+def infection_for(work: Path, profile: str, suite: str, request: ProbePlan) -> Infection:
     """The kept infection of the work folder's suite under ``profile``, measured first for the
-    mutants of ``plan`` it lacks, or holds under another guard (one run for all of them, with
-    ``controls`` and ``guards``, ``measure_infection``), and kept with the rest."""
-    guards = guards or {}
+    survivors of ``request`` it lacks, or holds under another guard (one run for all of them,
+    ``measure_infection``), and kept with the rest."""
     kept = load_infection(work, profile, suite)
     missing = {
         k: v
-        for k, v in plan.items()
-        if kept is None or k not in kept.mutants or kept.mutants[k].get("guard") != guards.get(k)
+        for k, v in request.reaching.items()
+        if kept is None
+        or k not in kept.mutants
+        or kept.mutants[k].get("guard") != request.guards.get(k)
     }
     if not missing:
         assert kept is not None
         return kept
-    new = measure_infection(work, profile, suite, missing, names, controls, guards)
+    new = measure_infection(work, profile, suite, dataclasses.replace(request, reaching=missing))
 
     def merged(on_disk: dict[str, Any]) -> dict[str, Any]:
         if on_disk.get("suite") != suite:
@@ -1565,10 +1564,12 @@ def recheck(
             work,
             profile,
             reach.suite,
-            {key: reaching for key, (_, reaching) in full.items()},
-            {key: m.name for m in mutants for key in (m.key,) if key in full or key in killed},
-            killed,
-            load_guards(mutants),
+            ProbePlan(
+                {key: reaching for key, (_, reaching) in full.items()},
+                {m.key: m.name for m in mutants if m.key in full or m.key in killed},
+                killed,
+                load_guards(mutants),
+            ),
         )
         if keep is not None:
             keep()  # the infection run cost about a suite run: kept before any re-check

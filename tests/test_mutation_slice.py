@@ -908,7 +908,9 @@ def test_the_infection_run_names_the_tests_a_mutant_is_infected_in(tmp_path: Pat
     ]
     key = "omni_runtime.infected.x_scale__mutmut_1 -and | +or"
     names = {key: "omni_runtime.infected.x_scale__mutmut_1"}
-    found = campaign.infection_for(tmp_path, "smoke", "abc", {key: tests}, names)
+    found = campaign.infection_for(
+        tmp_path, "smoke", "abc", campaign.ProbePlan({key: tests}, names)
+    )
     assert found.mutants[key] == {
         "probe": "truth",
         "infected": sorted(tests[1:]),
@@ -932,13 +934,19 @@ def test_the_infection_run_names_the_tests_a_mutant_is_infected_in(tmp_path: Pat
     missed = {f"{base}3 -10 | +11": f"{base}3"}
     plan = {key: tests}
     measured = campaign.measure_infection(
-        tmp_path, "smoke", "abc", plan, names | control, dict.fromkeys(control, tests)
+        tmp_path,
+        "smoke",
+        "abc",
+        campaign.ProbePlan(plan, names | control, dict.fromkeys(control, tests)),
     )
     assert measured.mutants[f"{base}2 -2 | +3"]["infected"] == [tests[0]]
     assert measured.mutants[f"{base}2 -2 | +3"]["control"] is True
     with pytest.raises(campaign.CampaignError, match="probes missed .*x_scale__mutmut_3"):
         campaign.measure_infection(
-            tmp_path, "smoke", "abc", plan, names | missed, dict.fromkeys(missed, tests)
+            tmp_path,
+            "smoke",
+            "abc",
+            campaign.ProbePlan(plan, names | missed, dict.fromkeys(missed, tests)),
         )
 
 
