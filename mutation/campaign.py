@@ -1172,14 +1172,6 @@ def read_reach(data: Path, root: Path, profile: str, suite: str, seconds: float)
     )
 
 
-def _functions(tree: ast.Module) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
-    return {
-        node.name: node
-        for node in ast.walk(tree)
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-    }
-
-
 def _statements(fn: ast.FunctionDef | ast.AsyncFunctionDef) -> list[ast.stmt]:
     return [n for n in ast.walk(fn) if isinstance(n, ast.stmt) and n is not fn]
 
@@ -1201,7 +1193,7 @@ def mutated_lines(source: str, mutant: str) -> tuple[int, ...] | None:
     """The lines (in ``source``, mutmut's copy of a file) of the statements of the unmutated
     function that mutant ``mutant`` (its mangled name, ``x…__mutmut_N``) changes; None when
     ``source`` holds no such mutant."""
-    fns = _functions(ast.parse(source))
+    fns = infection.functions(ast.parse(source))
     base = mutant.rsplit("__mutmut_", 1)[0]
     orig, changed = fns.get(f"{base}__mutmut_orig"), fns.get(mutant)
     if orig is None or changed is None:
@@ -1320,18 +1312,19 @@ def measure_infection(work: Path, profile: str, suite: str, request: ProbePlan) 
     )
     probes: dict[str, str | None] = {}
     by_file: dict[str, list[str]] = {}
+    mangled: dict[str, str] = {}  # key -> the mangled name, as probes record it
     for key in plan:
-        module, function = names[key].rsplit(".", 1)
-        by_file.setdefault(module.replace(".", "/") + ".py", []).append(function)
+        module, mangled[key] = names[key].rsplit(".", 1)
+        by_file.setdefault(module.replace(".", "/") + ".py", []).append(mangled[key])
     found: dict[str, infection.Probe | None] = {}
+    by_name = {mangled[k]: when for k, when in guards.items()}
     for path, functions in by_file.items():
         target = root / "mutants" / path
-        by_name = {names[k].rsplit(".", 1)[1]: when for k, when in guards.items()}
         text, plans = infection.instrument_source(target.read_text(), functions, by_name)
         target.write_text(text)
         found.update(plans)
     for key in plan:
-        probe = found.get(names[key].rsplit(".", 1)[1])
+        probe = found.get(mangled[key])
         probes[key] = probe.kind if probe is not None else None
     hits = root / "hits"
     hits.mkdir()
@@ -1367,7 +1360,7 @@ def measure_infection(work: Path, profile: str, suite: str, request: ProbePlan) 
         for line in f.read_text().splitlines():
             name, _, test = line.partition("\t")
             infected.setdefault(name, set()).add(test)
-    found_in = {key: sorted(infected.get(names[key].rsplit(".", 1)[1], ())) for key in plan}
+    found_in = {key: sorted(infected.get(mangled[key], ())) for key in plan}
     for key, reaching in controls.items():
         if probes[key] and reaching and set(reaching) <= set(tests) and not found_in[key]:
             raise CampaignError(

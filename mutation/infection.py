@@ -270,19 +270,34 @@ def _lambda(body: ast.expr, params: Sequence[str] = ()) -> ast.Lambda:
     )
 
 
-def _replace(root: ast.AST, old: ast.AST, new: ast.AST) -> None:
-    """Put ``new`` where ``old`` (by identity) is in the tree under ``root``."""
+def _locate(root: ast.AST, node: ast.AST) -> tuple[ast.AST, str, int | None]:
+    """Where ``node`` (by identity) is in the tree under ``root``: its parent, the parent's
+    field, and its index when that field is a list."""
     for parent in ast.walk(root):
         for field, value in ast.iter_fields(parent):
-            if value is old:
-                setattr(parent, field, new)
-                return
+            if value is node:
+                return parent, field, None
             if isinstance(value, list):
                 for i, item in enumerate(value):
-                    if item is old:
-                        value[i] = new
-                        return
+                    if item is node:
+                        return parent, field, i
     raise ValueError("node not found")
+
+
+def _replace(root: ast.AST, old: ast.AST, new: ast.AST) -> None:
+    """Put ``new`` where ``old`` is in the tree under ``root``."""
+    parent, field, index = _locate(root, old)
+    if index is None:
+        setattr(parent, field, new)
+    else:
+        getattr(parent, field)[index] = new
+
+
+def _insert_before(root: ast.AST, old: ast.AST, new: ast.stmt) -> None:
+    """Put the statement ``new`` just before ``old`` in its body under ``root``."""
+    parent, field, index = _locate(root, old)
+    assert index is not None  # a statement probe's target is a statement in a body
+    getattr(parent, field).insert(index, new)
 
 
 def _call_spec(orig_call: ast.Call, mut_call: ast.Call) -> ast.Lambda:
@@ -351,15 +366,9 @@ def instrument(
             )
         _replace(fn, node, wrapper)
     for probe, node in statements:
-        hit = ast.Expr(_probe_call("hit", ast.Constant(probe.mutant), *guard(probe)))
-        for parent in ast.walk(fn):
-            for _field, value in ast.iter_fields(parent):
-                if isinstance(value, list) and any(item is node for item in value):
-                    value.insert(next(i for i, s in enumerate(value) if s is node), hit)
-                    break
-            else:
-                continue
-            break
+        _insert_before(
+            fn, node, ast.Expr(_probe_call("hit", ast.Constant(probe.mutant), *guard(probe)))
+        )
     ast.fix_missing_locations(fn)
     return fn
 

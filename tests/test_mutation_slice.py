@@ -792,6 +792,31 @@ def test_probes_observe_each_kind_of_mutation_without_changing_the_run(
     assert _hits(hits) == {"x_g__mutmut_2"}
 
 
+def test_a_guard_excuses_only_where_it_is_false(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A ledger guard, evaluated where the probe sees a difference, excuses the difference
+    where it is false; a guard that raises excuses nothing."""
+    guards = {"x_g__mutmut_1": "x > 1", "x_g__mutmut_4": "no_such_name"}
+    text, plans = campaign.infection.instrument_source(_PROBED_SOURCE, list(guards), guards)
+    assert {n: p.kind for n, p in plans.items() if p} == {
+        "x_g__mutmut_1": "truth",
+        "x_g__mutmut_4": "statement",
+    }
+    hits = tmp_path / "hits"
+    hits.mkdir()
+    monkeypatch.setenv("OMNI_INFECTION_DIR", str(hits))
+    namespace: dict[str, Any] = {}
+    exec(compile(text, "probed.py", "exec"), namespace)
+    g = namespace["x_g__mutmut_orig"]
+    assert g([1], flag=True) == [1]  # the condition flips at x = 1, where the guard is false
+    assert _hits(hits) == set()
+    assert g([1, 2], flag=True) == [2]  # ... and at x = 2, where it holds
+    assert _hits(hits) == {"x_g__mutmut_1"}
+    assert g([None]) == [0]  # the statement runs; its guard raises NameError
+    assert _hits(hits) == {"x_g__mutmut_4"}
+
+
 def test_a_dropped_argument_equal_to_its_default_binds_the_same(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
