@@ -672,65 +672,31 @@ def test_a_full_recheck_keeps_the_parts_it_passed(
 
 # ---- infection: in which reaching test a mutant's code computes otherwise ----------------------
 
-_PROBED_SOURCE = '''
-"""Doc."""
-
-from __future__ import annotations
-
-
-def x_g__mutmut_orig(items, limit=3, flag=False):
+_PROBED_FUNCTION = """
+def x_g__mutmut_N(items, limit=3, flag=False):
     total = 0
     for x in items:
         if x is None or x > 100 and flag:
             continue
         total = max(total, x, key=None)
     return sorted([total], reverse=flag)
-
-
-def x_g__mutmut_1(items, limit=3, flag=False):
-    total = 0
-    for x in items:
-        if x is None or x > 100 or flag:
-            continue
-        total = max(total, x, key=None)
-    return sorted([total], reverse=flag)
-
-
-def x_g__mutmut_2(items, limit=3, flag=False):
-    total = 0
-    for x in items:
-        if x is None or x > 100 and flag:
-            continue
-        total = max(total, x, key=None)
-    return sorted([total], reverse=None)
-
-
-def x_g__mutmut_3(items, limit=3, flag=False):
-    total = 0
-    for x in items:
-        if x is None or x > 100 and flag:
-            continue
-        total = max(total, x, )
-    return sorted([total], reverse=flag)
-
-
-def x_g__mutmut_4(items, limit=3, flag=False):
-    total = 0
-    for x in items:
-        if x is None or x > 100 and flag:
-            break
-        total = max(total, x, key=None)
-    return sorted([total], reverse=flag)
-
-
-def x_g__mutmut_5(items, limit=4, flag=False):
-    total = 0
-    for x in items:
-        if x is None or x > 100 and flag:
-            continue
-        total = max(total, x, key=None)
-    return sorted([total], reverse=flag)
-'''
+"""
+# Each mutant as mutmut writes it: a copy of the function with one change.
+_PROBED_CHANGES = {
+    1: ("x > 100 and flag", "x > 100 or flag"),
+    2: ("reverse=flag", "reverse=None"),
+    3: ("x, key=None)", "x, )"),
+    4: ("continue", "break"),
+    5: ("limit=3", "limit=4"),
+}
+_PROBED_SOURCE = (
+    '"""Doc."""\n\nfrom __future__ import annotations\n'
+    + _PROBED_FUNCTION.replace("_N(", "_orig(")
+    + "".join(
+        _PROBED_FUNCTION.replace("_N(", f"_{n}(").replace(old, new)
+        for n, (old, new) in _PROBED_CHANGES.items()
+    )
+)
 
 
 def _probed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Any], Path]:
