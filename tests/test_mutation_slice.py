@@ -418,9 +418,21 @@ def test_a_mutant_maps_to_the_statement_it_changes() -> None:
     assert lines(_MUTANTS_SOURCE, "x_f__mutmut_9") is None
 
 
-_REACHED_MODULE = """
+# A runtime module's way to run code in a forked process, as a stage engine does.
+_FORKING = """
 import multiprocessing
 
+
+def forked(target, x):
+    child = multiprocessing.get_context("fork").Process(target=target, args=(x,))
+    child.start()
+    child.join()
+    return child.exitcode
+"""
+
+_REACHED_MODULE = (
+    _FORKING
+    + """
 
 def in_process(x):
     return x + 1
@@ -431,11 +443,22 @@ def in_child(x):
 
 
 def fork_and_call(x):
-    child = multiprocessing.get_context("fork").Process(target=in_child, args=(x,))
-    child.start()
-    child.join()
-    return child.exitcode
+    return forked(in_child, x)
 """
+)
+
+
+def _work_tree(tmp_path: Path, module: str, source: str, tests: str) -> None:
+    """A work folder's ``mutants/`` tree holding one runtime module and one test module."""
+    mutants = tmp_path / "mutants"
+    (mutants / "omni_runtime").mkdir(parents=True)
+    (mutants / "omni_runtime" / "__init__.py").write_text("")
+    (mutants / "omni_runtime" / f"{module}.py").write_text(source)
+    (mutants / "invariants").mkdir()
+    (mutants / "invariants" / f"test_{module}.py").write_text(tests)
+    (mutants / "tests").mkdir()
+    (mutants / campaign.PROCESS_STAGE_TESTS).write_text("")
+
 
 _REACHING_TESTS = """
 import pytest
@@ -462,14 +485,7 @@ def test_calls_nothing():
 def test_the_reach_run_names_each_line_s_tests(tmp_path: Path) -> None:
     """One suite run under coverage.py labels every executed line with the test that executed
     it, in the test's process and in a process the test forked (the process stage's engine)."""
-    mutants = tmp_path / "mutants"
-    (mutants / "omni_runtime").mkdir(parents=True)
-    (mutants / "omni_runtime" / "__init__.py").write_text("")
-    (mutants / "omni_runtime" / "reached.py").write_text(_REACHED_MODULE)
-    (mutants / "invariants").mkdir()
-    (mutants / "invariants" / "test_reaching.py").write_text(_REACHING_TESTS)
-    (mutants / "tests").mkdir()
-    (mutants / campaign.PROCESS_STAGE_TESTS).write_text("")
+    _work_tree(tmp_path, "reached", _REACHED_MODULE, _REACHING_TESTS)
     reach = campaign.measure_reach(tmp_path, "smoke", "abc")
 
     def tests_at(fn: str) -> set[str]:
@@ -477,7 +493,7 @@ def test_the_reach_run_names_each_line_s_tests(tmp_path: Path) -> None:
         start = next(i for i, text in enumerate(lines, 1) if text.startswith(f"def {fn}("))
         return reach.tests_at("omni_runtime/reached.py", [start + 1])
 
-    here = "invariants/test_reaching.py::"
+    here = "invariants/test_reached.py::"
     assert tests_at("in_process") == {here + "test_calls_in_process"}
     assert tests_at("in_child") == {here + "test_calls_in_a_child"}
     assert set(reach.durations) == {
@@ -487,14 +503,20 @@ def test_the_reach_run_names_each_line_s_tests(tmp_path: Path) -> None:
     assert kept == reach
 
 
-def test_a_survivor_no_test_reaches_is_not_run(tmp_path: Path) -> None:
-    """Under a reach, a survivor whose mutated statement no test executed is ``unreached``
-    without a run, and stays a survivor; one that some test executed would run."""
+def _recheck_tree(tmp_path: Path) -> None:
+    """A work folder for the re-check's bookkeeping: ``_MUTANTS_SOURCE`` as its one mutated
+    module, and mutmut's stats recording no test of its own."""
     mutants = tmp_path / "mutants"
     (mutants / "omni_runtime").mkdir(parents=True)
     (mutants / "omni_runtime" / "m.py").write_text(_MUTANTS_SOURCE)
     stats = {"tests_by_mangled_function_name": {}, "duration_by_test": {}}
     (mutants / "mutmut-stats.json").write_text(json.dumps(stats))
+
+
+def test_a_survivor_no_test_reaches_is_not_run(tmp_path: Path) -> None:
+    """Under a reach, a survivor whose mutated statement no test executed is ``unreached``
+    without a run, and stays a survivor; one that some test executed would run."""
+    _recheck_tree(tmp_path)
     reach = campaign.Reach(
         "thorough", "abc", 1.0, ["t::a"], {"t::a": 1.0}, {"omni_runtime/m.py": {4: [0]}}
     )
@@ -531,11 +553,7 @@ def test_a_quick_recheck_runs_only_quick_reaching_tests_and_keeps_kills(
     """``quick``: a survivor the caches say survived runs again, with only the tests that reach
     its statement and took at most ``quick`` seconds, quickest first; a kill is kept, a
     survival is not (it says nothing of the slower tests), and a kept kill is not run again."""
-    mutants = tmp_path / "mutants"
-    (mutants / "omni_runtime").mkdir(parents=True)
-    (mutants / "omni_runtime" / "m.py").write_text(_MUTANTS_SOURCE)
-    stats = {"tests_by_mangled_function_name": {}, "duration_by_test": {}}
-    (mutants / "mutmut-stats.json").write_text(json.dumps(stats))
+    _recheck_tree(tmp_path)
     tests = ["t::slow", "t::quick", "t::quicker", "t::failing"]
     durations = {"t::slow": 500.0, "t::quick": 5.0, "t::quicker": 1.0, "t::failing": 0.5}
     # Every test reaches every line of the function: lines 1..30 of the source.
@@ -595,11 +613,7 @@ def test_a_full_recheck_keeps_the_parts_it_passed(
     ``PART_SECONDS`` and keeps each part it passed, so a re-check cut off part-way (its session
     ended) goes on where it stopped; a part that fails is the verdict, and a verdict clears the
     parts. Parts kept against another suite count for nothing."""
-    mutants = tmp_path / "mutants"
-    (mutants / "omni_runtime").mkdir(parents=True)
-    (mutants / "omni_runtime" / "m.py").write_text(_MUTANTS_SOURCE)
-    stats = {"tests_by_mangled_function_name": {}, "duration_by_test": {}}
-    (mutants / "mutmut-stats.json").write_text(json.dumps(stats))
+    _recheck_tree(tmp_path)
     monkeypatch.setattr(campaign, "PART_SECONDS", 100.0)
     tests = ["t::a", "t::b", "t::c", "t::d"]
     # Quickest first, as a re-check orders them.
@@ -699,23 +713,36 @@ _PROBED_SOURCE = (
 )
 
 
-def _probed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Any], Path]:
-    """The instrumented module's namespace, its probes' hits going to a folder of ``tmp_path``."""
-    names = [f"x_g__mutmut_{n}" for n in range(1, 6)]
-    text, plans = campaign.infection.instrument_source(_PROBED_SOURCE, names)
-    assert {n: p.kind if p else None for n, p in plans.items()} == {
-        "x_g__mutmut_1": "truth",  # inside an ``if`` condition with no side effect
-        "x_g__mutmut_2": "value",  # a pure expression replaced (``None``)
-        "x_g__mutmut_3": "call",  # an argument dropped
-        "x_g__mutmut_4": "statement",  # ``continue`` became ``break``
-        "x_g__mutmut_5": None,  # a default in the signature: no probe
-    }
+def _instrumented(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    source: str,
+    mutants: list[str],
+    guards: dict[str, str] | None = None,
+) -> tuple[dict[str, Any], dict[str, str | None], Path]:
+    """``source`` instrumented for ``mutants``, run: its namespace, each mutant's probe kind,
+    and the folder of ``tmp_path`` its probes' hits go to."""
+    text, plans = campaign.infection.instrument_source(source, mutants, guards)
     hits = tmp_path / "hits"
     hits.mkdir()
     monkeypatch.setenv("OMNI_INFECTION_DIR", str(hits))
     monkeypatch.setenv("OMNI_INFECTION_CONTEXT", "t::one")
     namespace: dict[str, Any] = {}
     exec(compile(text, "probed.py", "exec"), namespace)
+    return namespace, {n: p.kind if p else None for n, p in plans.items()}, hits
+
+
+def _probed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, Any], Path]:
+    """The instrumented module's namespace, its probes' hits going to a folder of ``tmp_path``."""
+    names = [f"x_g__mutmut_{n}" for n in range(1, 6)]
+    namespace, kinds, hits = _instrumented(tmp_path, monkeypatch, _PROBED_SOURCE, names)
+    assert kinds == {
+        "x_g__mutmut_1": "truth",  # inside an ``if`` condition with no side effect
+        "x_g__mutmut_2": "value",  # a pure expression replaced (``None``)
+        "x_g__mutmut_3": "call",  # an argument dropped
+        "x_g__mutmut_4": "statement",  # ``continue`` became ``break``
+        "x_g__mutmut_5": None,  # a default in the signature: no probe
+    }
     return namespace, hits
 
 
@@ -764,16 +791,10 @@ def test_a_guard_excuses_only_where_it_is_false(
     """A ledger guard, evaluated where the probe sees a difference, excuses the difference
     where it is false; a guard that raises excuses nothing."""
     guards = {"x_g__mutmut_1": "x > 1", "x_g__mutmut_4": "no_such_name"}
-    text, plans = campaign.infection.instrument_source(_PROBED_SOURCE, list(guards), guards)
-    assert {n: p.kind for n, p in plans.items() if p} == {
-        "x_g__mutmut_1": "truth",
-        "x_g__mutmut_4": "statement",
-    }
-    hits = tmp_path / "hits"
-    hits.mkdir()
-    monkeypatch.setenv("OMNI_INFECTION_DIR", str(hits))
-    namespace: dict[str, Any] = {}
-    exec(compile(text, "probed.py", "exec"), namespace)
+    namespace, kinds, hits = _instrumented(
+        tmp_path, monkeypatch, _PROBED_SOURCE, list(guards), guards
+    )
+    assert kinds == {"x_g__mutmut_1": "truth", "x_g__mutmut_4": "statement"}
     g = namespace["x_g__mutmut_orig"]
     assert g([1], flag=True) == [1]  # the condition flips at x = 1, where the guard is false
     assert _hits(hits) == set()
@@ -798,13 +819,8 @@ def x_h__mutmut_orig(a, b):
 def x_h__mutmut_1(a, b):
     return helper(a, )
 """
-    text, plans = campaign.infection.instrument_source(source, ["x_h__mutmut_1"])
-    assert plans["x_h__mutmut_1"] is not None and plans["x_h__mutmut_1"].kind == "call"
-    hits = tmp_path / "hits"
-    hits.mkdir()
-    monkeypatch.setenv("OMNI_INFECTION_DIR", str(hits))
-    namespace: dict[str, Any] = {}
-    exec(compile(text, "probed.py", "exec"), namespace)
+    namespace, kinds, hits = _instrumented(tmp_path, monkeypatch, source, ["x_h__mutmut_1"])
+    assert kinds == {"x_h__mutmut_1": "call"}
     h = namespace["x_h__mutmut_orig"]
     assert h(1, False) == (1, False)
     assert _hits(hits) == set()
@@ -814,37 +830,23 @@ def x_h__mutmut_1(a, b):
     assert _hits(hits) == {"x_h__mutmut_1"}
 
 
-_INFECTED_MODULE = '''
-"""A module as mutmut's tree holds it: the unmutated function and a mutant of it."""
+_SCALE_FUNCTION = """
 
-from __future__ import annotations
-
-import multiprocessing
-
-
-def x_scale__mutmut_orig(x, factor):
+def x_scale__mutmut_N(x, factor):
     if x > 10 and factor:
         return x * 2
     return x
-
-
-def x_scale__mutmut_1(x, factor):
-    if x > 10 or factor:
-        return x * 2
-    return x
-
-
-def x_scale__mutmut_2(x, factor):
-    if x > 10 and factor:
-        return x * 3
-    return x
-
-
-def x_scale__mutmut_3(x, factor):
-    if x > 11 and factor:
-        return x * 2
-    return x
-
+"""
+_SCALE_CHANGES = {1: ("10 and", "10 or"), 2: ("x * 2", "x * 3"), 3: ("x > 10", "x > 11")}
+_INFECTED_MODULE = (
+    '"""A module as mutmut\'s tree holds it: the unmutated function and mutants of it."""\n'
+    + _FORKING
+    + _SCALE_FUNCTION.replace("_N(", "_orig(")
+    + "".join(
+        _SCALE_FUNCTION.replace("_N(", f"_{n}(").replace(old, new)
+        for n, (old, new) in _SCALE_CHANGES.items()
+    )
+    + """
 
 def scale(x, factor):
     return x_scale__mutmut_orig(x, factor)
@@ -855,11 +857,9 @@ def in_child(x):
 
 
 def fork_and_scale(x):
-    child = multiprocessing.get_context("fork").Process(target=in_child, args=(x,))
-    child.start()
-    child.join()
-    return child.exitcode
-'''
+    return forked(in_child, x)
+"""
+)
 
 _INFECTING_TESTS = """
 import pytest
@@ -887,13 +887,9 @@ def test_the_infection_run_names_the_tests_a_mutant_is_infected_in(tmp_path: Pat
     """One run with no mutant active, probes in place, names per mutant the tests in which its
     code computed otherwise, in the test's process and in one the test forked; the re-check
     then runs only those (and any test that did not pass in that run)."""
+    _work_tree(tmp_path, "infected", _INFECTED_MODULE, _INFECTING_TESTS)
     mutants = tmp_path / "mutants"
-    (mutants / "omni_runtime").mkdir(parents=True)
-    (mutants / "omni_runtime" / "__init__.py").write_text("")
-    (mutants / "omni_runtime" / "infected.py").write_text(_INFECTED_MODULE)
-    (mutants / "invariants").mkdir()
-    (mutants / "invariants" / "test_infecting.py").write_text(_INFECTING_TESTS)
-    here = "invariants/test_infecting.py::"
+    here = "invariants/test_infected.py::"
     tests = [
         here + t for t in ("test_same_truth", "test_flips_in_process", "test_flips_in_a_child")
     ]
@@ -947,11 +943,7 @@ def test_a_full_recheck_runs_only_the_tests_a_survivor_is_infected_in(
     """With ``infect``, a full re-check through the reach runs each survivor's infected tests
     only; one infected in none is ``uninfected`` without a run and stays a survivor; one whose
     infection could not be probed, or was met outside any test, runs every reaching test."""
-    mutants = tmp_path / "mutants"
-    (mutants / "omni_runtime").mkdir(parents=True)
-    (mutants / "omni_runtime" / "m.py").write_text(_MUTANTS_SOURCE)
-    stats = {"tests_by_mangled_function_name": {}, "duration_by_test": {}}
-    (mutants / "mutmut-stats.json").write_text(json.dumps(stats))
+    _recheck_tree(tmp_path)
     tests = ["t::a", "t::b", "t::c"]
     durations = {"t::a": 1.0, "t::b": 2.0, "t::c": 3.0}
     lines = {"omni_runtime/m.py": {n: [0, 1, 2] for n in range(1, 31)}}
@@ -999,11 +991,7 @@ def test_one_survivor_s_parts_share_the_workers(
     """With one survivor left, its parts run side by side on the workers, not one after the
     other; a failing part is its verdict, whatever the parts still running do, and no part of
     a killed survivor is kept."""
-    mutants = tmp_path / "mutants"
-    (mutants / "omni_runtime").mkdir(parents=True)
-    (mutants / "omni_runtime" / "m.py").write_text(_MUTANTS_SOURCE)
-    stats = {"tests_by_mangled_function_name": {}, "duration_by_test": {}}
-    (mutants / "mutmut-stats.json").write_text(json.dumps(stats))
+    _recheck_tree(tmp_path)
     monkeypatch.setattr(campaign, "PART_SECONDS", 100.0)
     tests = ["t::a", "t::b", "t::c"]
     durations = {"t::a": 90.0, "t::b": 95.0, "t::c": 99.0}
