@@ -34,7 +34,7 @@ from vllm.v1.engine import EngineCoreRequest  # noqa: E402
 from vllm.v1.outputs import ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request  # noqa: E402
 
-from conformance.config import HarnessConfig, block_hasher, build_scheduler  # noqa: E402
+from conformance._core.config import HarnessConfig, block_hasher, build_scheduler  # noqa: E402
 from omni_runtime.adapters import InputAdapter, StageInput  # noqa: E402
 from omni_runtime.config import OmniStageConfig, stage_additional_config  # noqa: E402
 from omni_runtime.conformance_subject import talker_stage  # noqa: E402
@@ -152,7 +152,7 @@ def serve(conn: Connection, kind: str, n: int, omni: bool) -> None:
 # sys.path (where pytest put benchmarks/), so each child imports it (cheaply) on start.
 _PRELOAD = [
     "vllm.v1.core.sched.scheduler",
-    "conformance.config",
+    "conformance._core.config",
     "omni_runtime.adapters",
     "omni_runtime.conformance_subject",
     "omni_runtime.sched",

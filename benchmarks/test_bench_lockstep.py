@@ -12,7 +12,7 @@ alone in the same interleaving: ``extra_info["harness_overhead_over_floor"]`` is
 (upstream + subject) - 1 (target <= 0.15); the figure over two upstream steps is kept too.
 It was 31% (three runs: 31.2, 30.8, 30.7%) while every operation built both snapshots and
 compared them; with the snapshots built only when an in-place check of both sides cannot show
-them equal (``conformance.observe.same_state``) it is 13% (13.8, 12.7, 13.1%), measured in turn
+them equal (``conformance._core.observe.same_state``) it is 13% (13.8, 12.7, 13.1%), measured in turn
 on the same machine. What is left is that check itself, which reads every block of both pools.
 
 Run: ``pytest benchmarks/test_bench_lockstep.py --benchmark-enable`` (benchmarks are skipped by
@@ -27,12 +27,12 @@ import time
 
 import pytest
 
-from conformance.config import HarnessConfig
-from conformance.driver import make_driver
-from conformance.lockstep import Lockstep
-from conformance.subjects import UpstreamSubject
-from conformance.tokens import DeterministicTokenSource
-from conformance.workload import AddRequest, Step
+from conformance._core.config import HarnessConfig
+from conformance._core.driver import make_driver
+from conformance._core.lockstep import Lockstep
+from conformance._core.subjects import UpstreamSubject
+from conformance._core.tokens import DeterministicTokenSource
+from conformance._core.workload import AddRequest, Step
 from omni_runtime.conformance_subject import OmniSubject
 
 CFG = HarnessConfig(num_blocks=128, max_num_seqs=16, max_num_batched_tokens=512)

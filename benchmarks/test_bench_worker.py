@@ -30,8 +30,13 @@ from vllm import SamplingParams
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request
 
-from conformance.config import HarnessConfig, block_hasher, build_kv_cache_config, build_scheduler
-from conformance.driver import WorkerExecutor
+from conformance._core.config import (
+    HarnessConfig,
+    block_hasher,
+    build_kv_cache_config,
+    build_scheduler,
+)
+from conformance._core.driver import WorkerExecutor
 from omni_runtime.config import OmniStageConfig
 from omni_runtime.models import LlamaLM, LlamaLMConfig, load_model, model_dir
 from omni_runtime.models.llama import init_llama_state_dict

@@ -1,7 +1,7 @@
 """``omni-conformance``: the CI gate and its tools.
 
 ``check``     loads the subject (one that patches vLLM when loaded gets an oracle in its own
-              process, see ``conformance.pristine``), then runs ``pytest -m invariants`` on the installed
+              process, see ``conformance._core.pristine``), then runs ``pytest -m invariants`` on the installed
               ``invariants`` suite with the plugin, against the installed vLLM and that subject;
               shows pytest's progress, prints a summary (tests ran, passed, failed, not
               applicable; a table per invariant; the first difference of each violation), writes
@@ -18,7 +18,7 @@
               already failed, INCOMPLETE at the top of the Markdown, an error in the JUnit),
               one line says so, and pytest's temporary folder is removed.
 ``matrix``    the gate per vLLM release x subject, each cell in its own environment, merged into
-              one report (``conformance.matrix``); ``merge`` merges cell folders.
+              one report (``conformance.release.matrix``); ``merge`` merges cell folders.
 ``replay``    re-runs a saved failure trace and says what happened. Exit codes:
               1  reproduced: prints the first difference; when it is not the recorded one, prints
                  both ("reproduces with a DIFFERENT first difference");
@@ -29,11 +29,11 @@
               ones the trace recorded.
 ``record``    runs a corpus of workloads (generated under a fixed seed, plus every saved trace in
               ``--traces``) on the installed vLLM's own schedulers, sync and async, and writes
-              each step's normalised observation (``conformance.record``). Exit 0 written, 2 bad
+              each step's normalised observation (``conformance.release.record``). Exit 0 written, 2 bad
               input (an unreadable trace, an unwritable ``--out``) or an environment problem.
 ``release-diff``  compares two recordings of one corpus from two releases: per workload,
               identical or the first difference, grouped into behaviour changes, each with its
-              shortest workload as a trace (``conformance.release_diff``). Exit 0 identical, 1
+              shortest workload as a trace (``conformance.release.release_diff``). Exit 0 identical, 1
               differences found, 2 bad input (a malformed recording, recordings of different
               corpora: one line naming the file and the field).
 ``report``    re-renders Markdown and JUnit from a report's JSON.
@@ -62,7 +62,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, NoReturn
 
-from conformance.vllm_compat.versions import ALLOW_UNTESTED_ENV
+from conformance._core.vllm_compat.versions import ALLOW_UNTESTED_ENV
 
 EXIT_ENV = 2
 EXIT_REPRODUCED = 1
@@ -84,7 +84,7 @@ def _fail_env(message: str) -> int:
 
 
 def _check_environment(subject: str | None, allow_untested: bool = False) -> str | None:
-    from conformance.vllm_compat import EnvironmentProblem, check_vllm
+    from conformance._core.vllm_compat import EnvironmentProblem, check_vllm
 
     try:
         check_vllm(allow_untested=allow_untested)
@@ -99,7 +99,7 @@ def _subject_problem(spec: str) -> str | None:
     """Cheap existence check (no import: a subject module usually imports vLLM, ~10 s)."""
     import importlib.util
 
-    from conformance.subjects import available_subjects, ensure_cwd_importable
+    from conformance._core.subjects import available_subjects, ensure_cwd_importable
 
     if ":" not in spec:
         if spec in available_subjects():
@@ -141,9 +141,9 @@ def _load_subject(spec: str) -> tuple[Any, str | None]:
 
     Import-time library warnings are passed on when the subject loads, and dropped when it does
     not: the problem is then the one line an environment error promises. A subject that patches
-    vLLM loads; the oracle then runs in its own process (``conformance.pristine``).
+    vLLM loads; the oracle then runs in its own process (``conformance._core.pristine``).
     """
-    from conformance.subjects import SubjectUnsupported, load_subject
+    from conformance._core.subjects import SubjectUnsupported, load_subject
 
     subject: Any = None
     problem: str | None = None
@@ -179,7 +179,7 @@ ORACLE_CHOICES = ("auto", "process")
 
 def _place_oracle(choice: str) -> None:
     """Apply ``--oracle`` and say, in one line, when upstream runs in its own process."""
-    from conformance.pristine import isolate_oracle, oracle_placement
+    from conformance._core.pristine import isolate_oracle, oracle_placement
 
     if choice == "process":
         isolate_oracle("requested by --oracle process")
@@ -218,7 +218,7 @@ def pytest_command(args: argparse.Namespace) -> list[str]:
 
 
 def _summary(report: dict[str, Any]) -> str:
-    from conformance.report import counts_line
+    from conformance._core.report import counts_line
 
     lines = [
         f"omni-conformance check: {report['status'].upper()}  subject={report['subject']}  "
@@ -419,7 +419,7 @@ def _interrupted(args: argparse.Namespace, report_json: Path, signum: int) -> in
 def _write_incomplete(args: argparse.Namespace, report_json: Path, reason: str) -> None:
     """The report pytest wrote for the tests that finished (or an empty one), marked
     incomplete, as JSON, Markdown and JUnit."""
-    from conformance.report import ReportBuilder, mark_incomplete, write_report
+    from conformance._core.report import ReportBuilder, mark_incomplete, write_report
 
     report: dict[str, Any] | None = None
     if report_json.exists():
@@ -428,7 +428,7 @@ def _write_incomplete(args: argparse.Namespace, report_json: Path, reason: str) 
         except (OSError, ValueError):
             report = None  # pytest was killed while writing it
     if report is None:
-        from conformance.vllm_compat import environment_versions
+        from conformance._core.vllm_compat import environment_versions
 
         report = ReportBuilder(
             subject=str(args.subject),
@@ -445,7 +445,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return _fail_env(problem)
     if not Path(args.trace).is_file():
         return _fail_env(f"no such trace: {args.trace}")
-    from conformance.replay import TraceError, load_trace, replay_trace
+    from conformance._core.replay import TraceError, load_trace, replay_trace
 
     try:
         trace = load_trace(args.trace)
@@ -485,8 +485,8 @@ def _replay_audit(trace: Any, subject: Any, spec: str) -> int:
     ``meta.replay`` names the suite function that re-runs it with the same audits."""
     import importlib
 
-    from conformance.replay import ReplayOutcome
-    from conformance.vllm_compat import environment_versions
+    from conformance._core.replay import ReplayOutcome
+    from conformance._core.vllm_compat import environment_versions
 
     vllm = environment_versions().get("vllm", "missing")
 
@@ -513,7 +513,7 @@ def _replay_audit(trace: Any, subject: Any, spec: str) -> int:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    from conformance.report import render_from_json, render_markdown, validate
+    from conformance._core.report import render_from_json, render_markdown, validate
 
     path = Path(args.report)
     if not path.exists():
@@ -537,7 +537,7 @@ def cmd_report(args: argparse.Namespace) -> int:
 
 
 def cmd_subjects(args: argparse.Namespace) -> int:
-    from conformance.subjects import available_subjects
+    from conformance._core.subjects import available_subjects
 
     for name, origin in sorted(available_subjects().items()):
         print(f"{name:<16} {origin}")
@@ -624,24 +624,26 @@ def build_parser() -> argparse.ArgumentParser:
     rp.add_argument("--out", default=None)
     rp.set_defaults(func=cmd_report)
 
-    from conformance.matrix_report import add_merge_parser  # merge: matrix cells -> one report
+    from conformance.release.matrix_report import (
+        add_merge_parser,  # merge: matrix cells -> one report
+    )
 
     add_merge_parser(sub)
 
-    from conformance.matrix import add_parser as add_matrix_parser
+    from conformance.release.matrix import add_parser as add_matrix_parser
 
     add_matrix_parser(sub)
 
     s = sub.add_parser("subjects", help="list available subjects")
     s.set_defaults(func=cmd_subjects)
 
-    from conformance.record import add_parser as add_record_parser
-    from conformance.release_diff import add_parser as add_release_diff_parser
+    from conformance.release.record import add_parser as add_record_parser
+    from conformance.release.release_diff import add_parser as add_release_diff_parser
 
     add_record_parser(sub)  # the installed release's own schedulers on a corpus
     add_release_diff_parser(sub)  # two recordings of one corpus from two releases
 
-    from conformance.upstream_tests import add_subparser as add_upstream_tests
+    from conformance.release.upstream_tests import add_subparser as add_upstream_tests
 
     add_upstream_tests(sub)  # vLLM's own scheduler tests on the subject's classes
     return p

@@ -2,7 +2,7 @@
 hypothesis profiles and the upstream-compat report.
 
 * markers: ``invariants`` (the CI gate's suite) and ``clauses("C-01", ...)`` (what a test covers;
-  an id that ``conformance.clauses`` does not define fails collection);
+  an id that ``conformance._core.clauses`` does not define fails collection);
 * options, each backing the ``omni-conformance check`` option of the same last word:
   ``--conformance-subject`` (name, entry point or ``module:attr``; default
   ``$OMNI_CONFORMANCE_SUBJECT`` or ``omni``), ``--conformance-report-dir DIR`` (write the report
@@ -22,8 +22,8 @@ travel from xdist workers to the controller in ``user_properties``; only the con
 the report. A skipped test is recorded as *not applicable* with pytest's skip reason; a failure's
 message leads with its cause, recognised by type where the harness raised it (a subject that
 cannot be loaded, a lock-step difference), else the exception's type and message. Loading a
-subject that patches vLLM (``conformance.pristine``) moves the oracle into its own process
-(``conformance.oracle_process``); each test records where it ran, and so does the report.
+subject that patches vLLM (``conformance._core.pristine``) moves the oracle into its own process
+(``conformance._core.oracle_process``); each test records where it ran, and so does the report.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 
 if TYPE_CHECKING:  # the plugin loads in every pytest run here: keep vLLM and torch out of it
-    from conformance.config import HarnessConfig
+    from conformance._core.config import HarnessConfig
 
 # User-facing defaults of the options (the same variables ``omni-conformance check`` reads).
 PROFILE_ENV = "OMNI_CONFORMANCE_PROFILE"
@@ -60,7 +60,7 @@ _COMMON: dict[str, Any] = {
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
 }
 # ci: no hypothesis shrink phase. Shrinking a 50-step program can take minutes against a broken
-# subject; the harness's own bounded shrinker (``conformance.lockstep.Shrinker``, 60 s by default)
+# subject; the harness's own bounded shrinker (``conformance._core.lockstep.Shrinker``, 60 s by default)
 # shrinks the saved trace instead — under every profile, once per failing test, after hypothesis
 # has settled on its example. No example database either: replaying examples a developer's
 # earlier runs saved would change what a derandomized run executes, and the gate must compare the
@@ -175,7 +175,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     config.addinivalue_line(
         "markers",
-        "clauses(*ids): contract clauses (C-xx, defined in conformance/clauses.py) a test "
+        "clauses(*ids): contract clauses (C-xx, defined in conformance/_core/clauses.py) a test "
         "covers, for the compat report",
     )
     if config.getoption("hypothesis_profile", None) is None:
@@ -231,8 +231,8 @@ class ConformanceRecorder:
         self.trace: str | None = None
 
     def lockstep(self, config: HarnessConfig | None = None, **kw: Any) -> Any:
-        from conformance.config import HarnessConfig
-        from conformance.lockstep import Lockstep
+        from conformance._core.config import HarnessConfig
+        from conformance._core.lockstep import Lockstep
 
         session = Lockstep(config or HarnessConfig(), self.subject, **kw)
         self.sessions.append(session)
@@ -257,14 +257,14 @@ class ConformanceRecorder:
         trace and no failing example hypothesis tries on its way is shrunk twice.
         ``do_shrink=False`` ("hypothesis shrinks this example") is accepted for compatibility.
         """
-        from conformance.lockstep import SubjectBroken
+        from conformance._core.lockstep import SubjectBroken
 
         diff = self._record(session, name, do_shrink=False)
         self._pending = (session, name)
         raise SubjectBroken(diff)
 
     def finish(self) -> None:
-        """Shrink the last recorded failure (bounded; see ``conformance.lockstep.Shrinker``)."""
+        """Shrink the last recorded failure (bounded; see ``conformance._core.lockstep.Shrinker``)."""
         if self._pending is None:
             return
         session, name = self._pending
@@ -272,7 +272,7 @@ class ConformanceRecorder:
         self._record(session, name, do_shrink=True)
 
     def _record(self, session: Any, name: str, *, do_shrink: bool) -> Any:
-        from conformance.replay import record_failure
+        from conformance._core.replay import record_failure
 
         path, diff = record_failure(
             session,
@@ -293,7 +293,7 @@ class ConformanceRecorder:
             self.fail(session, name)
 
     def properties(self) -> dict[str, Any]:
-        from conformance.pristine import oracle_placement
+        from conformance._core.pristine import oracle_placement
 
         self._fold()
         return {
@@ -327,8 +327,8 @@ def conformance_subject_spec(request: pytest.FixtureRequest) -> str:
 def conformance_subject(request: pytest.FixtureRequest, conformance_subject_spec: str) -> Any:
     """The subject, loaded under the pristine guard (one that patches vLLM loads, and the oracle
     then runs in its own process); one that cannot be loaded raises ``SubjectLoadError``."""
-    from conformance.pristine import isolate_oracle
-    from conformance.subjects import load_subject
+    from conformance._core.pristine import isolate_oracle
+    from conformance._core.subjects import load_subject
 
     if request.config.getoption("conformance_oracle") == "process":
         isolate_oracle("requested by --conformance-oracle process")
@@ -361,10 +361,10 @@ def conformance(
 @pytest.fixture
 def paired_schedulers(conformance_subject: Any) -> Callable[..., tuple[Any, Any]]:
     """``make(cfg) -> (upstream scheduler, subject scheduler)``, built from the same config."""
-    from conformance.subjects import UpstreamSubject
+    from conformance._core.subjects import UpstreamSubject
 
     def make(cfg: HarnessConfig | None = None) -> tuple[Any, Any]:
-        from conformance.config import HarnessConfig
+        from conformance._core.config import HarnessConfig
 
         cfg = cfg or HarnessConfig()
         return UpstreamSubject().build_scheduler(cfg), conformance_subject.build_scheduler(cfg)
@@ -375,8 +375,8 @@ def paired_schedulers(conformance_subject: Any) -> Callable[..., tuple[Any, Any]
 @pytest.fixture
 def paired_drivers(paired_schedulers: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple]:
     """``make(cfg) -> (upstream driver, subject driver)``, each with its own token source."""
-    from conformance.driver import make_driver
-    from conformance.tokens import DeterministicTokenSource
+    from conformance._core.driver import make_driver
+    from conformance._core.tokens import DeterministicTokenSource
 
     def make(cfg: HarnessConfig | None = None) -> tuple[Any, Any]:
         up, sub = paired_schedulers(cfg)
@@ -392,7 +392,7 @@ def paired_drivers(paired_schedulers: Callable[..., tuple[Any, Any]]) -> Callabl
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    from conformance.clauses import unknown
+    from conformance._core.clauses import unknown
 
     problems: list[str] = []
     for item in items:
@@ -406,7 +406,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if problems:
         shown = "\n  ".join(problems[:20]) + ("\n  ..." if len(problems) > 20 else "")
         raise pytest.UsageError(
-            "clauses(...) markers name clause ids that conformance/clauses.py does not define "
+            "clauses(...) markers name clause ids that conformance/_core/clauses.py does not define "
             f"(see docs/contracts.md):\n  {shown}"
         )
 
@@ -423,7 +423,7 @@ def pytest_runtest_makereport(
         return report
     error = excinfo.value
     # Only a run that imported the harness can have raised its difference: no vLLM import here.
-    lockstep = sys.modules.get("conformance.lockstep")
+    lockstep = sys.modules.get("conformance._core.lockstep")
     if isinstance(error, SubjectLoadError):
         report.user_properties.append((_CAUSE_PROP, str(error)))
     elif lockstep is not None and isinstance(error, lockstep.SubjectBroken):
@@ -472,7 +472,7 @@ def _first_line(report: pytest.TestReport, first_difference: dict[str, Any] | No
     one; else the exception's type and message — never hypothesis's boilerplate ("Falsifying
     example ...") and never a bare exception type when the report holds its message.
     """
-    from conformance.report import difference_headline
+    from conformance._core.report import difference_headline
 
     if first_difference:
         return difference_headline(first_difference)
@@ -513,7 +513,7 @@ def _skip_reason(report: pytest.TestReport) -> str:
 
 
 # A suite test that could not run a promised check fails with this prefix
-# (``conformance.capabilities.CheckNotRun``); the report gives it its own outcome.
+# (``conformance._core.capabilities.CheckNotRun``); the report gives it its own outcome.
 NOT_RUN_PREFIX = "not run here: "
 
 
@@ -573,7 +573,7 @@ class ConformanceSession:
         if entry["outcome"] in ("failed", "error") and entry.get("first_difference"):
             # The recorder's properties arrive with the teardown report, after the (shrunk) trace
             # was saved: its first difference is the cause to lead with.
-            from conformance.report import difference_headline
+            from conformance._core.report import difference_headline
 
             entry["message"] = difference_headline(entry["first_difference"])
 
@@ -584,8 +584,8 @@ class ConformanceSession:
         out_dir = config.getoption("conformance_report_dir")
         if not out_dir:
             return
-        from conformance.report import ReportBuilder, TestRecord, write_report
-        from conformance.vllm_compat import environment_versions
+        from conformance._core.report import ReportBuilder, TestRecord, write_report
+        from conformance._core.vllm_compat import environment_versions
 
         profile = _profile_name(config)
         seed = config.getoption("hypothesis_seed", None)
@@ -617,7 +617,7 @@ class ConformanceSession:
     def pytest_terminal_summary(self, terminalreporter: Any) -> None:
         if self.report is None:
             return
-        from conformance.report import counts_line
+        from conformance._core.report import counts_line
 
         rep = self.report
         tr = terminalreporter

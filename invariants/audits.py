@@ -1,6 +1,6 @@
 """Run-time audits of the subject side of a lock-step session (AR-INV-002, AR-INV-003).
 
-Each audit reads only what the subject declared (``conformance.capabilities``):
+Each audit reads only what the subject declared (``conformance._core.capabilities``):
 
 * ``audit_requests`` / ``audit_scheduler`` (``DeclaredAttributes``) — a live request carries no
   attribute upstream's ``Request`` lacks beyond the declared slots, each slot holds its declared
@@ -30,8 +30,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from conformance.capabilities import DeclaredAttributes, PayloadView
-from conformance.driver import Deferred, collect, submit
+from conformance._core.capabilities import DeclaredAttributes, PayloadView
+from conformance._core.driver import Deferred, collect, submit
 
 _SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
 

@@ -68,8 +68,8 @@ _SUBJECT = pytest.StashKey[object]()
 def collection_subject(config):
     """The subject the run names, loaded once per process for parametrization."""
     if _SUBJECT not in config.stash:
+        from conformance._core.subjects import load_subject
         from conformance.plugin import SubjectLoadError
-        from conformance.subjects import load_subject
 
         spec = str(config.getoption("conformance_subject"))
         try:
@@ -81,7 +81,7 @@ def collection_subject(config):
 
 def pytest_generate_tests(metafunc):
     if "feature" in metafunc.fixturenames:
-        from conformance.capabilities import features_of
+        from conformance._core.capabilities import features_of
 
         marker = metafunc.definition.get_closest_marker("features")
         worker = None if marker is None else marker.kwargs.get("worker")
@@ -100,7 +100,7 @@ def pytest_configure(config):
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
-    from conformance.capabilities import CheckNotRun, NotApplicable
+    from conformance._core.capabilities import CheckNotRun, NotApplicable
     from conformance.plugin import NOT_RUN_PREFIX
 
     try:

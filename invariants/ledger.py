@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from conformance.capabilities import ChunkDelivery, ChunkView, Feature
+from conformance._core.capabilities import ChunkDelivery, ChunkView, Feature
 from invariants.reference import CachedReference
 
 

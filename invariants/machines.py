@@ -1,15 +1,15 @@
 """Audited lock-step machines: the engine of every stateful invariant in this suite.
 
-Built on the harness (``conformance.lockstep.Lockstep`` and ``conformance.machine``): the
+Built on the harness (``conformance._core.lockstep.Lockstep`` and ``conformance._core.machine``): the
 workload language, the upstream comparison after every operation (C-01..C-07) and conservation
 at teardown (C-06) are the harness's. This module adds, for whatever the subject declares
-(``conformance.capabilities``):
+(``conformance._core.capabilities``):
 
 * ``AuditedLockstep`` — after every operation, the audits of ``invariants.audits`` (declared
   attributes C-10..C-12, executor results C-20/C-51, sends from worker frames C-21, what crossed a
   process boundary and what it still holds C-46), and a ledger of every request's accepted
   tokens and finish for the teardown checks of ``invariants.ledger``.
-* ``InvariantMachine`` — ``conformance.machine.LockstepMachine`` over an audited session: audit
+* ``InvariantMachine`` — ``conformance._core.machine.LockstepMachine`` over an audited session: audit
   problems fail the program after the operation that caused them (an ``@invariant``), the ledger
   and the model reference are checked after the drain at teardown.
 * ``MachineRun`` / ``run_machine`` — one property's run: which subject, feature and config, and
@@ -31,13 +31,13 @@ from typing import Any
 from hypothesis import settings
 from hypothesis.stateful import invariant, run_state_machine_as_test
 
-from conformance.capabilities import OFF, Feature
-from conformance.config import HarnessConfig
-from conformance.lockstep import Lockstep, Shrinker, Side, SubjectBroken
-from conformance.machine import PREFIXES, TIGHT, LockstepMachine
-from conformance.replay import failures_dir
-from conformance.vllm_compat import environment_versions
-from conformance.workload import Abort, AddRequest, Step, Trace
+from conformance._core.capabilities import OFF, Feature
+from conformance._core.config import HarnessConfig
+from conformance._core.lockstep import Lockstep, Shrinker, Side, SubjectBroken
+from conformance._core.machine import PREFIXES, TIGHT, LockstepMachine
+from conformance._core.replay import failures_dir
+from conformance._core.vllm_compat import environment_versions
+from conformance._core.workload import Abort, AddRequest, Step, Trace
 from invariants.audits import (
     CheckingExecutor,
     RecordingSink,
@@ -442,7 +442,7 @@ def record_audit_failure(
     check_reference: bool,
     folder: str | Path | None = None,
 ) -> tuple[Path, str]:
-    """Shrink (bounded, ``conformance.lockstep.Shrinker``) the failing session's trace to the
+    """Shrink (bounded, ``conformance._core.lockstep.Shrinker``) the failing session's trace to the
     smallest one whose audits fail with the same clause, and save it for ``replay``."""
     found = Trace(session.config, list(session.trace.ops), dict(session.trace.prefixes))
     subject, feature, clause = session.subject, session.feature, _clause(problems[0])

@@ -21,9 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from conformance import vllm_compat as vc
+from conformance._core import vllm_compat as vc
 
-# Abort states (``conformance.lockstep.Side.abort_state``) in which the abort ends the request;
+# Abort states (``conformance._core.lockstep.Side.abort_state``) in which the abort ends the request;
 # in the others it finished already (its finished output is, or will be, its outcome) or is gone.
 ENDS_REQUEST = frozenset({"waiting", "running", "in_flight", "preempted"})
 CLIENT_ABORT = "client abort"
@@ -46,7 +46,7 @@ class TerminalOutcomes:
             seen.append(CLIENT_ABORT)
 
     def emitted(self, outputs: Mapping[str, Mapping[str, Any]], where: str) -> None:
-        """One step's outputs (``conformance.observe.observe_outputs``: ``<id>`` or ``<id>#n``)."""
+        """One step's outputs (``conformance._core.observe.observe_outputs``: ``<id>`` or ``<id>#n``)."""
         for key, out in outputs.items():
             reason = out.get("finish_reason")
             rid = key.split("#", 1)[0]

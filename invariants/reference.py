@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from conformance.capabilities import CheckNotRun, ModelReference
+from conformance._core.capabilities import CheckNotRun, ModelReference
 
 
 class CachedReference:

@@ -2,11 +2,11 @@
 
 Both read only what the subject declares: its registry (``Subject.differences``, part of the
 protocol) and, for "still needed", its ``DifferenceWitness`` workloads
-(``Subject.difference_witnesses``, a capability; ``conformance.capabilities``).
+(``Subject.difference_witnesses``, a capability; ``conformance._core.capabilities``).
 
 * ``registry_problems`` — an entry must name the fields it may change (patterns over the
   harness's snapshot sections, so it can match something), the condition in words and as a
-  predicate, its rationale, the clauses it concerns (ids ``conformance.clauses`` defines) and at
+  predicate, its rationale, the clauses it concerns (ids ``conformance._core.clauses`` defines) and at
   least one test that makes it happen (a pytest node id, ``path.py::name``).
 * ``witness_problems`` — each entry has a witness; the witness's workload, run in lock step with
   the whole registry, passes and is tolerated at least once by that entry (the entry is used);
@@ -25,12 +25,12 @@ from collections.abc import Sequence
 from fnmatch import fnmatchcase
 from typing import Any
 
-from conformance.capabilities import DifferenceWitness
-from conformance.clauses import unknown
-from conformance.differences import Registry, validate_entries
+from conformance._core.capabilities import DifferenceWitness
+from conformance._core.clauses import unknown
+from conformance._core.differences import Registry, validate_entries
 from invariants.machines import AuditedLockstep, harness_config
 
-# The top-level sections of a lock-step snapshot (``conformance.observe``): a field pattern
+# The top-level sections of a lock-step snapshot (``conformance._core.observe``): a field pattern
 # outside them can never match, so the entry would tolerate nothing.
 SNAPSHOT_SECTIONS = ("requests.", "queues.", "block_pool.", "sched_out.", "outputs.", "audit.")
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from conformance.capabilities import PayloadView
-from conformance.config import HarnessConfig
-from conformance.subjects import UpstreamSubject, admit_request
-from conformance.workload import AddRequest
+from conformance._core.capabilities import PayloadView
+from conformance._core.config import HarnessConfig
+from conformance._core.subjects import UpstreamSubject, admit_request
+from conformance._core.workload import AddRequest
 from invariants.strategies import Job, job_prompt
 
 

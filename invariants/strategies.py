@@ -33,11 +33,11 @@ from typing import Any
 import torch
 from hypothesis import strategies as st
 
-from conformance import vllm_compat as vc
-from conformance.capabilities import ChunkDelivery, StageInputSpec
-from conformance.harness_faults import harness_code
-from conformance.machine import PREFIXES
-from conformance.tokens import DeterministicTokenSource
+from conformance._core import vllm_compat as vc
+from conformance._core.capabilities import ChunkDelivery, StageInputSpec
+from conformance._core.harness_faults import harness_code
+from conformance._core.machine import PREFIXES
+from conformance._core.tokens import DeterministicTokenSource
 
 
 def stable_hash(*parts: Any) -> int:
@@ -650,7 +650,7 @@ class Job:
     abort_after: int | None
 
 
-# The workload language's shared prefixes (``conformance.machine.PREFIXES``), numbered for ``Job``.
+# The workload language's shared prefixes (``conformance._core.machine.PREFIXES``), numbered for ``Job``.
 PREFIX_TOKENS: dict[int, list[int]] = {0: [], 1: list(PREFIXES["sys"]), 2: list(PREFIXES["doc"])}
 
 # Batches whose shape random draws meet rarely, but where a runner's bookkeeping changes: the

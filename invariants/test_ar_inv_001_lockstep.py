@@ -1,7 +1,7 @@
 """AR-INV-001 (C-01, C-02, C-04, C-05, C-06, C-07): the subject's schedulers make upstream's
 transitions, step for step, on generated workloads — the harness's plain machine, no audits.
 
-Hypothesis generates programs in the workload language (``conformance.machine``): requests with
+Hypothesis generates programs in the workload language (``conformance._core.machine``): requests with
 shared prefixes, tight block budgets (so preemption and eviction happen), aborts of any subset of
 ids in any state, stop tokens, max_tokens, and all three forms of ``reset_prefix_cache``. Each
 operation is applied to upstream vLLM and to the subject in lock step; after each one, request
@@ -19,7 +19,7 @@ and async (batch-queue) scheduling.
 import pytest
 from hypothesis.stateful import run_state_machine_as_test
 
-from conformance.machine import machine_for
+from conformance._core.machine import machine_for
 from invariants.machines import harness_config
 
 pytestmark = [pytest.mark.invariants]

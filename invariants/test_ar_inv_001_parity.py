@@ -1,7 +1,7 @@
 """AR-INV-001 (C-01..C-08): the subject makes upstream vLLM's transitions at every step, with
 every feature it declares, in sync and async scheduling, with prefix caching on and off.
 
-Each example is a hypothesis program in the harness's workload language (``conformance.machine``)
+Each example is a hypothesis program in the harness's workload language (``conformance._core.machine``)
 run by an audited lock-step session (``invariants.machines``): requests drawn from a small
 vocabulary with two shared prefixes (so the prefix cache hits and, with 14 blocks of 16 tokens,
 evicts), block and token budgets tight enough to preempt, aborts of random subsets of ids in
@@ -37,7 +37,7 @@ proven by ``tests/test_mutant_selftest.py``.
 
 import pytest
 
-from conformance.capabilities import features_of, require, require_worker
+from conformance._core.capabilities import features_of, require, require_worker
 from conformance.plugin import covers
 from invariants.machines import (
     check_machine,

@@ -36,14 +36,14 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from conformance import vllm_compat as vc
-from conformance.capabilities import (
+from conformance._core import vllm_compat as vc
+from conformance._core.capabilities import (
     NotApplicable,
     SourceLayout,
     features_of,
     require,
 )
-from conformance.subjects import admit_request
+from conformance._core.subjects import admit_request
 from invariants.audits import same_scalar, tensor_difference
 from invariants.machines import check_machine, lockstep_run, suite_settings
 from invariants.strategies import Malformed, malformed_inputs, malformed_kinds

@@ -53,7 +53,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.capabilities import (
+from conformance._core.capabilities import (
     Feature,
     NotApplicable,
     RunnerProbes,

@@ -38,15 +38,15 @@ import pytest
 import torch
 from hypothesis import example, given
 
-from conformance.capabilities import (
+from conformance._core.capabilities import (
     NotApplicable,
     PayloadView,
     RunnerProbes,
     require,
     require_worker,
 )
-from conformance.vllm_compat import computed_before
-from conformance.workload import AddRequest, ResetPrefixCache, Step
+from conformance._core.vllm_compat import computed_before
+from conformance._core.workload import AddRequest, ResetPrefixCache, Step
 from invariants.audits import CheckingExecutor
 from invariants.machines import (
     AuditedLockstep,

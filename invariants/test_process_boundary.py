@@ -1,7 +1,7 @@
 """C-46: what crosses a stage's process boundary arrives unchanged, and nothing of it stays.
 
 A subject whose scheduler runs in a process of its own (``process_boundary``, see
-``conformance.capabilities.ProcessBoundary``) admits requests through its ``admit`` hook and
+``conformance._core.capabilities.ProcessBoundary``) admits requests through its ``admit`` hook and
 hands the harness each step's outputs through ``receive_outputs``, as its runtime does across
 the boundary. What crossed is checked in two places:
 
@@ -34,8 +34,8 @@ from typing import Any
 import pytest
 from hypothesis import given
 
-from conformance.capabilities import ProcessBoundary, require
-from conformance.subjects import admit_request
+from conformance._core.capabilities import ProcessBoundary, require
+from conformance._core.subjects import admit_request
 from invariants.audits import crossing_problems, leftover_problems
 from invariants.machines import suite_settings
 from invariants.strategies import every_slot_kind, stage_inputs

@@ -22,7 +22,7 @@ run twice. Positive control: the mutant ``stale_registry_entry`` (``tests/mutant
 
 import pytest
 
-from conformance.capabilities import require
+from conformance._core.capabilities import require
 from invariants.registry import registry_problems, witness_problems
 
 pytestmark = [pytest.mark.invariants]

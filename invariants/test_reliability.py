@@ -9,7 +9,7 @@ of one request, the *victim* (vLLM never serves the last prompt position from th
 so the victim's prefill always embeds it).
 
 The subject's own scheduler and worker run the workload, stepped as vLLM's ``EngineCore`` steps
-them (``conformance.driver``), sync and async, with inline and background payloads; some
+them (``conformance._core.driver``), sync and async, with inline and background payloads; some
 requests may end at this stage (drawn from the containment feature's final stages), so a step
 may carry no chunk at all, and the victim's error output then joins plain step outputs:
 
@@ -53,12 +53,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.capabilities import FaultContainment, require, require_worker
-from conformance.driver import WorkerExecutor, make_driver
-from conformance.machine import client_trace_headers
-from conformance.subjects import admit_request, received_outputs
-from conformance.vllm_compat import state as vc
-from conformance.workload import AddRequest
+from conformance._core.capabilities import FaultContainment, require, require_worker
+from conformance._core.driver import WorkerExecutor, make_driver
+from conformance._core.machine import client_trace_headers
+from conformance._core.subjects import admit_request, received_outputs
+from conformance._core.vllm_compat import state as vc
+from conformance._core.workload import AddRequest
 from invariants.machines import suite_settings, worker_harness_config
 from invariants.outcomes import Outcome
 from invariants.strategies import Job, job_prompt, jobs

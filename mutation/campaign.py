@@ -289,7 +289,7 @@ import pathlib
 
 import pytest
 
-from conformance.config import HarnessConfig, build_vllm_config
+from conformance._core.config import HarnessConfig, build_vllm_config
 
 
 

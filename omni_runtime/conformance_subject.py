@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from conformance.capabilities import (
+from conformance._core.capabilities import (
     ChunkView,
     Crossing,
     DeclaredAttributes,
@@ -46,11 +46,16 @@ from conformance.capabilities import (
     SourceLayout,
     StageInputSpec,
 )
-from conformance.config import HarnessConfig, block_hasher, build_kv_cache_config, build_vllm_config
-from conformance.differences import Difference
-from conformance.machine import TIGHT
-from conformance.subjects import BaseSubject, DifferenceEntry, make_sampling_params
-from conformance.workload import AddRequest, Step
+from conformance._core.config import (
+    HarnessConfig,
+    block_hasher,
+    build_kv_cache_config,
+    build_vllm_config,
+)
+from conformance._core.differences import Difference
+from conformance._core.machine import TIGHT
+from conformance._core.subjects import BaseSubject, DifferenceEntry, make_sampling_params
+from conformance._core.workload import AddRequest, Step
 
 PACKAGE = Path(__file__).resolve().parent
 STAGES = ("thinker", "talker", "code2wav")
@@ -996,7 +1001,7 @@ def _misreported(scheduler: Any, audit: Mapping[str, Any]) -> list[str]:
     """The fields of a stage's ``"audit"`` answer that disagree with what it holds: upstream's
     queues and block pool read through the gate's vLLM accessors, and the send path's state
     read from the objects the answer summarises."""
-    from conformance.vllm_compat.state import (
+    from conformance._core.vllm_compat.state import (
         block_pool,
         live_request_ids,
         num_free_blocks,
@@ -1180,7 +1185,7 @@ def _as_sent(frames: Sequence[Any]) -> list[bytes]:
 
 def _supported() -> None:
     """Refuse, as unsupported rather than broken, a vLLM release the runtime does not support."""
-    from conformance.subjects import SubjectUnsupported
+    from conformance._core.subjects import SubjectUnsupported
     from omni_runtime.vllm_support import UnsupportedVllm, check_vllm
 
     try:

@@ -4,7 +4,7 @@ This is the runtime's side of AR-INV-001: a difference observed by the conforman
 tolerated only when an entry below names the field, its ``applies`` condition holds for the
 observed difference, and a named test makes the difference happen. Anything else is a failure.
 The harness reads ``DIFFERENCES``; the entry type is the harness's own
-``conformance.differences.Difference``, as for any subject.
+``conformance._core.differences.Difference``, as for any subject.
 
 ``fields`` are ``fnmatch`` patterns over the harness's field paths (``outputs.<req>.omni_eof``);
 ``applies(ctx)`` receives the harness's difference context, a mapping with at least ``path``,
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from conformance.differences import Difference
+from conformance._core.differences import Difference
 
 
 def _stage(ctx: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
-from conformance import pristine  # noqa: E402
+from conformance._core import pristine  # noqa: E402
 from omni_runtime.platform import install_for_process  # noqa: E402
 
 install_for_process()

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-from conformance.capabilities import features_of
+from conformance._core.capabilities import features_of
+from conformance._core.replay import load_trace
 from conformance.cli import main
-from conformance.replay import load_trace
 from invariants.machines import MachineRun, harness_config, raise_failure, replay_audit, run_machine
 from omni_runtime.conformance_subject import OmniSubject
 from tests.mutants.runtime_mutants import by_name

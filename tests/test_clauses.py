@@ -2,7 +2,7 @@
 reference to a document the repository does not hold.
 
 * Every clause id (``C-xx``) cited in the code, the tests and the docs is defined in
-  ``conformance/clauses.py``, and every clause defined there is cited somewhere.
+  ``conformance/_core/clauses.py``, and every clause defined there is cited somewhere.
 * ``docs/contracts.md`` defines exactly those clauses, each under a heading
   ``### C-xx · <title>`` with the table's title and a line naming its invariant or group.
 * The compat report counts exactly the table's clauses and invariants.
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import pytest
 
-from conformance import clauses
+from conformance._core import clauses
+from conformance._core.report import CLAUSES as REPORT_CLAUSES
+from conformance._core.report import INVARIANTS as REPORT_INVARIANTS
 from conformance.cli import _plugin_installed
-from conformance.report import CLAUSES as REPORT_CLAUSES
-from conformance.report import INVARIANTS as REPORT_INVARIANTS
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACTS = ROOT / "docs" / "contracts.md"
@@ -42,7 +42,7 @@ SKIP_DIRS = {
 WRITTEN_BY_TOOLS = {"compat-report.md", "matrix-report.md", "release-diff.md", "score.md"}
 # The table itself, its documentation and this test define or name ids rather than cite them.
 DEFINERS = {
-    Path("conformance/clauses.py"),
+    Path("conformance/_core/clauses.py"),
     Path("docs/contracts.md"),
     Path("tests/test_clauses.py"),
 }
@@ -99,7 +99,7 @@ def test_every_cited_clause_is_defined_and_every_defined_clause_is_cited():
     cited = _cited()
     undefined = {cid: sorted(map(str, paths)) for cid, paths in cited.items()}
     undefined = {cid: where for cid, where in undefined.items() if cid not in clauses.CLAUSES}
-    assert not undefined, f"cited but not defined in conformance/clauses.py: {undefined}"
+    assert not undefined, f"cited but not defined in conformance/_core/clauses.py: {undefined}"
     never_cited = sorted(set(clauses.CLAUSES) - set(cited))
     assert not never_cited, f"defined but cited nowhere: {never_cited}"
 
@@ -165,7 +165,7 @@ def test_an_unknown_clause_in_a_marker_fails_collection(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == pytest.ExitCode.USAGE_ERROR, out[-3000:]
     assert "test_cites_a_clause_nobody_defined: C-99" in out, out[-3000:]
-    assert "conformance/clauses.py" in out, out[-3000:]
+    assert "conformance/_core/clauses.py" in out, out[-3000:]
 
 
 # ---- references to documents ----------------------------------------------------------------

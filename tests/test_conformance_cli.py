@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from conformance._core.report import validate
 from conformance.cli import main
-from conformance.report import validate
 
 pytestmark = pytest.mark.clauses("C-01", "C-03")
 ROOT = Path(__file__).resolve().parents[1]

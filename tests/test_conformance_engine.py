@@ -15,8 +15,8 @@ import os
 
 import pytest
 
-from conformance.config import HarnessConfig, block_hasher, build_vllm_config
-from conformance.token_worker import QUALNAME
+from conformance._core.config import HarnessConfig, block_hasher, build_vllm_config
+from conformance._core.token_worker import QUALNAME
 
 pytestmark = pytest.mark.clauses("C-01", "C-04", "C-07")
 

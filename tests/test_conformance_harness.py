@@ -16,24 +16,23 @@ from dataclasses import replace
 
 import pytest
 
-from conformance import vllm_compat
-from conformance.cli import main
-from conformance.compare import compare, iter_differences
-from conformance.config import HarnessConfig
-from conformance.differences import Registry, validate_entries
-from conformance.lockstep import Lockstep, run_trace, shrink
-from conformance.machine import PREFIXES, TIGHT
-from conformance.observe import observe_schedule
-from conformance.report import ReportBuilder, TestRecord, render_junit, validate, write_report
-from conformance.scenarios import run_canonical
-from conformance.subjects import (
+from conformance._core import vllm_compat
+from conformance._core.compare import compare, iter_differences
+from conformance._core.config import HarnessConfig
+from conformance._core.differences import Registry, validate_entries
+from conformance._core.lockstep import Lockstep, run_trace, shrink
+from conformance._core.machine import PREFIXES, TIGHT
+from conformance._core.observe import observe_schedule
+from conformance._core.report import ReportBuilder, TestRecord, render_junit, validate, write_report
+from conformance._core.scenarios import run_canonical
+from conformance._core.subjects import (
     BaseSubject,
     UpstreamSubject,
     available_subjects,
     load_subject,
 )
-from conformance.tokens import DeterministicTokenSource
-from conformance.workload import (
+from conformance._core.tokens import DeterministicTokenSource
+from conformance._core.workload import (
     Abort,
     AddRequest,
     DeliverChunks,
@@ -41,6 +40,7 @@ from conformance.workload import (
     Step,
     Trace,
 )
+from conformance.cli import main
 from omni_runtime.conformance_subject import OmniSubject
 
 pytestmark = pytest.mark.clauses("C-01", "C-03")
@@ -218,7 +218,7 @@ def test_token_source_is_a_faithful_worker():
 
 def test_stop_tokens_only_where_the_request_allows_them():
     src = DeterministicTokenSource()
-    from conformance.tokens import _ReqView
+    from conformance._core.tokens import _ReqView
 
     free = _ReqView(num_tokens=0, stop_ids=(), eos=None)
     stops = _ReqView(num_tokens=0, stop_ids=(5, 6), eos=None)
@@ -229,7 +229,7 @@ def test_stop_tokens_only_where_the_request_allows_them():
 
 
 def test_token_edges_are_sampled_and_replay_from_a_trace_config():
-    from conformance.tokens import EDGE_PERIOD, _ReqView
+    from conformance._core.tokens import EDGE_PERIOD, _ReqView
 
     edges = (0, 255, 256)
     src = DeterministicTokenSource(edges=edges)
@@ -253,7 +253,7 @@ def test_token_edges_are_sampled_and_replay_from_a_trace_config():
 def test_speculative_decoding_changes_steps_not_tokens():
     """Drafting and verifying must leave every request's tokens what one token a step gives
     (tokens are a function of position), while steps accept several and reject some."""
-    from conformance.driver import SyncDriver
+    from conformance._core.driver import SyncDriver
 
     def run(drafts: int) -> tuple[dict[str, list[int]], list[int]]:
         cfg = HarnessConfig(num_speculative_tokens=drafts)
@@ -359,7 +359,7 @@ def test_another_runtime_plugs_in_with_one_small_module():
 
 
 def test_worker_mode_with_a_worker_base_subclass():
-    from conformance.token_worker import QUALNAME
+    from conformance._core.token_worker import QUALNAME
 
     class WithWorker(UpstreamSubject):
         worker_cls = QUALNAME
@@ -368,7 +368,7 @@ def test_worker_mode_with_a_worker_base_subclass():
         cfg = TIGHT.with_(async_scheduling=mode)
         via_worker = Lockstep(cfg, WithWorker(), prefixes=PREFIXES, use_worker=True)
         session = run_canonical(cfg, WithWorker())  # token-source mode
-        from conformance.scenarios import canonical_workload
+        from conformance._core.scenarios import canonical_workload
 
         canonical_workload(via_worker)
         assert via_worker.failure is None
@@ -500,7 +500,7 @@ def test_wrong_environment_is_one_clear_line(monkeypatch, capsys, problem):
 
 
 def test_supported_releases_and_keyed_differences():
-    from conformance.vllm_compat.versions import ByRelease, Change, supported_minor
+    from conformance._core.vllm_compat.versions import ByRelease, Change, supported_minor
 
     assert vllm_compat.SUPPORTED_VLLM == (
         "0.28.0",
@@ -524,7 +524,7 @@ def test_supported_releases_and_keyed_differences():
 def test_untested_vllm_opt_in_marks_the_environment(monkeypatch):
     from importlib import metadata
 
-    from conformance.vllm_compat import versions
+    from conformance._core.vllm_compat import versions
 
     real = metadata.version
     monkeypatch.setattr(metadata, "version", lambda n: "0.34.0" if n == "vllm" else real(n))
@@ -551,7 +551,7 @@ def test_paired_fixtures(paired_schedulers, paired_drivers):
 
 
 def test_report_marks_an_untested_vllm():
-    from conformance.report import render_markdown
+    from conformance._core.report import render_markdown
 
     env = {"python": "3.11", "vllm": "0.34.0", "torch": "2.14.0", "vllm_support": "untested"}
     b = ReportBuilder(subject="upstream", profile="ci", seed=0, environment=env)

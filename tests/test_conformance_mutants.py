@@ -15,13 +15,13 @@ import json
 
 import pytest
 
+from conformance._core.lockstep import Lockstep
+from conformance._core.machine import PREFIXES, TIGHT
+from conformance._core.replay import record_failure, replay
+from conformance._core.scenarios import run_canonical
+from conformance._core.subjects import UpstreamSubject
+from conformance._core.workload import Abort, Step, Trace
 from conformance.cli import main
-from conformance.lockstep import Lockstep
-from conformance.machine import PREFIXES, TIGHT
-from conformance.replay import record_failure, replay
-from conformance.scenarios import run_canonical
-from conformance.subjects import UpstreamSubject
-from conformance.workload import Abort, Step, Trace
 from omni_runtime.conformance_subject import OmniSubject
 from tests.mutants import harness_mutants as M
 
@@ -158,7 +158,7 @@ def test_replay_reproduces_the_failure_exactly(tmp_path, mode, capsys):
 
 
 def test_failures_folder_defaults_and_override(tmp_path, monkeypatch):
-    from conformance.replay import DEFAULT_FAILURES_DIR, failures_dir
+    from conformance._core.replay import DEFAULT_FAILURES_DIR, failures_dir
 
     monkeypatch.delenv("OMNI_CONFORMANCE_FAILURES", raising=False)
     assert str(failures_dir()) == DEFAULT_FAILURES_DIR == "conformance-failures"

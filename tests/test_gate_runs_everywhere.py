@@ -62,8 +62,8 @@ def test_every_check_runs_with_an_empty_path(tmp_path, run_check):
 MISSING_CONTRACTS = """
 from pathlib import Path
 
-from conformance.capabilities import SourceLayout
-from conformance.subjects import BaseSubject
+from conformance._core.capabilities import SourceLayout
+from conformance._core.subjects import BaseSubject
 
 
 class MissingContracts(BaseSubject):

@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.harness_faults import HarnessError, forget_pending, harness_code, raise_pending
-from conformance.lockstep import Lockstep
-from conformance.machine import TIGHT
-from conformance.workload import AddRequest, Step
+from conformance._core.harness_faults import (
+    HarnessError,
+    forget_pending,
+    harness_code,
+    raise_pending,
+)
+from conformance._core.lockstep import Lockstep
+from conformance._core.machine import TIGHT
+from conformance._core.workload import AddRequest, Step
 from invariants.strategies import ProcessorSpec
 from omni_runtime.conformance_subject import OmniSubject
 

@@ -8,7 +8,7 @@ import torch
 from vllm import SamplingParams
 from vllm.v1.request import Request
 
-from conformance.config import HarnessConfig, block_hasher, build_scheduler
+from conformance._core.config import HarnessConfig, block_hasher, build_scheduler
 from omni_runtime.adapters import (
     DECLARED_REQUEST_ATTRIBUTES,
     InputAdapter,

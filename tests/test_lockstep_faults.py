@@ -8,10 +8,10 @@ be attributed to OMNI-ERR-001, and the neighbour request must finish exactly as 
 
 from __future__ import annotations
 
-from conformance.config import HarnessConfig
-from conformance.differences import Registry
-from conformance.lockstep import Lockstep
-from conformance.workload import AddRequest, Step
+from conformance._core.config import HarnessConfig
+from conformance._core.differences import Registry
+from conformance._core.lockstep import Lockstep
+from conformance._core.workload import AddRequest, Step
 from omni_runtime.conformance_subject import OmniSubject, talker_stage
 
 STAGE = talker_stage(chunk_processor="tests.sched_steps.FailMarkedRequests")

@@ -1,6 +1,6 @@
 """A scripted lock-step comparison of upstream vLLM and the omni schedulers.
 
-The canonical workload (``conformance.scenarios``) runs shared prefixes under a tight block
+The canonical workload (``conformance._core.scenarios``) runs shared prefixes under a tight block
 budget (preemption), aborts in every state (waiting, running, preempted, finished but not yet
 reported, in flight under async scheduling), stop tokens, EOS, max_tokens and all three forms of
 ``reset_prefix_cache``, in sync and in async (batch-queue) scheduling. After every operation the
@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import pytest
 
-from conformance.differences import Registry
-from conformance.machine import TIGHT
-from conformance.scenarios import run_canonical
+from conformance._core.differences import Registry
+from conformance._core.machine import TIGHT
+from conformance._core.scenarios import run_canonical
 from omni_runtime.conformance_subject import OmniSubject
 
 pytestmark = pytest.mark.clauses("C-01", "C-02", "C-04", "C-05", "C-06", "C-07")

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from conformance import matrix
+from conformance._core.subjects import SubjectUnsupported
 from conformance.cli import main
-from conformance.envs import Environment, EnvSpec, harness_requirements, harness_source
-from conformance.subjects import SubjectUnsupported
+from conformance.release import matrix
+from conformance.release.envs import Environment, EnvSpec, harness_requirements, harness_source
 
 
 def test_env_names_follow_contents():
@@ -95,7 +95,7 @@ def test_refusals_are_unsupported_not_errors(tmp_path, monkeypatch):
     assert refused.status == "unsupported" and refused.data["error"] == "no release for 0.29"
     # Refused by the subject's factory when check loads it: check exits 4, the cell says why.
     (tmp_path / "picky_subject.py").write_text(
-        "from conformance.subjects import SubjectUnsupported\n"
+        "from conformance._core.subjects import SubjectUnsupported\n"
         "def subject():\n    raise SubjectUnsupported('needs vLLM 9.9')\n"
     )
     monkeypatch.chdir(tmp_path)

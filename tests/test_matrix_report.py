@@ -18,8 +18,9 @@ from typing import Any
 import jsonschema
 import pytest
 
+from conformance._core.report import ReportBuilder, TestRecord, write_report
 from conformance.cli import main
-from conformance.matrix_report import (
+from conformance.release.matrix_report import (
     CELL_SCHEMA_ID,
     build_matrix_report,
     load_cells,
@@ -31,7 +32,6 @@ from conformance.matrix_report import (
     validate,
     write_matrix_report,
 )
-from conformance.report import ReportBuilder, TestRecord, write_report
 
 DIFF = {
     "step": 7,

@@ -36,7 +36,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.database import InMemoryExampleDatabase
 
-from conformance.clauses import unknown
+from conformance._core.clauses import unknown
 from tests.mutants import runtime_mutants as CATALOGUE
 
 MAX_SHRUNK_OPS = 12
@@ -77,7 +77,7 @@ class Verdict:
 
 
 def _feature(subject: Any, name: str) -> Any:
-    from conformance.capabilities import features_of
+    from conformance._core.capabilities import features_of
 
     return {f.name: f for f in features_of(subject)}[name]
 

@@ -16,7 +16,7 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreOutputs
 from vllm.v1.request import Request, RequestStatus
 
-from conformance.config import HarnessConfig, block_hasher, build_scheduler
+from conformance._core.config import HarnessConfig, block_hasher, build_scheduler
 from omni_runtime.adapters import InputAdapter, StageInput
 from omni_runtime.config import stage_additional_config
 from omni_runtime.payload import OmniEngineCoreOutputs, StagePayload

@@ -1,7 +1,7 @@
 """The oracle in its own process: same observations as in process, and it stays upstream.
 
 When loading a subject patched vLLM in this process, lock-step runs upstream in a child process
-that never imported the subject (``conformance.oracle_process``). What could break:
+that never imported the subject (``conformance._core.oracle_process``). What could break:
 
 * the isolated oracle observes something else than the in-process one would (a lost field, a
   different block hash chain, a differently ordered queue): the snapshots of a random workload
@@ -26,12 +26,12 @@ import sys
 
 import pytest
 
-from conformance import pristine
-from conformance.lockstep import Lockstep, Side
-from conformance.machine import PREFIXES, TIGHT
-from conformance.oracle_process import OracleProcessError, ProcessSide, shared_oracle
-from conformance.subjects import load_subject
-from conformance.workload import Abort, AddRequest, Step
+from conformance._core import pristine
+from conformance._core.lockstep import Lockstep, Side
+from conformance._core.machine import PREFIXES, TIGHT
+from conformance._core.oracle_process import OracleProcessError, ProcessSide, shared_oracle
+from conformance._core.subjects import load_subject
+from conformance._core.workload import Abort, AddRequest, Step
 
 pytestmark = pytest.mark.clauses("C-01")
 
@@ -40,7 +40,7 @@ BREAKS_VLLM_ABORTS = """
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import RequestStatus
 
-from conformance.subjects import UpstreamSubject
+from conformance._core.subjects import UpstreamSubject
 
 _original = Scheduler.finish_requests
 
@@ -192,7 +192,7 @@ def test_check_and_replay_run_the_oracle_isolated_for_a_patching_subject(
 
 
 def test_an_oracle_process_needs_a_fixed_hash_seed():
-    probe = "from conformance.oracle_process import hash_seed_problem as p; print(p())"
+    probe = "from conformance._core.oracle_process import hash_seed_problem as p; print(p())"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
     random_seed = subprocess.run(
         [sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120

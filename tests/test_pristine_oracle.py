@@ -3,7 +3,7 @@
 The harness runs upstream vLLM and the subject in one process when it can. A subject module that
 replaces ``Scheduler.schedule`` (or rebinds a name vLLM's scheduler module imported) changes the
 in-process oracle too, and every comparison would then agree with the broken runtime.
-``conformance.pristine`` fingerprints vLLM's scheduler, request, KV-cache and output classes
+``conformance._core.pristine`` fingerprints vLLM's scheduler, request, KV-cache and output classes
 around loading a subject; these tests plant such a subject in a temporary folder (restoring vLLM
 afterwards, so the rest of the run stays pristine) and check the change is named precisely
 (``guard_load`` refuses with one line when asked to) and that the pytest plugin then places the
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
-from conformance import pristine
-from conformance.config import HarnessConfig, build_scheduler
-from conformance.pristine import VllmPatched, guard_load
-from conformance.subjects import load_subject
+from conformance._core import pristine
+from conformance._core.config import HarnessConfig, build_scheduler
+from conformance._core.pristine import VllmPatched, guard_load
+from conformance._core.subjects import load_subject
 
 pytestmark = pytest.mark.clauses("C-01")
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PATCHING_SCHEDULE = """
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from conformance.subjects import UpstreamSubject
+from conformance._core.subjects import UpstreamSubject
 
 _original = Scheduler.schedule
 
@@ -48,7 +48,7 @@ REBINDING_MANAGER = """
 import vllm.v1.core.sched.scheduler as sched_module
 from vllm.v1.core.kv_cache_manager import KVCacheManager
 
-from conformance.subjects import UpstreamSubject
+from conformance._core.subjects import UpstreamSubject
 
 
 class QuietManager(KVCacheManager):
@@ -138,7 +138,7 @@ def _env(tmp_path: Path) -> dict[str, str]:
 def test_the_plugin_loads_a_patching_subject_and_isolates_the_oracle(planted, tmp_path):
     spec = planted(PATCHING_SCHEDULE)
     (tmp_path / "test_uses_subject.py").write_text(
-        "from conformance.pristine import oracle_placement\n\n\n"
+        "from conformance._core.pristine import oracle_placement\n\n\n"
         "def test_uses_subject(conformance_subject):\n"
         "    placement = oracle_placement()\n"
         "    assert placement.isolated, placement\n"

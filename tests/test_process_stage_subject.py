@@ -34,9 +34,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance.capabilities import features_of
-from conformance.subjects import load_subject
-from conformance.workload import AddRequest, Step
+from conformance._core.capabilities import features_of
+from conformance._core.subjects import load_subject
+from conformance._core.workload import AddRequest, Step
 from invariants.machines import (
     AuditedLockstep,
     LocalRecorder,

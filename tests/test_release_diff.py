@@ -18,16 +18,16 @@ from typing import Any
 
 import pytest
 
+from conformance._core.machine import PREFIXES, TIGHT
+from conformance._core.workload import AddRequest, Step, Trace
 from conformance.cli import main
-from conformance.machine import PREFIXES, TIGHT
-from conformance.record import (
+from conformance.release.record import (
     SCHEMA,
     generate_workload,
     load_recording,
     record,
 )
-from conformance.release_diff import diff_recordings
-from conformance.workload import AddRequest, Step, Trace
+from conformance.release.release_diff import diff_recordings
 
 SIZE = 5
 
@@ -64,7 +64,7 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 def test_record_writes_both_modes_of_every_workload(corpus: dict[str, Path]) -> None:
-    from conformance import vllm_compat as vc
+    from conformance._core import vllm_compat as vc
 
     lines = _lines(corpus["first"])
     header = lines[0]
@@ -140,9 +140,9 @@ def test_an_edited_step_is_found_grouped_and_its_shortest_trace_replays(
 ) -> None:
     """Positive control: two edits of one field after a step, in two workloads, are found at
     exactly their step and field, make one change, and its trace is the shorter workload's."""
-    from conformance.lockstep import run_trace
-    from conformance.replay import load_trace
-    from conformance.subjects import UpstreamSubject
+    from conformance._core.lockstep import run_trace
+    from conformance._core.replay import load_trace
+    from conformance._core.subjects import UpstreamSubject
 
     lines = _lines(corpus["first"])
     (n1, s1, r1), (n2, s2, r2) = _with_requests(lines, "sync")[:2]
@@ -302,9 +302,9 @@ def test_a_malformed_recording_is_one_line_naming_file_and_field(
 def test_matrix_report_shows_the_pairs(corpus: dict[str, Path], tmp_path: Path) -> None:
     """The merged report's section lists an identical pair as such and a differing pair's
     changes (the matrix's release-diff output read back, without running environments)."""
-    from conformance.matrix import RELEASE_DIFF_DIR, RELEASE_DIFF_FILE, release_changes_of
-    from conformance.matrix_report import build_matrix_report, render_markdown, validate
-    from conformance.release_diff import release_diff, summary_entry
+    from conformance.release.matrix import RELEASE_DIFF_DIR, RELEASE_DIFF_FILE, release_changes_of
+    from conformance.release.matrix_report import build_matrix_report, render_markdown, validate
+    from conformance.release.release_diff import release_diff, summary_entry
 
     lines = _lines(corpus["first"])
     n, step, rid = _with_requests(lines, "sync")[0]
@@ -329,8 +329,8 @@ def test_matrix_report_shows_the_pairs(corpus: dict[str, Path], tmp_path: Path) 
     assert "requests.*.status after step" in md
 
     # ``omni-conformance merge`` of that folder (one cell in it) keeps the section.
-    from conformance import matrix
-    from conformance.matrix_report import merge
+    from conformance.release import matrix
+    from conformance.release.matrix_report import merge
 
     opts = matrix.MatrixOptions(out=tmp_path, envs_dir=tmp_path / "envs")
     matrix.run_cell(matrix.Cell("picky", "0.33.0", unsupported="no"), None, None, opts)
@@ -344,7 +344,7 @@ def test_a_recording_of_another_release_diffs_against_this_one(
     corpus: dict[str, Path], tmp_path: Path
 ) -> None:
     """The 0.32.0 environment (built by the matrix) records the same corpus; the diff runs."""
-    from conformance.envs import default_envs_dir, env_python
+    from conformance.release.envs import default_envs_dir, env_python
 
     python = env_python(default_envs_dir() / "vllm-0.32.0")
     if not python.exists():
@@ -367,9 +367,9 @@ def test_matrix_release_diff_records_each_release_and_diffs_the_pair(
     environment, standing in for two), the pair diffed, the pair in the merged section."""
     import sys
 
-    from conformance import matrix
-    from conformance.envs import Environment, EnvSpec
-    from conformance.matrix_report import build_matrix_report, render_markdown
+    from conformance.release import matrix
+    from conformance.release.envs import Environment, EnvSpec
+    from conformance.release.matrix_report import build_matrix_report, render_markdown
 
     def here(spec: EnvSpec, *args: Any) -> tuple[Environment, None]:
         env = Environment(spec, Path(sys.prefix), Path(sys.executable), "current", current=True)

@@ -22,14 +22,14 @@ from pathlib import Path
 
 import pytest
 
+from conformance._core.config import HarnessConfig
+from conformance._core.lockstep import Lockstep, run_trace, shrink_seconds
+from conformance._core.machine import PREFIXES, TIGHT, random_request
+from conformance._core.replay import load_trace, record_failure
+from conformance._core.scenarios import run_canonical
+from conformance._core.vllm_compat import environment_versions
+from conformance._core.workload import Abort, DeliverChunks, ResetPrefixCache, Step, Trace
 from conformance.cli import EXIT_ENV, EXIT_NOT_REPRODUCED, EXIT_REPRODUCED, main
-from conformance.config import HarnessConfig
-from conformance.lockstep import Lockstep, run_trace, shrink_seconds
-from conformance.machine import PREFIXES, TIGHT, random_request
-from conformance.replay import load_trace, record_failure
-from conformance.scenarios import run_canonical
-from conformance.vllm_compat import environment_versions
-from conformance.workload import Abort, DeliverChunks, ResetPrefixCache, Step, Trace
 from tests.mutants import harness_mutants as M
 
 pytestmark = pytest.mark.clauses("C-01")
@@ -201,7 +201,7 @@ LONG = 40  # a found failure at least this many operations into the program
 
 
 def random_program(rng: random.Random, n: int, *, resets: bool) -> list:
-    """The workload language's op mix (as ``conformance.machine`` draws it), unshrunk."""
+    """The workload language's op mix (as ``conformance._core.machine`` draws it), unshrunk."""
     ops: list = []
     count = 0
     for _ in range(n):

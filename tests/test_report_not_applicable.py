@@ -19,9 +19,7 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from conformance.cli import _plugin_installed, _summary, main
-from conformance.plugin import _first_line, _skip_reason
-from conformance.report import (
+from conformance._core.report import (
     ReportBuilder,
     TestRecord,
     render_junit,
@@ -29,6 +27,8 @@ from conformance.report import (
     validate,
     write_report,
 )
+from conformance.cli import _plugin_installed, _summary, main
+from conformance.plugin import _first_line, _skip_reason
 
 pytestmark = pytest.mark.clauses("C-03")
 
@@ -246,7 +246,7 @@ def test_skip_reason_comes_from_the_longrepr_tuple():
             "ValueError: bad block table",
         ),
         (
-            "conformance.lockstep.SubjectBroken: first difference at step 3 (step) [sync]: "
+            "conformance._core.lockstep.SubjectBroken: first difference at step 3 (step) [sync]: "
             "queues.waiting: upstream=[1] subject=[2]\nFalsifying example:",
             "",
             "first difference at step 3 (step) [sync]: queues.waiting: upstream=[1] subject=[2]",

@@ -7,7 +7,7 @@ how the suite was run rather than on the profile alone:
   ``PYTHONHASHSEED=0``; a plain ``pytest -m invariants`` without ``-n`` hashed at random (the root
   conftest pins the seed only for the workers it starts) while the workload believed the seed
   pinned. ``invariants/conftest.py`` now starts such a process again with the seed pinned, and
-  ``conformance.machine`` reads the seed from the interpreter, not from the environment.
+  ``conformance._core.machine`` reads the seed from the interpreter, not from the environment.
 * hypothesis's local constants: it draws literals from whichever of the project's modules are
   imported at the time, and that set depends on the way of running (the checkout also collects
   ``tests/``, each xdist worker imports what its own tests need). The plugin empties that pool

@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conformance.report import validate
+from conformance._core.report import validate
 
 
 def _command(name: str, module: str) -> list[str]:
@@ -224,7 +224,7 @@ def test_a_check_interrupted_before_pytest_wrote_anything_still_leaves_a_report(
 
 
 def test_an_interrupted_run_that_already_failed_stays_failed() -> None:
-    from conformance.report import mark_incomplete
+    from conformance._core.report import mark_incomplete
 
     marked = mark_incomplete({"status": "fail"}, "interrupted by SIGINT")
     assert marked == {

@@ -15,7 +15,7 @@ search) and reads the JSON report:
   that cannot see the bug are not applicable or pass.
 
 Which test needs which capability is read from the suite's source (calls of
-``conformance.capabilities.require(subject, "<hook>", "<what>")`` and ``require_worker``, followed
+``conformance._core.capabilities.require(subject, "<hook>", "<what>")`` and ``require_worker``, followed
 through helper functions of the ``invariants`` package), so the expectations follow the suite.
 """
 
@@ -30,12 +30,12 @@ from typing import Any
 
 import pytest
 
-from conformance.capabilities import CAPABILITY_HOOKS
+from conformance._core.capabilities import CAPABILITY_HOOKS
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / "invariants"
 WORKER = "worker"  # the pseudo-capability ``require_worker`` checks (``has_worker()``)
-# The capability hooks a subject may leave at None (``conformance.capabilities``).
+# The capability hooks a subject may leave at None (``conformance._core.capabilities``).
 HOOKS = (WORKER, *CAPABILITY_HOOKS)
 # The lock-step comparisons (plain and under speculative decoding) and the runtime audit: the
 # only tests that can see a bug in queue order.
@@ -268,7 +268,7 @@ def _record_runtime_modules():
 """
 
 THIRD_PARTY = '''
-from conformance.subjects import BaseSubject
+from conformance._core.subjects import BaseSubject
 
 
 class MySubject(BaseSubject):
@@ -286,7 +286,7 @@ BROKEN = '''
 from vllm.v1.core.sched.async_scheduler import AsyncScheduler
 from vllm.v1.core.sched.scheduler import Scheduler
 
-from conformance.subjects import BaseSubject
+from conformance._core.subjects import BaseSubject
 
 
 class PreemptedToBack:

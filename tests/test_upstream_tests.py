@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from conformance import upstream_tests as ut
 from conformance.cli import main
-from conformance.upstream_swap import Swapper, release_modules
+from conformance.release import upstream_tests as ut
+from conformance.release.upstream_swap import Swapper, release_modules
 
 JSON_KEYS = {
     "vllm": str,
@@ -362,7 +362,7 @@ def _pypi_reachable() -> bool:
 
 @pytest.mark.slow
 def test_vllm_0_33_scheduler_tests_pass_on_omni_scheduler(tmp_path):
-    from conformance.vllm_compat import vllm_version
+    from conformance._core.vllm_compat import vllm_version
 
     if vllm_version() != "0.33.0":
         pytest.skip(f"this run pins vLLM 0.33.0's tests; vLLM {vllm_version()} is installed")

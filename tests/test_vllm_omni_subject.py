@@ -20,10 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from conformance._core.capabilities import CAPABILITY_HOOKS
+from conformance._core.differences import validate_entries
+from conformance._core.subjects import SubjectUnsupported
 from conformance.adapters import vllm_omni as adapter
-from conformance.capabilities import CAPABILITY_HOOKS
-from conformance.differences import validate_entries
-from conformance.subjects import SubjectUnsupported
 
 PUBLISHED = [f"0.{m}.0" for m in range(14, 31, 2)]
 ENVS_VAR = "OMNI_CONFORMANCE_VLLM_OMNI_ENVS"
@@ -66,7 +66,7 @@ def test_environment_requirements_refuse_minors_without_a_release(vllm):
 
 
 def test_matrix_plans_vllm_omni_cells_from_the_hook():
-    from conformance.matrix import plan_cells
+    from conformance.release.matrix import plan_cells
 
     cells = {c.vllm: c for c in plan_cells(["vllm-omni"], ["0.28.0", "0.29.0", "0.30.0"], {})}
     assert cells["0.28.0"].extras == ("vllm-omni==0.28.0",)
@@ -212,7 +212,7 @@ def _has_vllm_omni(env: Path) -> bool:
 
 
 def vllm_omni_envs() -> list[Path]:
-    from conformance.envs import default_envs_dir
+    from conformance.release.envs import default_envs_dir
 
     roots = [Path(p) for p in os.environ.get(ENVS_VAR, "").split(os.pathsep) if p]
     roots.append(default_envs_dir())
@@ -323,10 +323,10 @@ SIDE = textwrap.dedent(
     import vllm.v1.engine as engine
     from vllm.v1.request import RequestStatus
     original = engine.EngineCoreOutput  # before vllm_omni rebinds the name
-    from conformance.config import HarnessConfig
-    from conformance.driver import make_driver
-    from conformance.tokens import DeterministicTokenSource
-    from conformance.workload import AddRequest
+    from conformance._core.config import HarnessConfig
+    from conformance._core.driver import make_driver
+    from conformance._core.tokens import DeterministicTokenSource
+    from conformance._core.workload import AddRequest
     missing = []
     if sys.argv[1] == "vllm-omni":
         from conformance.adapters import vllm_omni as adapter
@@ -350,7 +350,7 @@ SIDE = textwrap.dedent(
                 ):
                     missing.append(ref)
     else:
-        from conformance.subjects import UpstreamSubject
+        from conformance._core.subjects import UpstreamSubject
         subject = UpstreamSubject()
     cfg = HarnessConfig(async_scheduling=sys.argv[2] == "async")
     sched = subject.build_scheduler(cfg)

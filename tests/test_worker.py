@@ -35,8 +35,13 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 
-from conformance.config import HarnessConfig, block_hasher, build_kv_cache_config, build_scheduler
-from conformance.driver import WorkerExecutor
+from conformance._core.config import (
+    HarnessConfig,
+    block_hasher,
+    build_kv_cache_config,
+    build_scheduler,
+)
+from conformance._core.driver import WorkerExecutor
 from omni_runtime.adapters.input import InputAdapter, StageInput
 from omni_runtime.adapters.output import PayloadBuilder, PayloadInputs, PayloadPlan
 from omni_runtime.config import OmniStageConfig
@@ -480,7 +485,7 @@ def test_sampler_masks_and_seeds() -> None:
 
 def test_worker_memory_budget(thinker_dir) -> None:
     cfg = _cfg(thinker_dir, max_model_len=128)
-    from conformance.config import build_vllm_config
+    from conformance._core.config import build_vllm_config
 
     vc = build_vllm_config(cfg)
     worker = OmniARWorker(vc, 0, 0, "", True)

@@ -30,9 +30,9 @@ imports ``vllm_omni.patch``: it adds ``WAITING_FOR_CHUNK`` and ``WAITING_FOR_INP
 The AR scheduler depends on both (it uses the added statuses, and builds its outputs with the
 rebound ``EngineCoreOutput``), and vllm-omni runs it nowhere without them. The factory therefore
 imports the scheduler module itself, as vLLM does when it resolves a stage's ``scheduler_cls``,
-inside the harness's pristine guard, which sees those changes (``conformance.pristine``): the
+inside the harness's pristine guard, which sees those changes (``conformance._core.pristine``): the
 gate then runs upstream vLLM in a process vllm-omni never entered
-(``conformance.oracle_process``), since an oracle in this process would be vLLM as vllm-omni
+(``conformance._core.oracle_process``), since an oracle in this process would be vLLM as vllm-omni
 patched it. Nothing
 in this module imports ``vllm_omni`` when the module itself is imported, so the matrix can ask
 ``vllm_omni_subject.environment_requirements`` where vllm-omni is not installed.
@@ -45,21 +45,21 @@ from collections.abc import Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from conformance.config import (
+from conformance._core.config import (
     HarnessConfig,
     block_hasher,
     build_kv_cache_config,
     build_vllm_config,
 )
-from conformance.differences import Difference
-from conformance.subjects import (
+from conformance._core.differences import Difference
+from conformance._core.subjects import (
     BaseSubject,
     DifferenceEntry,
     SubjectUnsupported,
     make_sampling_params,
 )
-from conformance.vllm_compat.versions import release
-from conformance.workload import AddRequest
+from conformance._core.vllm_compat.versions import release
+from conformance._core.workload import AddRequest
 
 DISTRIBUTION = "vllm-omni"
 PACKAGE = "vllm_omni"

@@ -1404,9 +1404,9 @@ def _stale_registry_subject() -> Any:
     """C-03: the registry keeps an entry (with its witness) for a difference the runtime no
     longer makes: preempted requests with a downstream consumer once resumed at the back of the
     waiting queue; the scheduler now requeues them as upstream does, so the entry hides nothing."""
-    from conformance.capabilities import DifferenceWitness, Feature
-    from conformance.differences import Difference
-    from conformance.workload import AddRequest, Step
+    from conformance._core.capabilities import DifferenceWitness, Feature
+    from conformance._core.differences import Difference
+    from conformance._core.workload import AddRequest, Step
     from omni_runtime.conformance_subject import TOKEN_UPDATES, OmniSubject
 
     stale = Difference(

@@ -2,8 +2,8 @@
 
 ``Lockstep`` owns two sides (the oracle — upstream vLLM — and the subject), each a scheduler,
 a driver and an executor built from the same ``HarnessConfig``. ``apply(op)`` applies one
-workload operation to both, snapshots both (``conformance.observe``) and compares them
-(``conformance.compare``) against the subject's registry; the snapshots are built only when an
+workload operation to both, snapshots both (``conformance._core.observe``) and compares them
+(``conformance._core.compare``) against the subject's registry; the snapshots are built only when an
 in-place check of both sides (``observe.same_state``) cannot show them equal, or when read
 (``_last_up``, ``last_sub``). It also counts what the workload
 actually exercised (preemptions, prefix hits, aborts per request state, stops, resets ...), so
@@ -24,18 +24,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from conformance import vllm_compat as vc
-from conformance.capabilities import NotApplicable
-from conformance.compare import Comparison, FieldDifference, compare
-from conformance.config import HarnessConfig
-from conformance.differences import Registry
-from conformance.driver import AsyncDriver, Executor, SyncDriver, WorkerExecutor, make_driver
-from conformance.harness_faults import HarnessError, forget_pending, raise_pending
-from conformance.observe import Observation, same_state
-from conformance.pristine import oracle_placement
-from conformance.subjects import Subject, UpstreamSubject, admit_request, received_outputs
-from conformance.tokens import DeterministicTokenSource
-from conformance.workload import (
+from conformance._core import vllm_compat as vc
+from conformance._core.capabilities import NotApplicable
+from conformance._core.compare import Comparison, FieldDifference, compare
+from conformance._core.config import HarnessConfig
+from conformance._core.differences import Registry
+from conformance._core.driver import AsyncDriver, Executor, SyncDriver, WorkerExecutor, make_driver
+from conformance._core.harness_faults import HarnessError, forget_pending, raise_pending
+from conformance._core.observe import Observation, same_state
+from conformance._core.pristine import oracle_placement
+from conformance._core.subjects import Subject, UpstreamSubject, admit_request, received_outputs
+from conformance._core.tokens import DeterministicTokenSource
+from conformance._core.workload import (
     Abort,
     AddRequest,
     DeliverChunks,
@@ -46,7 +46,7 @@ from conformance.workload import (
 )
 
 if TYPE_CHECKING:
-    from conformance.oracle_process import ProcessSide
+    from conformance._core.oracle_process import ProcessSide
 
 
 class SubjectBroken(AssertionError):
@@ -67,7 +67,7 @@ class Side:
     """One side of a session in this process: a subject's scheduler, driver and executor.
 
     ``apply`` runs one operation and returns the snapshot; the remaining methods answer what the
-    session asks of a side between operations. ``conformance.oracle_process.ProcessSide`` answers
+    session asks of a side between operations. ``conformance._core.oracle_process.ProcessSide`` answers
     the same questions for an oracle that runs in another process.
     """
 
@@ -255,7 +255,7 @@ class Lockstep:
                 "the real-worker mode runs the subject's worker on both sides, which needs the "
                 f"oracle in this process; here it runs {placement.describe()}"
             )
-        from conformance.oracle_process import ProcessSide
+        from conformance._core.oracle_process import ProcessSide
 
         return ProcessSide(config)
 

@@ -7,7 +7,7 @@ block budget, aborts in every state (waiting, running, preempted, finished-but-n
 in flight under async scheduling), stop tokens, EOS, max_tokens, and all three forms of
 ``reset_prefix_cache``. ``session.stats`` says what actually happened.
 
-``conformance.machine.TIGHT`` is the configuration it is meant for: few blocks and a small token
+``conformance._core.machine.TIGHT`` is the configuration it is meant for: few blocks and a small token
 budget; it uses that module's ``PREFIXES`` and ``STOP_IDS``.
 """
 
@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from conformance import vllm_compat as vc
-from conformance.config import HarnessConfig
-from conformance.driver import AsyncDriver
-from conformance.machine import PREFIXES, STOP_IDS
-from conformance.workload import Abort, AddRequest, DeliverChunks, ResetPrefixCache, Step
+from conformance._core import vllm_compat as vc
+from conformance._core.config import HarnessConfig
+from conformance._core.driver import AsyncDriver
+from conformance._core.machine import PREFIXES, STOP_IDS
+from conformance._core.workload import Abort, AddRequest, DeliverChunks, ResetPrefixCache, Step
 
 
 class _Script:
@@ -54,8 +54,8 @@ class _Script:
     def up(self) -> Any:
         """The oracle's live scheduler: the script decides its next operation from it, so it
         needs the oracle in this process."""
-        from conformance.lockstep import Side
-        from conformance.pristine import require_oracle_in_process
+        from conformance._core.lockstep import Side
+        from conformance._core.pristine import require_oracle_in_process
 
         if not isinstance(self.s.up, Side):
             require_oracle_in_process("a scripted scenario")
@@ -137,7 +137,7 @@ def canonical_workload(session: Any, *, final_stages: tuple[str | None, ...] = (
 
 
 def run_canonical(config: HarnessConfig, subject: Any, **kw: Any) -> Any:
-    from conformance.lockstep import Lockstep
+    from conformance._core.lockstep import Lockstep
 
     session = Lockstep(config, subject, prefixes=PREFIXES, registry=kw.pop("registry", None))
     return canonical_workload(session, **kw)

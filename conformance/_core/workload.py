@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from conformance.config import HarnessConfig
+from conformance._core.config import HarnessConfig
 
 FORMAT = "omni-conformance-trace/1"
 

@@ -29,8 +29,8 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
-from conformance import vllm_compat as vc
-from conformance.harness_faults import harness_code
+from conformance._core import vllm_compat as vc
+from conformance._core.harness_faults import harness_code
 
 # One position in STOP_PERIOD emits a stop token when the request allows one.
 STOP_PERIOD = 7

@@ -2,7 +2,7 @@
 
 Everything the harness reads from inside vLLM objects goes through a function here, so a
 difference between vLLM releases is a change to this file alone, keyed by version through
-``conformance.vllm_compat.versions.by_release``. Nothing here mutates vLLM state, and nothing
+``conformance._core.vllm_compat.versions.by_release``. Nothing here mutates vLLM state, and nothing
 here performs a destructive read (``make_stats``, ``take_events``, ``take_new_block_ids``,
 ``take_prefill_stats`` drain state; the harness never calls them, so both sides see exactly the
 drains their own code performs).
@@ -15,7 +15,7 @@ from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
-from conformance.vllm_compat.versions import ByRelease, Change
+from conformance._core.vllm_compat.versions import ByRelease, Change
 
 # ---- block pool -------------------------------------------------------------------------
 

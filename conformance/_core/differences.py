@@ -9,7 +9,7 @@ not hold is remembered, so the failure says "OMNI-OUT-001 names this field but i
 
 The context handed to ``applies`` (documented for registry authors):
 
-``path``           the field path (see ``conformance.observe``)
+``path``           the field path (see ``conformance._core.observe``)
 ``upstream``       upstream's value (None when upstream has no such field)
 ``subject``        the subject's value (None when the subject has no such field)
 ``request_id``     the request the field belongs to, or None
@@ -30,7 +30,7 @@ from typing import Any
 
 @dataclass(frozen=True)
 class Difference:
-    """One documented difference of a subject from upstream (``conformance.subjects``'s
+    """One documented difference of a subject from upstream (``conformance._core.subjects``'s
     ``DifferenceEntry``): the field patterns it tolerates, the condition as a predicate on the
     context above and in words, why, the tests that make it happen and the clauses it touches.
     ``documented_at`` names where a third-party runtime documents it, for adapters of runtimes

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import Distribution, PackageNotFoundError, distribution, distributions
 from pathlib import Path
 
-from conformance.vllm_compat.versions import ByRelease, Change
+from conformance._core.vllm_compat.versions import ByRelease, Change
 
 DISTRIBUTION = "omni-conformance"
 MARKER = ".omni-conformance-env.json"
@@ -65,7 +65,7 @@ def harness_source() -> str:
     """
     dist = _installed()
     if dist is None:
-        root = Path(__file__).resolve().parent.parent
+        root = Path(__file__).resolve().parents[2]
         if (root / "pyproject.toml").exists():
             return str(root)
         raise EnvBuildError(f"{DISTRIBUTION} is not installed and no checkout was found")

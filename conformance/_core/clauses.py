@@ -2,7 +2,7 @@
 
 Each clause belongs to one invariant (AR-INV-001..003) or one payload contract group, and has a
 one-line title. ``docs/contracts.md`` states each clause in full, with the tests and the mutants
-that prove it; the compat report (``conformance.report``) counts results per clause from this
+that prove it; the compat report (``conformance._core.report``) counts results per clause from this
 table; a ``clauses(...)`` marker naming an id that is not here fails test collection
 (``conformance.plugin``); ``tests/test_clauses.py`` holds the code, the tests and the docs to it.
 

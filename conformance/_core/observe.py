@@ -41,7 +41,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from conformance import vllm_compat as vc
+from conformance._core import vllm_compat as vc
 
 
 def leaked_omni_ids(scheduler: Any, subject: Any) -> list[str]:

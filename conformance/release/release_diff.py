@@ -1,6 +1,6 @@
 """``omni-conformance release-diff A B``: how two vLLM releases schedule one corpus differently.
 
-This module owns the comparison of two recordings (``conformance.record``) of the same corpus
+This module owns the comparison of two recordings (``conformance.release.record``) of the same corpus
 made on two releases, the grouping of first differences into behaviour changes, the shortest
 workload that shows each change (written as a trace), and the report (Markdown and JSON).
 
@@ -21,7 +21,7 @@ workload that shows each change (written as a trace), and the report (Markdown a
   ``abort``, ``add``, ``reset_prefix_cache``); sync and async runs group together. For each
   change, the run whose first difference comes earliest is its shortest workload: its operations
   up to and including the differing one, written as a trace (``traces/`` next to the report)
-  that ``conformance.workload.Trace.load`` / ``omni-conformance replay`` tooling reads and that
+  that ``conformance._core.workload.Trace.load`` / ``omni-conformance replay`` tooling reads and that
   runs on either release (it is a workload, not a diff): ``omni-conformance replay TRACE
   --subject NAME`` checks a subject against upstream on exactly that workload, and recording the
   folder on each release (``omni-conformance record --size 0 --traces DIR``) and diffing shows
@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conformance.record import MODES, Recording, RecordingError, open_recording
+from conformance.release.record import MODES, Recording, RecordingError, open_recording
 
 REPORT_SCHEMA = "omni-conformance-release-diff/1"
 EXIT_IDENTICAL = 0
@@ -385,7 +385,7 @@ def diff_recordings(a: Recording, b: Recording) -> DiffResult:
 def shortest_trace(result: DiffResult, change: Change) -> Any:
     """The shortest workload of ``change`` as a ``Trace``: its operations up to the differing
     one (drain steps as explicit steps), in the mode it differed in."""
-    from conformance.workload import Step, Trace
+    from conformance._core.workload import Step, Trace
 
     d = change.shortest
     line = result.a.workloads[d.workload]

@@ -2,13 +2,13 @@
 
 A recording is what one vLLM release's ``Scheduler`` (sync) and ``AsyncScheduler`` (async) do on
 a corpus of workloads, observation by observation, written so that a recording made on another
-release can be compared with it (``conformance.release_diff``). This module owns the corpus, the
+release can be compared with it (``conformance.release.release_diff``). This module owns the corpus, the
 recording schema and the writer/reader.
 
 **Corpus.** ``generate_corpus(seed, size)`` draws ``size`` workloads from ``random.Random`` seeded
 with a string (Python hashes a string seed with SHA-512, so the corpus depends neither on
 ``PYTHONHASHSEED`` nor on the vLLM release). Each workload uses the operation mix of the
-invariant suite's state machine (``conformance.machine``: requests with or without a shared
+invariant suite's state machine (``conformance._core.machine``: requests with or without a shared
 prefix, stop ids and EOS, bursts of 1-4 steps, aborts of 1-3 known ids whatever their state, the
 three forms of ``reset_prefix_cache``) on its tight configuration (``machine.TIGHT``), where
 preemption and eviction happen, or on one of a few variants of it (``VARIANTS``: no prefix
@@ -33,7 +33,7 @@ then one line per workload::
      "modes": {"sync": {"ops": [op descriptions as executed], "drain": N,
                          "steps": [snapshot after op 0, after op 1, ...]}, "async": {...}}}
 
-A snapshot is ``conformance.observe``'s (field paths ``requests.<id>.status``,
+A snapshot is ``conformance._core.observe``'s (field paths ``requests.<id>.status``,
 ``queues.running``, ``block_pool.free_order``, ``sched_out.*``, ``outputs.<id>.*`` ...) made
 plain JSON. **A field the release lacks is a missing key** and is named in the header's
 ``absent_fields`` (today: the admission queues other releases have, e.g. ``skipped_waiting``
@@ -61,8 +61,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conformance.config import HarnessConfig
-from conformance.workload import Abort, AddRequest, Op, ResetPrefixCache, Step, Trace
+from conformance._core.config import HarnessConfig
+from conformance._core.workload import Abort, AddRequest, Op, ResetPrefixCache, Step, Trace
 
 SCHEMA = "omni-conformance-recording/1"
 MODES = ("sync", "async")
@@ -85,7 +85,7 @@ class RecordingError(ValueError):
 
 def corpus_config() -> HarnessConfig:
     """The base configuration of generated workloads: the suite's tight budget, sync mode."""
-    from conformance.machine import TIGHT
+    from conformance._core.machine import TIGHT
 
     return TIGHT
 
@@ -105,7 +105,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
 
 def generate_workload(seed: int, index: int) -> Trace:
     """Workload ``index`` of the corpus of ``seed``: a pure function of the two numbers."""
-    from conformance.machine import PREFIXES, random_request
+    from conformance._core.machine import PREFIXES, random_request
 
     rng = random.Random(f"omni-conformance-corpus:{seed}:{index}")
     variant = rng.choice(sorted(VARIANTS))
@@ -141,7 +141,7 @@ class Workload:
 
 def load_trace_folder(folder: str | Path) -> list[Workload]:
     """Every saved trace (``*.json``) in ``folder``, sorted by file name."""
-    from conformance.replay import TraceError, load_trace
+    from conformance._core.replay import TraceError, load_trace
 
     path = Path(folder)
     if not path.is_dir():
@@ -193,7 +193,7 @@ def _trace_identity(trace: Trace) -> dict[str, Any]:
 
 def absent_fields() -> list[str]:
     """Field paths some supported release records that this one lacks."""
-    from conformance import vllm_compat as vc
+    from conformance._core import vllm_compat as vc
 
     table = vc.ADMISSION_QUEUES
     known = {name for name, _ in table.base}
@@ -249,8 +249,8 @@ def normalise(snapshot: dict[str, Any], hashes: _Hashes) -> dict[str, Any]:
 
 def run_workload(trace: Trace, mode: str, max_drain: int = MAX_DRAIN) -> dict[str, Any]:
     """Run ``trace`` on the installed vLLM's own scheduler in ``mode``; the recorded run."""
-    from conformance.lockstep import make_side
-    from conformance.subjects import UpstreamSubject
+    from conformance._core.lockstep import make_side
+    from conformance._core.subjects import UpstreamSubject
 
     cfg = trace.config.with_(async_scheduling=mode == "async")
     side = make_side(UpstreamSubject(), cfg, None)
@@ -283,7 +283,7 @@ def run_workload(trace: Trace, mode: str, max_drain: int = MAX_DRAIN) -> dict[st
 
 
 def _versions() -> dict[str, str]:
-    from conformance.vllm_compat import environment_versions
+    from conformance._core.vllm_compat import environment_versions
 
     v = environment_versions()
     return {k: v.get(k, "missing") for k in ("vllm", "torch", "python")}

@@ -1,20 +1,20 @@
 """The upstream oracle in its own process, for subjects that patch vLLM when they load.
 
 Lock-step compares a subject with upstream vLLM after every operation. When loading the subject
-changed vLLM's classes in this process (``conformance.pristine``), an oracle built here would be
+changed vLLM's classes in this process (``conformance._core.pristine``), an oracle built here would be
 vLLM *as the subject patched it*, and agreeing with it proves nothing. The oracle then runs in a
 child process that never imports the subject: a fresh interpreter, started once per process and
 reused by every session (importing vLLM costs seconds; building a scheduler costs milliseconds).
 
-* ``OracleProcess`` starts ``python -m conformance.oracle_process`` with two pipes (requests in,
+* ``OracleProcess`` starts ``python -m conformance._core.oracle_process`` with two pipes (requests in,
   replies out; vLLM's logging keeps stdout and stderr, which go to a log file whose tail is
   quoted if the child dies) and exchanges pickled messages with it.
 * ``ProcessSide`` is the session's oracle side: it answers the questions ``Lockstep`` asks of a
-  side (``conformance.lockstep.Side``) from the child's reply to the last operation.
+  side (``conformance._core.lockstep.Side``) from the child's reply to the last operation.
 * ``serve`` is the child: sessions keyed by id, each an ordinary in-process ``Side`` for vLLM's
   own schedulers fed by the harness's deterministic token source.
 
-Snapshots are plain values (``conformance.observe``), so both sides are compared exactly as in
+Snapshots are plain values (``conformance._core.observe``), so both sides are compared exactly as in
 process. Block hashes chain from vLLM's per-process ``NONE_HASH``; the child adopts the parent's
 value, so prefix-cache hashes are comparable whatever ``PYTHONHASHSEED`` is.
 """
@@ -31,9 +31,9 @@ import weakref
 from multiprocessing.connection import Connection
 from typing import Any
 
-from conformance.config import HarnessConfig
-from conformance.observe import Observation
-from conformance.workload import Op
+from conformance._core.config import HarnessConfig
+from conformance._core.observe import Observation
+from conformance._core.workload import Op
 
 # How much of the child's log an error quotes.
 LOG_TAIL_CHARS = 2000
@@ -74,7 +74,7 @@ class OracleProcess:
                 [
                     sys.executable,
                     "-m",
-                    "conformance.oracle_process",
+                    "conformance._core.oracle_process",
                     str(to_child_r),
                     str(from_child_w),
                 ],
@@ -155,8 +155,8 @@ def _close_shared() -> None:
 
 
 def _none_hash() -> Any:
-    from conformance import vllm_compat as vc
-    from conformance.config import block_hasher
+    from conformance._core import vllm_compat as vc
+    from conformance._core.config import block_hasher
 
     block_hasher(16)  # initialises this process's NONE_HASH if nothing has yet
     return vc.none_hash()
@@ -217,10 +217,10 @@ def _status(side: Any) -> dict[str, Any]:
 
 def serve(inbox: Connection, outbox: Connection) -> int:
     """Answer the parent's messages until it closes the pipe."""
-    from conformance import vllm_compat as vc
-    from conformance.config import block_hasher
-    from conformance.lockstep import make_side
-    from conformance.subjects import UpstreamSubject
+    from conformance._core import vllm_compat as vc
+    from conformance._core.config import block_hasher
+    from conformance._core.lockstep import make_side
+    from conformance._core.subjects import UpstreamSubject
 
     sides: dict[int, Any] = {}
     configs: dict[int, HarnessConfig] = {}

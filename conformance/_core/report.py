@@ -24,13 +24,13 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
-from conformance import clauses as clause_table
+from conformance._core import clauses as clause_table
 
 SCHEMA_ID = "omni-conformance-compat-report/2"
-SCHEMA_PATH = Path(__file__).parent / "schemas" / "compat-report.schema.json"
+SCHEMA_PATH = Path(__file__).parents[1] / "schemas" / "compat-report.schema.json"
 
 # The invariants the report rolls clauses up into, and clause -> the invariant (or contract
-# group) it belongs to: both from the one clause table, ``conformance.clauses``.
+# group) it belongs to: both from the one clause table, ``conformance._core.clauses``.
 INVARIANTS: dict[str, str] = dict(clause_table.INVARIANTS)
 CLAUSES: dict[str, str] = {cid: c.invariant for cid, c in clause_table.CLAUSES.items()}
 

@@ -1,10 +1,10 @@
 """``omni-conformance matrix``: the gate over several vLLM releases and subjects, one cell each.
 
 For every (subject, vLLM release) cell the matrix builds or reuses an isolated environment for
-that release (``conformance.envs``), runs ``omni-conformance check`` in it, then (unless told
+that release (``conformance.release.envs``), runs ``omni-conformance check`` in it, then (unless told
 not to) ``omni-conformance upstream-tests``, and writes the cell's folder
 ``<out>/cells/<subject>--vllm-<release>/``: the check's compat report, the captured log and
-``cell.json`` (what ``conformance.matrix_report`` merges). Cells are written one at a time and
+``cell.json`` (what ``conformance.release.matrix_report`` merges). Cells are written one at a time and
 atomically, so an interrupted matrix keeps every finished cell and its merged report covers
 them; ``--resume`` skips cells already finished in ``<out>``.
 
@@ -12,12 +12,12 @@ A subject names the extra packages its environment needs either through an
 ``environment_requirements(vllm_version) -> list[str]`` attribute on what its entry point
 loads, or on the command line with ``--with SUBJECT=REQUIREMENT`` (``{vllm}`` in the requirement
 is replaced by the cell's vLLM release). A subject that does not support a release says so by
-raising ``conformance.subjects.SubjectUnsupported`` (from that hook or when it loads); the cell
+raising ``conformance._core.subjects.SubjectUnsupported`` (from that hook or when it loads); the cell
 is then "unsupported", which is a statement of the subject's support, not a failure.
 
 ``--release-diff`` also records upstream's own schedulers on a fixed corpus in every release's
 environment (``omni-conformance record``, into ``<out>/release-diff/recordings/``) and diffs
-consecutive releases (``conformance.release_diff``, one folder per pair under
+consecutive releases (``conformance.release.release_diff``, one folder per pair under
 ``<out>/release-diff/``); ``--release-diff only`` does that without the gate's cells. The pairs'
 changes (or "identical on N workloads") are ``<out>/release-diff/release-diff.json``, which the
 merged report shows as "upstream changes between releases".
@@ -45,7 +45,8 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from conformance.envs import (
+from conformance._core.vllm_compat.versions import SUPPORTED_VLLM, release
+from conformance.release.envs import (
     EnvBuildError,
     Environment,
     EnvSpec,
@@ -54,7 +55,6 @@ from conformance.envs import (
     default_envs_dir,
     disk_usage,
 )
-from conformance.vllm_compat.versions import SUPPORTED_VLLM, release
 
 CELL_SCHEMA = "omni-conformance-matrix-cell/1"
 EXIT_UNSUPPORTED = 4  # ``omni-conformance check``: the subject refused this environment
@@ -108,7 +108,7 @@ def declared_requirements(subject: str, vllm: str) -> list[str]:
     """
     from importlib.metadata import entry_points
 
-    from conformance.subjects import ENTRY_POINT_GROUP
+    from conformance._core.subjects import ENTRY_POINT_GROUP
 
     for ep in entry_points(group=ENTRY_POINT_GROUP):
         if ep.name != subject:
@@ -125,7 +125,7 @@ def declared_requirements(subject: str, vllm: str) -> list[str]:
 def plan_cells(
     subjects: Sequence[str], versions: Sequence[str], with_: dict[str, list[str]]
 ) -> list[Cell]:
-    from conformance.subjects import SubjectUnsupported
+    from conformance._core.subjects import SubjectUnsupported
 
     cells = []
     for v in sorted(versions, key=release):
@@ -454,8 +454,8 @@ def run_release_diff(
     """Record the corpus in each release's environment, diff consecutive releases; the pairs as
     items of the report's "upstream changes between releases" (also written to
     ``<out>/release-diff/release-diff.json``)."""
-    from conformance.record import RecordingError
-    from conformance.release_diff import CorpusMismatch, release_diff, summary_entry
+    from conformance.release.record import RecordingError
+    from conformance.release.release_diff import CorpusMismatch, release_diff, summary_entry
 
     folder = opts.out / RELEASE_DIFF_DIR
     recordings = folder / "recordings"
@@ -514,14 +514,14 @@ def _texts(pair: dict[str, Any]) -> list[str]:
 
 def release_changes_of(out: Path) -> list[dict[str, Any]]:
     """The pairs ``run_release_diff`` wrote under ``out`` (none if it did not run there)."""
-    from conformance.matrix_report import release_changes_in
+    from conformance.release.matrix_report import release_changes_in
 
     return release_changes_in(out)
 
 
 def merge_into(out: Path, say: Callable[[str], None]) -> int:
     """Merge every cell under ``out`` into the four report files; the merge's exit code."""
-    from conformance.matrix_report import (
+    from conformance.release.matrix_report import (
         CellError,
         build_matrix_report,
         exit_code,

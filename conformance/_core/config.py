@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-TINY_MODEL = Path(__file__).parent / "assets" / "tiny-llama"
+TINY_MODEL = Path(__file__).parents[1] / "assets" / "tiny-llama"
 BUNDLED_TINY = "conformance:assets/tiny-llama"
 
 # V2 runner folds resumed requests into scheduled_new_reqs; both sides must agree on one flavour.
@@ -45,7 +45,7 @@ class HarnessConfig:
     # Ids the token source samples at a fixed share of positions (``Feature.token_edges``).
     token_edges: tuple[int, ...] = ()
     # Draft tokens per step (speculative decoding, sync only): vLLM schedules what the token
-    # source drafted and the source verifies them (``conformance.tokens``). 0: off.
+    # source drafted and the source verifies them (``conformance._core.tokens``). 0: off.
     num_speculative_tokens: int = 0
 
     def with_(self, **changes: Any) -> HarnessConfig:

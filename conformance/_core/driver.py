@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from conformance.observe import observe_schedule
+from conformance._core.observe import observe_schedule
 
 
 class Executor(Protocol):

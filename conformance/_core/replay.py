@@ -3,7 +3,7 @@
 Every lock-step failure is written as a trace (JSON) into the failures folder —
 ``./conformance-failures/`` unless the pytest option ``--conformance-failures-dir`` (``check
 --failures-dir``) or ``OMNI_CONFORMANCE_FAILURES`` says otherwise — shrunk by
-``conformance.lockstep.Shrinker`` (bounded, 60 s by default). The trace's ``meta`` says where it
+``conformance._core.lockstep.Shrinker`` (bounded, 60 s by default). The trace's ``meta`` says where it
 came from, so a replay can tell whether it still means what it meant:
 
 * ``subject`` (the spec that loads it again), ``test``, ``profile``, ``mode`` (sync or async
@@ -28,13 +28,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conformance.compare import FieldDifference
-from conformance.differences import Registry
-from conformance.driver import WorkerExecutor
-from conformance.lockstep import Lockstep, Shrinker, run_trace, same_failure
-from conformance.pristine import oracle_placement
-from conformance.subjects import Subject, load_subject
-from conformance.workload import Trace
+from conformance._core.compare import FieldDifference
+from conformance._core.differences import Registry
+from conformance._core.driver import WorkerExecutor
+from conformance._core.lockstep import Lockstep, Shrinker, run_trace, same_failure
+from conformance._core.pristine import oracle_placement
+from conformance._core.subjects import Subject, load_subject
+from conformance._core.workload import Trace
 
 DEFAULT_FAILURES_DIR = "conformance-failures"
 # The fields of a first difference that must match for a replay to count as the same failure.
@@ -60,7 +60,7 @@ def _uses_worker(session: Lockstep) -> bool:
 
 @functools.cache
 def _versions() -> dict[str, str]:
-    from conformance.vllm_compat import environment_versions
+    from conformance._core.vllm_compat import environment_versions
 
     versions = environment_versions()
     return {k: versions.get(k, "missing") for k in ("vllm", "torch", "python")}
@@ -82,7 +82,7 @@ def record_failure(
 
     ``name`` names the file (and the test when ``test``, e.g. a pytest node id, is not given).
     Returns (path, the saved trace's first difference). Shrinking is bounded by ``time_budget``
-    seconds (default ``conformance.lockstep.shrink_seconds()``); the best trace found by then is
+    seconds (default ``conformance._core.lockstep.shrink_seconds()``); the best trace found by then is
     saved. A shrunk trace that does not fail the same way when re-run is discarded and the trace
     as found is saved instead (and ``meta.shrink.discarded`` says so).
     """

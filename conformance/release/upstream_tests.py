@@ -3,7 +3,7 @@
 This module owns the whole command: fetching the test files of the installed vLLM release from
 its PyPI source distribution and caching them, the local stand-ins for the Hugging Face models
 those tests name, running the tests in a child pytest with the subject's scheduler classes
-swapped in (``conformance.upstream_swap``) and once with upstream's own (the baseline), reading
+swapped in (``conformance.release.upstream_swap``) and once with upstream's own (the baseline), reading
 the outcomes from pytest's JUnit XML, and the report (stdout, ``--json``, exit code).
 
 The tests come from the release's sdist (``vllm-<version>.tar.gz``), fetched once with pip, the
@@ -68,7 +68,7 @@ MODELS_ASSET = Path(conformance.__file__).parent / "assets" / "upstream_tests" /
 DEFAULT_TIMEOUT_S = 900.0
 FETCH_TIMEOUT_S = 600
 SOURCE_FILE = "source.json"
-PLUGIN = "conformance.upstream_swap"
+PLUGIN = "conformance.release.upstream_swap"
 # Helpers through which a test module builds a scheduler; importing one (or vLLM's scheduler
 # classes themselves) is what makes a module one of "the scheduler tests".
 SCHEDULER_NAMES = frozenset({"Scheduler", "AsyncScheduler"})
@@ -869,8 +869,8 @@ def _print_summary(
 
 
 def cmd_upstream_tests(args: argparse.Namespace) -> int:
+    from conformance._core.vllm_compat import EnvironmentProblem, check_vllm
     from conformance.cli import _check_environment, _fail_env, _load_subject
-    from conformance.vllm_compat import EnvironmentProblem, check_vllm
 
     problem = _check_environment(args.subject)
     if problem is not None:
@@ -937,8 +937,8 @@ def cmd_upstream_tests(args: argparse.Namespace) -> int:
 
 def _is_upstream(subject: Any) -> bool:
     """Whether the subject's sync and async scheduler classes are vLLM's own."""
-    from conformance.config import HarnessConfig
-    from conformance.upstream_swap import upstream_classes
+    from conformance._core.config import HarnessConfig
+    from conformance.release.upstream_swap import upstream_classes
 
     cfg = HarnessConfig()
     mine = (

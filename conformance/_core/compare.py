@@ -1,6 +1,6 @@
 """Comparison: the first difference between two snapshots that no registry entry tolerates.
 
-Snapshots (``conformance.observe``) are compared with ``==`` first, which is C-speed and the
+Snapshots (``conformance._core.observe``) are compared with ``==`` first, which is C-speed and the
 common case; only unequal subtrees are walked, in a fixed order (upstream's keys first, then
 keys only the subject has), so the reported first difference is deterministic. Every difference
 is offered to the subject's registry; tolerated ones are counted per entry id, the first one no
@@ -14,7 +14,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from conformance.differences import Registry
+from conformance._core.differences import Registry
 
 _MISSING: Any = object()
 _REQUEST_SECTIONS = ("requests", "outputs")

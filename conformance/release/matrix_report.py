@@ -1,6 +1,6 @@
 """The merged upstream-compat report of a vLLM-version × subject matrix, and ``omni-conformance merge``.
 
-``omni-conformance matrix`` (``conformance.matrix``) leaves one folder per (subject, vLLM version)
+``omni-conformance matrix`` (``conformance.release.matrix``) leaves one folder per (subject, vLLM version)
 cell, ``cells/<subject>--vllm-<version>/``, holding a ``cell.json`` (schema
 ``omni-conformance-matrix-cell/1``) and, when the suite ran, the check's compat report. This module
 owns everything after that:
@@ -40,7 +40,7 @@ from typing import Any
 from xml.sax.saxutils import escape as _xml_escape
 
 SCHEMA_ID = "omni-conformance-matrix-report/1"
-SCHEMA_PATH = Path(__file__).parent / "schemas" / "matrix-report.schema.json"
+SCHEMA_PATH = Path(__file__).parents[1] / "schemas" / "matrix-report.schema.json"
 CELL_SCHEMA_ID = "omni-conformance-matrix-cell/1"
 CELL_FILE = "cell.json"
 DEFAULT_OUT = "matrix-report"

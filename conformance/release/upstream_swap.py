@@ -1,6 +1,6 @@
 """The pytest plugin that runs vLLM's own scheduler tests against a subject's scheduler classes.
 
-``omni-conformance upstream-tests`` loads it into a child pytest (``-p conformance.upstream_swap``)
+``omni-conformance upstream-tests`` loads it into a child pytest (``-p conformance.release.upstream_swap``)
 over the test files of an installed vLLM release. With ``--upstream-swap-subject SPEC`` it loads
 that subject in the child and, before every test, rebinds the names in the release's test modules
 (``tests.*`` files under the run's rootdir) that refer to vLLM's ``Scheduler`` or
@@ -44,8 +44,8 @@ def qualname(cls: type) -> str:
 
 def subject_classes(spec: str) -> tuple[type, type]:
     """The (sync, async) scheduler classes of the subject ``spec``."""
-    from conformance.config import HarnessConfig
-    from conformance.subjects import load_subject
+    from conformance._core.config import HarnessConfig
+    from conformance._core.subjects import load_subject
 
     subject = load_subject(spec)
     cfg = HarnessConfig()

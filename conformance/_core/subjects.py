@@ -10,7 +10,7 @@ hook the way upstream vLLM behaves, so a new runtime overrides only what it chan
 What a subject can be checked for beyond lock-step parity it declares through the capability
 hooks (``declared_attributes``, ``chunk_delivery``, ``source_layout``, ``input_adapter``,
 ``runner_probes``, ``model_reference``, ``difference_witnesses``, ``fault_containment``,
-``process_boundary``; the vocabulary is ``conformance.capabilities``). Each returns None in
+``process_boundary``; the vocabulary is ``conformance._core.capabilities``). Each returns None in
 ``BaseSubject``: not provided, so the tests that need it are not applicable.
 
 Two hooks say how the runtime's engine talks to its scheduler, for a runtime whose scheduler
@@ -26,8 +26,8 @@ Subjects are found, in this order, by:
   runtime registers ``omni`` and ``omni-scheduler`` there, like any other runtime);
 * the built-in ``upstream`` (vLLM itself, the oracle).
 Loading a subject may change vLLM (some published runtimes patch vLLM's classes when imported):
-``conformance.pristine`` notices, and the oracle then runs in a process the subject never
-entered (``conformance.oracle_process``). The harness imports no runtime.
+``conformance._core.pristine`` notices, and the oracle then runs in a process the subject never
+entered (``conformance._core.oracle_process``). The harness imports no runtime.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from importlib.metadata import entry_points
 from typing import Any, Protocol, runtime_checkable
 
-from conformance.capabilities import (
+from conformance._core.capabilities import (
     ChunkDelivery,
     DeclaredAttributes,
     DifferenceWitness,
@@ -51,8 +51,8 @@ from conformance.capabilities import (
     RunnerProbes,
     SourceLayout,
 )
-from conformance.config import HarnessConfig, block_hasher, build_scheduler
-from conformance.workload import AddRequest
+from conformance._core.config import HarnessConfig, block_hasher, build_scheduler
+from conformance._core.workload import AddRequest
 
 ENTRY_POINT_GROUP = "omni_conformance.subjects"
 
@@ -67,7 +67,7 @@ class SubjectUnsupported(Exception):
 
 @runtime_checkable
 class DifferenceEntry(Protocol):
-    """What the harness needs from one registry entry (``conformance.differences.Difference``)."""
+    """What the harness needs from one registry entry (``conformance._core.differences.Difference``)."""
 
     @property
     def id(self) -> str: ...
@@ -221,7 +221,7 @@ class BaseSubject:
         if self.worker_cls is None:
             # A capability the subject does not declare: the test asking is not applicable.
             raise NotApplicable(f"subject {self.name!r} provides no real worker")
-        from conformance.token_worker import start_worker
+        from conformance._core.token_worker import start_worker
 
         return start_worker(self.worker_cls, cfg)
 
@@ -234,7 +234,7 @@ class BaseSubject:
         """
         return {}
 
-    # ---- capabilities (``conformance.capabilities``); None: not provided --------------------
+    # ---- capabilities (``conformance._core.capabilities``); None: not provided --------------------
 
     def declared_attributes(self) -> DeclaredAttributes | None:
         """What the runtime adds to upstream's Request and scheduler (C-10..C-12)."""
@@ -351,10 +351,10 @@ def available_subjects() -> dict[str, str]:
 def load_subject(spec: str | Subject) -> Subject:
     """The subject ``spec`` names, loaded under the pristine guard: when loading it changed
     vLLM's own classes, the change is recorded for this process, and every lock-step session
-    from then on runs upstream vLLM in a separate process (``conformance.pristine``)."""
+    from then on runs upstream vLLM in a separate process (``conformance._core.pristine``)."""
     if not isinstance(spec, str):
         return spec
-    from conformance.pristine import guard_load
+    from conformance._core.pristine import guard_load
 
     with guard_load(spec, refuse=False):
         return _load(spec)

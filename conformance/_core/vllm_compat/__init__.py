@@ -7,11 +7,11 @@
               equal, made in place on both at once;
 ``scheduler_output``  what a ``SchedulerOutput`` says was scheduled, and from which position.
 
-Callers import this package (``from conformance import vllm_compat as vc``); the names below are
+Callers import this package (``from conformance._core import vllm_compat as vc``); the names below are
 its public surface. Supporting another vLLM release is a change inside this package.
 """
 
-from conformance.vllm_compat.scheduler_output import (
+from conformance._core.vllm_compat.scheduler_output import (
     computed_before,
     draft_token_ids,
     finished_ids,
@@ -21,7 +21,7 @@ from conformance.vllm_compat.scheduler_output import (
     schedule_fields,
     scheduled_drafts,
 )
-from conformance.vllm_compat.state import (
+from conformance._core.vllm_compat.state import (
     ADMISSION_QUEUES,
     base_output_fields,
     block_ids_reader,
@@ -51,7 +51,7 @@ from conformance.vllm_compat.state import (
     set_none_hash,
     status_name,
 )
-from conformance.vllm_compat.versions import (
+from conformance._core.vllm_compat.versions import (
     ALLOW_UNTESTED_ENV,
     SUPPORTED_VLLM,
     ByRelease,

@@ -6,7 +6,7 @@ into the engine — sync ``step`` and async ``step_with_batch_queue`` — before
 It answers every call the engine makes of a worker (start-up: ``init_device``, ``load_model``,
 ``get_kv_cache_spec``, ``get_supported_kv_cache_layouts``, ``determine_available_memory``,
 ``initialize_from_config``, ``compile_or_warm_up_model``; per step: ``execute_model`` then
-``sample_tokens``; ``shutdown``), and samples with ``conformance.tokens``, reading only the
+``sample_tokens``; ``shutdown``), and samples with ``conformance._core.tokens``, reading only the
 ``SchedulerOutput`` as any worker must.
 """
 
@@ -17,9 +17,9 @@ from typing import Any
 import torch
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
-from conformance.tokens import DeterministicTokenSource
+from conformance._core.tokens import DeterministicTokenSource
 
-QUALNAME = "conformance.token_worker.DeterministicTokenWorker"
+QUALNAME = "conformance._core.token_worker.DeterministicTokenWorker"
 
 
 def start_worker(worker_cls: str | type, cfg: Any) -> Any:
@@ -30,7 +30,7 @@ def start_worker(worker_cls: str | type, cfg: Any) -> Any:
     """
     from vllm.utils.import_utils import resolve_obj_by_qualname
 
-    from conformance.config import build_kv_cache_config, build_vllm_config
+    from conformance._core.config import build_kv_cache_config, build_vllm_config
 
     cls = resolve_obj_by_qualname(worker_cls) if isinstance(worker_cls, str) else worker_cls
     vllm_config = build_vllm_config(cfg)

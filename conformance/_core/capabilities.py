@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-# The capability hooks of ``conformance.subjects.BaseSubject``: each returns None when the subject
+# The capability hooks of ``conformance._core.subjects.BaseSubject``: each returns None when the subject
 # does not provide that capability.
 CAPABILITY_HOOKS: tuple[str, ...] = (
     "declared_attributes",
@@ -56,7 +56,7 @@ class Feature:
     subject's real worker on both sides instead of the harness's token source; ``token_edges``
     are ids where the subject's handling of sampled ids changes (the ends of an id range it
     treats apart), which the harness's token source then samples at a fixed share of positions
-    (``conformance.tokens.EDGE_PERIOD``): uniform sampling over the vocabulary rarely or never
+    (``conformance._core.tokens.EDGE_PERIOD``): uniform sampling over the vocabulary rarely or never
     reaches them. ``plain_requests``: the subject's engine also serves requests from clients
     that know nothing of its runtime (upstream's own requests, without its per-request data), so
     the workload draws some (``AddRequest.plain``); each must be served as upstream serves it and
@@ -370,7 +370,7 @@ class ModelReference(Protocol):
 class DifferenceWitness:
     """A workload that makes one registry entry's difference happen (C-03).
 
-    ``ops`` (``conformance.workload`` operations) run in one lock-step session under
+    ``ops`` (``conformance._core.workload`` operations) run in one lock-step session under
     ``feature``'s configuration and ``mode``, then the session drains. With the subject's whole
     registry the run must pass and ``entry`` must tolerate at least one difference; with the
     registry minus ``entry`` the same run must fail at a field the entry names. So an entry whose

@@ -11,7 +11,7 @@ Use ``machine_for(recorder, config, ...)`` to get a factory of machines bound to
 recorder and configuration, then ``run_state_machine_as_test`` it.
 
 The workload's constants live here, once, for every user (the scripted workload in
-``conformance.scenarios``, the suite, the tests): ``TIGHT``, the configuration the suite runs
+``conformance._core.scenarios``, the suite, the tests): ``TIGHT``, the configuration the suite runs
 with; ``PREFIXES``, the shared prompt prefixes; ``STOP_IDS``, the stop tokens requests may use.
 """
 
@@ -24,8 +24,8 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from conformance.config import HarnessConfig
-from conformance.workload import Abort, AddRequest, DeliverChunks, ResetPrefixCache, Step
+from conformance._core.config import HarnessConfig
+from conformance._core.workload import Abort, AddRequest, DeliverChunks, ResetPrefixCache, Step
 
 # Shared prefixes long enough to fill whole blocks (block_size 16): prefix-cache hits need them.
 PREFIXES: dict[str, tuple[int, ...]] = {

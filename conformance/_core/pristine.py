@@ -17,7 +17,7 @@ comparison then agrees with a broken runtime. This module owns the check that ru
   one line naming the subject and what changed;
 * ``oracle_placement()`` says where lock-step sessions run upstream: in this process while
   nothing patched vLLM here, else in a child process that never loaded the subject
-  (``conformance.oracle_process``). ``conformance.subjects.load_subject`` records without
+  (``conformance._core.oracle_process``). ``conformance._core.subjects.load_subject`` records without
   refusing, so a published runtime that patches vLLM (vllm-omni does) is still checked against
   unpatched vLLM.
 
@@ -241,7 +241,7 @@ def require_oracle_in_process(what: str) -> None:
     hands both sides the same executor, say) and the oracle runs in its own process."""
     placement = oracle_placement()
     if placement.isolated:
-        from conformance.capabilities import NotApplicable
+        from conformance._core.capabilities import NotApplicable
 
         raise NotApplicable(
             f"{what} needs the oracle in this process; it runs {placement.describe()}"
