@@ -56,122 +56,22 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any, NoReturn
 
+from conformance._core.preflight import (
+    EXIT_NOT_REPRODUCED,
+    EXIT_REPRODUCED,
+    check_environment,
+    fail_environment,
+    folder_problem,
+    load_subject_quietly,
+    subject_problem,
+)
 from conformance._core.vllm_compat.versions import ALLOW_UNTESTED_ENV
 
-EXIT_ENV = 2
-EXIT_REPRODUCED = 1
-EXIT_NOT_REPRODUCED = 3
-EXIT_UNSUPPORTED = 4
 PROFILES = ("ci", "dev", "thorough", "smoke")
-
-
-class Unsupported(str):
-    """A refusal that is the subject's declared support, not a broken environment (exit 4)."""
-
-
-def _fail_env(message: str) -> int:
-    if isinstance(message, Unsupported):
-        print(f"omni-conformance: unsupported: {message}", file=sys.stderr)
-        return EXIT_UNSUPPORTED
-    print(f"omni-conformance: error: {message}", file=sys.stderr)
-    return EXIT_ENV
-
-
-def _check_environment(subject: str | None, allow_untested: bool = False) -> str | None:
-    from conformance._core.vllm_compat import EnvironmentProblem, check_vllm
-
-    try:
-        check_vllm(allow_untested=allow_untested)
-    except EnvironmentProblem as exc:
-        return str(exc)
-    if subject is not None:
-        return _subject_problem(subject)
-    return None
-
-
-def _subject_problem(spec: str) -> str | None:
-    """Cheap existence check (no import: a subject module usually imports vLLM, ~10 s)."""
-    import importlib.util
-
-    from conformance._core.subjects import available_subjects, ensure_cwd_importable
-
-    if ":" not in spec:
-        if spec in available_subjects():
-            return None
-        known = ", ".join(sorted(available_subjects()))
-        return f"unknown subject {spec!r}; known: {known}, or a module:attr spec"
-    module = spec.partition(":")[0]
-    ensure_cwd_importable()
-    try:
-        found = importlib.util.find_spec(module)
-    except (ImportError, ValueError):
-        found = None
-    return None if found is not None else f"subject module {module!r} cannot be imported"
-
-
-@contextmanager
-def _held_stderr() -> Iterator[bytearray]:
-    """Hold what is written to file descriptor 2 meanwhile (torch and vLLM log warnings there
-    while they import, below Python's ``sys.stderr``); the caller decides whether to pass it on."""
-    held = bytearray()
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with tempfile.TemporaryFile() as sink:
-            os.dup2(sink.fileno(), 2)
-            try:
-                yield held
-            finally:
-                sys.stderr.flush()
-                os.dup2(saved, 2)
-                sink.seek(0)
-                held.extend(sink.read())
-    finally:
-        os.close(saved)
-
-
-def _load_subject(spec: str) -> tuple[Any, str | None]:
-    """(subject, None), or (None, a one-line problem) when it cannot be loaded.
-
-    Import-time library warnings are passed on when the subject loads, and dropped when it does
-    not: the problem is then the one line an environment error promises. A subject that patches
-    vLLM loads; the oracle then runs in its own process (``conformance._core.pristine``).
-    """
-    from conformance._core.subjects import SubjectUnsupported, load_subject
-
-    subject: Any = None
-    problem: str | None = None
-    with _held_stderr() as held:
-        try:
-            subject = load_subject(spec)
-        except SubjectUnsupported as exc:
-            problem = Unsupported(f"subject {spec!r} does not support this environment: {exc}")
-        except (LookupError, ImportError, AttributeError, TypeError, SyntaxError) as exc:
-            detail = " ".join(str(exc).split()) or "no message"
-            problem = f"cannot load subject {spec!r}: {type(exc).__name__}: {detail}"
-    if problem is None and held:
-        sys.stderr.flush()
-        os.write(2, bytes(held))
-    return subject, problem
-
-
-def folder_problem(folder: str | Path) -> str | None:
-    """Why nothing can be written in ``folder`` (created if missing), or None: asked before a
-    run, so an unwritable report folder costs one line instead of the run."""
-    path = Path(folder)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as exc:
-        return f"cannot write there ({exc.strerror or type(exc).__name__})"
-    return None
 
 
 ORACLE_CHOICES = ("auto", "process")
@@ -260,15 +160,15 @@ def _summary(report: dict[str, Any]) -> str:
 
 def cmd_check(args: argparse.Namespace) -> int:
     allow_untested = bool(getattr(args, "allow_untested_vllm", False))
-    problem = _check_environment(args.subject, allow_untested)
+    problem = check_environment(args.subject, allow_untested)
     if problem:
-        return _fail_env(problem)
+        return fail_environment(problem)
     if allow_untested:
         # The pytest child checks the version again; the opt-in reaches it this way.
         os.environ[ALLOW_UNTESTED_ENV] = "1"
-    _, problem = _load_subject(args.subject)  # here, so a broken subject is one line, not a run
+    _, problem = load_subject_quietly(args.subject)  # here, so a broken subject is one line, not a run
     if problem:
-        return _fail_env(problem)
+        return fail_environment(problem)
     _place_oracle(args.oracle)
     for option, folder in (
         ("--report-dir", args.report_dir),
@@ -276,7 +176,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     ):
         problem = folder_problem(folder)
         if problem:
-            return _fail_env(f"{option} {folder}: {problem}")
+            return fail_environment(f"{option} {folder}: {problem}")
     report_dir = Path(args.report_dir)
     report_json = report_dir / "compat-report.json"
     if report_json.exists():
@@ -304,7 +204,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         return _interrupted(args, report_json, signum)
     if not report_json.exists():
         # check's exit codes are its own (pytest's 4 is a usage error, not "unsupported").
-        return _fail_env(f"the suite did not run: pytest exited {rc} without writing a report")
+        return fail_environment(f"the suite did not run: pytest exited {rc} without writing a report")
     report = json.loads(report_json.read_text())
     print(_summary(report))
     print(f"report: {report_json} (+ compat-report.md, compat-report.junit.xml)")
@@ -440,26 +340,26 @@ def _write_incomplete(args: argparse.Namespace, report_json: Path, reason: str) 
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    problem = _check_environment(args.subject)
+    problem = check_environment(args.subject)
     if problem:
-        return _fail_env(problem)
+        return fail_environment(problem)
     if not Path(args.trace).is_file():
-        return _fail_env(f"no such trace: {args.trace}")
+        return fail_environment(f"no such trace: {args.trace}")
     from conformance._core.replay import TraceError, load_trace, replay_trace
 
     try:
         trace = load_trace(args.trace)
     except TraceError as exc:
-        return _fail_env(str(exc))
+        return fail_environment(str(exc))
     spec = args.subject or trace.meta.get("subject")
     if not isinstance(spec, str) or not spec:
-        return _fail_env(f"{args.trace} records no subject; pass --subject")
-    problem = _subject_problem(spec)
+        return fail_environment(f"{args.trace} records no subject; pass --subject")
+    problem = subject_problem(spec)
     if problem:
-        return _fail_env(problem)
-    subject, problem = _load_subject(spec)
+        return fail_environment(problem)
+    subject, problem = load_subject_quietly(spec)
     if problem:
-        return _fail_env(problem)
+        return fail_environment(problem)
     _place_oracle(args.oracle)
     if trace.meta.get("kind") == "audit":
         return _replay_audit(trace, subject, spec)
@@ -494,7 +394,7 @@ def _replay_audit(trace: Any, subject: Any, spec: str) -> int:
     try:
         rerun = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError, ValueError):
-        return _fail_env(f"audit trace names no replay function it can import: {module}:{attr}")
+        return fail_environment(f"audit trace names no replay function it can import: {module}:{attr}")
     note = ReplayOutcome(trace, spec, vllm, None, dict(trace.meta)).context_note()
     if note:
         print(note)
@@ -517,17 +417,17 @@ def cmd_report(args: argparse.Namespace) -> int:
 
     path = Path(args.report)
     if not path.exists():
-        return _fail_env(f"no such report: {path}")
+        return fail_environment(f"no such report: {path}")
     if not path.is_file():
-        return _fail_env(f"{path} is a folder; give the report's compat-report.json")
+        return fail_environment(f"{path} is a folder; give the report's compat-report.json")
     try:
         report = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return _fail_env(f"{path} is not a compat report (not readable JSON: {exc})")
+        return fail_environment(f"{path} is not a compat report (not readable JSON: {exc})")
     try:
         validate(report)
     except Exception as exc:  # jsonschema.ValidationError; keep the message to one line
-        return _fail_env(
+        return fail_environment(
             f"{path} does not match the compat-report schema: {str(exc).splitlines()[0]}"
         )
     paths = render_from_json(path, args.out)

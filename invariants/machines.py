@@ -33,9 +33,10 @@ from hypothesis.stateful import invariant, run_state_machine_as_test
 
 from conformance._core.capabilities import OFF, Feature
 from conformance._core.config import HarnessConfig
-from conformance._core.lockstep import Lockstep, Shrinker, Side, SubjectBroken
+from conformance._core.lockstep import Lockstep, Shrinker, SubjectBroken
 from conformance._core.machine import PREFIXES, TIGHT, LockstepMachine
 from conformance._core.replay import failures_dir
+from conformance._core.sides import Side
 from conformance._core.vllm_compat import environment_versions
 from conformance._core.workload import Abort, AddRequest, Step, Trace
 from invariants.audits import (

@@ -23,7 +23,7 @@ from typing import Any
 
 from conformance._core import vllm_compat as vc
 
-# Abort states (``conformance._core.lockstep.Side.abort_state``) in which the abort ends the request;
+# Abort states (``conformance._core.sides.Side.abort_state``) in which the abort ends the request;
 # in the others it finished already (its finished output is, or will be, its outcome) or is gone.
 ENDS_REQUEST = frozenset({"waiting", "running", "in_flight", "preempted"})
 CLIENT_ABORT = "client abort"

@@ -205,9 +205,9 @@ def out_problem(out: str, n: int) -> str | None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from omni_runtime.engine.backends import BackendUnavailable
     from omni_runtime.engine.graph import PipelineConfigError
     from omni_runtime.engine.pipeline import OmniPipeline
+    from omni_runtime.engine.remote import BackendUnavailable
 
     problem = None if args.text_only else out_problem(args.out, len(args.prompt))
     if args.ray_address is not None and args.backend != "ray":

@@ -27,9 +27,10 @@ import sys
 import pytest
 
 from conformance._core import pristine
-from conformance._core.lockstep import Lockstep, Side
+from conformance._core.lockstep import Lockstep
 from conformance._core.machine import PREFIXES, TIGHT
 from conformance._core.oracle_process import OracleProcessError, ProcessSide, shared_oracle
+from conformance._core.sides import Side
 from conformance._core.subjects import load_subject
 from conformance._core.workload import Abort, AddRequest, Step
 

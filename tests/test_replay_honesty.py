@@ -25,11 +25,12 @@ import pytest
 from conformance._core.config import HarnessConfig
 from conformance._core.lockstep import Lockstep, run_trace, shrink_seconds
 from conformance._core.machine import PREFIXES, TIGHT, random_request
+from conformance._core.preflight import EXIT_ENV, EXIT_NOT_REPRODUCED, EXIT_REPRODUCED
 from conformance._core.replay import load_trace, record_failure
 from conformance._core.scenarios import run_canonical
 from conformance._core.vllm_compat import environment_versions
 from conformance._core.workload import Abort, DeliverChunks, ResetPrefixCache, Step, Trace
-from conformance.cli import EXIT_ENV, EXIT_NOT_REPRODUCED, EXIT_REPRODUCED, main
+from conformance.cli import main
 from tests.mutants import harness_mutants as M
 
 pytestmark = pytest.mark.clauses("C-01")

@@ -21,20 +21,19 @@ import os
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, replace
+from typing import Any
 
-from conformance._core import vllm_compat as vc
 from conformance._core.capabilities import NotApplicable
 from conformance._core.compare import Comparison, FieldDifference, compare
 from conformance._core.config import HarnessConfig
 from conformance._core.differences import Registry
-from conformance._core.driver import AsyncDriver, Executor, SyncDriver, WorkerExecutor, make_driver
-from conformance._core.harness_faults import HarnessError, forget_pending, raise_pending
+from conformance._core.harness_faults import forget_pending
 from conformance._core.observe import Observation, same_state
+from conformance._core.oracle_process import ProcessSide
 from conformance._core.pristine import oracle_placement
-from conformance._core.subjects import Subject, UpstreamSubject, admit_request, received_outputs
-from conformance._core.tokens import DeterministicTokenSource
+from conformance._core.sides import Side, make_side
+from conformance._core.subjects import Subject, UpstreamSubject
 from conformance._core.workload import (
     Abort,
     AddRequest,
@@ -45,9 +44,6 @@ from conformance._core.workload import (
     Trace,
 )
 
-if TYPE_CHECKING:
-    from conformance._core.oracle_process import ProcessSide
-
 
 class SubjectBroken(AssertionError):
     """Raised by ``Lockstep.check`` for the first untolerated difference."""
@@ -55,153 +51,6 @@ class SubjectBroken(AssertionError):
     def __init__(self, difference: FieldDifference) -> None:
         self.difference = difference
         super().__init__(difference.headline())
-
-
-class ClientNotCarried(Exception):
-    """The subject built a request for another client than the operation's: its
-    ``make_request`` hook, or the input adapter behind it, did not carry ``op.client_index``."""
-
-
-@dataclass
-class Side:
-    """One side of a session in this process: a subject's scheduler, driver and executor.
-
-    ``apply`` runs one operation and returns the snapshot; the remaining methods answer what the
-    session asks of a side between operations. ``conformance._core.oracle_process.ProcessSide`` answers
-    the same questions for an oracle that runs in another process.
-    """
-
-    subject: Subject
-    scheduler: Any
-    driver: SyncDriver | AsyncDriver
-    executor: Executor
-    chunks: list[Any] = field(default_factory=list)
-    # The state each id of the last ``Abort`` was in just before it applied (``abort_state``).
-    last_abort_states: dict[str, str] = field(default_factory=dict)
-    # The observation of the last operation: expired when the next one runs (its snapshot, if
-    # never built, would read the later state).
-    last_observation: Observation | None = None
-    # The harness's own code (the token source) raised during the last operation: the
-    # ``HarnessError``, its cause also observed as the side's exception (``Lockstep.apply``).
-    harness_error: HarnessError | None = None
-
-    @property
-    def mode(self) -> str:
-        return self.driver.mode
-
-    def apply(self, op: Op, prompt: list[int] | None, cfg: HarnessConfig, arrival: float) -> dict:
-        """Run one operation; its snapshot."""
-        return self.observe(op, prompt, cfg, arrival).snapshot()
-
-    def observe(
-        self, op: Op, prompt: list[int] | None, cfg: HarnessConfig, arrival: float
-    ) -> Observation:
-        """Run one operation; its observation (the snapshot is built when asked for)."""
-        if self.last_observation is not None:
-            self.last_observation.expire()
-        self.harness_error = None
-        sched = self.scheduler
-        extra: dict[str, Any] = {}
-        outputs = None
-        if isinstance(op, Abort):
-            self.last_abort_states = {rid: self.abort_state(rid) for rid in op.request_ids}
-        try:
-            if isinstance(op, Step):
-                obs = self.driver.step()
-                extra["sched_out"] = obs.scheduled
-                extra["outputs"] = None  # normalised from ``outputs`` with the snapshot
-                # What the engine's caller receives (a subject whose outputs cross a process
-                # boundary decodes them here), so that is what is compared.
-                outputs = received_outputs(self.subject, sched, obs.outputs)
-                extra["updated"] = obs.updated
-            elif isinstance(op, AddRequest):
-                assert prompt is not None
-                request = self.subject.make_request(op, prompt, cfg, sched, arrival)
-                admit_request(self.subject, sched, request)
-                client = getattr(request, "client_index", op.client_index)
-                if client != op.client_index:
-                    # Said here, in the hook's terms (after the admission, so that this is the
-                    # step's first difference): as an output difference it would read as the
-                    # scheduler misrouting outputs, which it may not be doing.
-                    raise ClientNotCarried(
-                        f"make_request built request {op.request_id} for client {client}, not "
-                        f"{op.client_index}: the subject's hook (and its input adapter) must "
-                        "carry op.client_index as the engine carries EngineCoreRequest.client_index"
-                    )
-            elif isinstance(op, Abort):
-                from vllm.v1.request import RequestStatus
-
-                sched.finish_requests(list(op.request_ids), RequestStatus.FINISHED_ABORTED)
-            elif isinstance(op, ResetPrefixCache):
-                extra["result"] = sched.reset_prefix_cache(
-                    op.reset_running_requests, op.reset_connector
-                )
-            elif isinstance(op, DeliverChunks):
-                self.chunks.extend(self.subject.drain_chunks(sched))
-            else:  # pragma: no cover - the Op union is closed
-                raise TypeError(f"unknown op {op!r}")
-        except HarnessError as exc:
-            forget_pending()  # it reached us directly
-            # Observed like any crash, as the exception the harness's code raised: it may be
-            # the subject's doing (its SchedulerOutput), which the other side decides.
-            self.harness_error = exc
-            cause = exc.__cause__ or exc
-            extra["exception"] = f"{type(cause).__name__}: {cause}"[:300]
-        except Exception as exc:  # the subject's crash is an observable difference
-            extra["exception"] = f"{type(exc).__name__}: {exc}"[:300]
-        # The harness's own code may have raised where the subject caught it (a processor the
-        # subject's fault containment called): that stops the run, it is no observation.
-        raise_pending()
-        observation = Observation(sched, self.subject, extra, outputs)
-        self.last_observation = observation
-        return observation
-
-    def abort_state(self, rid: str) -> str:
-        """Which state an abort of ``rid`` meets: waiting, running, in flight (async, a step
-        of it queued), preempted, finished but unreported, or unknown."""
-        sched = self.scheduler
-        req = sched.requests.get(rid)
-        if req is None:
-            return "finished_unreported" if rid in vc.finished_unreported(sched) else "unknown"
-        if vc.is_finished(req):
-            return "finished_unreported"
-        status = vc.status_name(req)
-        if status == "PREEMPTED":
-            return "preempted"
-        if status == "RUNNING":
-            queued = isinstance(self.driver, AsyncDriver) and any(
-                rid in so.num_scheduled_tokens for so, _ in self.driver.queue
-            )
-            return "in_flight" if queued else "running"
-        return "waiting"
-
-    def live_ids(self) -> list[str]:
-        return list(self.scheduler.requests)
-
-    def busy(self) -> bool:
-        """Requests held or a step in flight: the session's drain keeps stepping."""
-        return bool(self.scheduler.has_requests() or self.driver.in_flight())
-
-    def free_blocks(self) -> int:
-        return vc.num_free_blocks(vc.block_pool(self.scheduler))
-
-    def omni_ids(self) -> set[str]:
-        return set(self.subject.live_omni_ids(self.scheduler))
-
-
-def make_side(subject: Subject, cfg: HarnessConfig, worker: Subject | None) -> Side:
-    """A side for ``subject``: its scheduler, and ``worker``'s real worker when given, else the
-    harness's deterministic token source."""
-    scheduler = subject.build_scheduler(cfg)
-    executor: Executor
-    if worker is not None:
-        executor = WorkerExecutor(worker.make_worker(cfg))
-    else:
-        vocab = int(cfg.model_shape().get("vocab_size", 512))
-        executor = DeterministicTokenSource(
-            vocab=vocab, edges=cfg.token_edges, num_drafts=cfg.num_speculative_tokens
-        )
-    return Side(subject, scheduler, make_driver(scheduler, executor), executor)
 
 
 class Lockstep:
@@ -255,8 +104,6 @@ class Lockstep:
                 "the real-worker mode runs the subject's worker on both sides, which needs the "
                 f"oracle in this process; here it runs {placement.describe()}"
             )
-        from conformance._core.oracle_process import ProcessSide
-
         return ProcessSide(config)
 
     # ---- operations ------------------------------------------------------------------------

@@ -10,7 +10,7 @@ reused by every session (importing vLLM costs seconds; building a scheduler cost
   replies out; vLLM's logging keeps stdout and stderr, which go to a log file whose tail is
   quoted if the child dies) and exchanges pickled messages with it.
 * ``ProcessSide`` is the session's oracle side: it answers the questions ``Lockstep`` asks of a
-  side (``conformance._core.lockstep.Side``) from the child's reply to the last operation.
+  side (``conformance._core.sides.Side``) from the child's reply to the last operation.
 * ``serve`` is the child: sessions keyed by id, each an ordinary in-process ``Side`` for vLLM's
   own schedulers fed by the harness's deterministic token source.
 
@@ -219,7 +219,7 @@ def serve(inbox: Connection, outbox: Connection) -> int:
     """Answer the parent's messages until it closes the pipe."""
     from conformance._core import vllm_compat as vc
     from conformance._core.config import block_hasher
-    from conformance._core.lockstep import make_side
+    from conformance._core.sides import make_side
     from conformance._core.subjects import UpstreamSubject
 
     sides: dict[int, Any] = {}

@@ -54,8 +54,8 @@ class _Script:
     def up(self) -> Any:
         """The oracle's live scheduler: the script decides its next operation from it, so it
         needs the oracle in this process."""
-        from conformance._core.lockstep import Side
         from conformance._core.pristine import require_oracle_in_process
+        from conformance._core.sides import Side
 
         if not isinstance(self.s.up, Side):
             require_oracle_in_process("a scripted scenario")

@@ -249,7 +249,7 @@ def normalise(snapshot: dict[str, Any], hashes: _Hashes) -> dict[str, Any]:
 
 def run_workload(trace: Trace, mode: str, max_drain: int = MAX_DRAIN) -> dict[str, Any]:
     """Run ``trace`` on the installed vLLM's own scheduler in ``mode``; the recorded run."""
-    from conformance._core.lockstep import make_side
+    from conformance._core.sides import make_side
     from conformance._core.subjects import UpstreamSubject
 
     cfg = trace.config.with_(async_scheduling=mode == "async")
@@ -481,21 +481,21 @@ def load_recording(path: str | Path) -> Recording:
 def cmd_record(args: Any) -> int:
     import sys
 
-    from conformance.cli import _check_environment, _fail_env, folder_problem
+    from conformance._core.preflight import check_environment, fail_environment, folder_problem
 
-    problem = _check_environment(None)
+    problem = check_environment(None)
     if problem:
-        return _fail_env(problem)
+        return fail_environment(problem)
     if args.size < 0:
-        return _fail_env(f"--size {args.size}: must be 0 or more")
+        return fail_environment(f"--size {args.size}: must be 0 or more")
     if args.size == 0 and args.traces is None:
-        return _fail_env("--size 0 without --traces: the corpus would be empty")
+        return fail_environment("--size 0 without --traces: the corpus would be empty")
     out = Path(args.out)
     if out.is_dir():
-        return _fail_env(f"--out {out}: is a folder; give the recording's file name")
+        return fail_environment(f"--out {out}: is a folder; give the recording's file name")
     problem = folder_problem(out.parent)
     if problem:
-        return _fail_env(f"--out {out}: {problem}")
+        return fail_environment(f"--out {out}: {problem}")
     modes = tuple(args.modes)
 
     def say(line: str) -> None:
@@ -513,7 +513,7 @@ def cmd_record(args: Any) -> int:
             out, seed=args.seed, size=args.size, traces=args.traces, modes=modes, progress=say
         )
     except RecordingError as exc:
-        return _fail_env(str(exc))
+        return fail_environment(str(exc))
     corpus = header["corpus"]
     print(
         f"record: vLLM {header['vllm']}: {corpus['size']} generated workloads"

@@ -636,7 +636,7 @@ def _error(message: str) -> int:
 
 
 def cmd_release_diff(args: argparse.Namespace) -> int:
-    from conformance.cli import folder_problem
+    from conformance._core.preflight import folder_problem
 
     for p in (args.a, args.b):
         if not Path(p).is_file():

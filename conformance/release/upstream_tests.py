@@ -869,16 +869,20 @@ def _print_summary(
 
 
 def cmd_upstream_tests(args: argparse.Namespace) -> int:
+    from conformance._core.preflight import (
+        check_environment,
+        fail_environment,
+        load_subject_quietly,
+    )
     from conformance._core.vllm_compat import EnvironmentProblem, check_vllm
-    from conformance.cli import _check_environment, _fail_env, _load_subject
 
-    problem = _check_environment(args.subject)
+    problem = check_environment(args.subject)
     if problem is not None:
-        return _fail_env(problem)
+        return fail_environment(problem)
     try:
         version = check_vllm()
-    except EnvironmentProblem as exc:  # pragma: no cover - _check_environment said it is fine
-        return _fail_env(str(exc))
+    except EnvironmentProblem as exc:  # pragma: no cover - check_environment said it is fine
+        return fail_environment(str(exc))
     try:
         tests = ensure_tests(
             Path(args.cache_dir).expanduser(),
@@ -888,13 +892,13 @@ def cmd_upstream_tests(args: argparse.Namespace) -> int:
         )
         files = select_tests(tests.core, args.tests, include_slow=args.include_slow)
     except (TestsUnavailable, OSError, tarfile.TarError) as exc:
-        return _fail_env(" ".join(str(exc).split()))
+        return fail_environment(" ".join(str(exc).split()))
     if not files:
-        return _fail_env(f"no scheduler test files in {tests.core}")
+        return fail_environment(f"no scheduler test files in {tests.core}")
     # Loaded here once for its one-line problems (the child loads it again to swap it in).
-    subject, problem = _load_subject(args.subject)
+    subject, problem = load_subject_quietly(args.subject)
     if problem is not None:
-        return _fail_env(problem)
+        return fail_environment(problem)
     name = str(getattr(subject, "name", args.subject))
     extra = ["-k", args.keyword] if args.keyword else []
     common = {"timeout_s": args.timeout_s, "workers": args.workers, "quiet": args.quiet}
@@ -906,7 +910,7 @@ def cmd_upstream_tests(args: argparse.Namespace) -> int:
         if not args.no_baseline or own:
             baseline = run_pytest("baseline", tests, files, None, extra=extra, **common)
             if not any(o == "passed" for o in baseline.outcomes.values()):
-                return _fail_env(
+                return fail_environment(
                     f"no test passes with upstream's own classes here ({counts(baseline.outcomes)})"
                     "; the environment cannot run vLLM's tests"
                 )
@@ -921,9 +925,9 @@ def cmd_upstream_tests(args: argparse.Namespace) -> int:
             # Upstream finished; the subject did not: that is the subject's finding.
             print(f"omni-conformance: {exc}", file=sys.stderr)
             return 1
-        return _fail_env(str(exc))
+        return fail_environment(str(exc))
     if not own and not run.record.get("rebound"):
-        return _fail_env(
+        return fail_environment(
             f"the swap reached no test module (subject {args.subject!r}): nothing was checked"
         )
     verdict = compare(run.outcomes, baseline.outcomes if baseline else None)

@@ -14,78 +14,21 @@ protocol below is what the orchestrator uses of them):
   memory on the same host and Ray's object store across hosts.
 
 All give bit-identical outputs for the same requests (``tests/test_mp_stage.py``,
-``tests/test_ray_stage.py``). What the out-of-process engines share lives here too: the error
-a dead stage process reports, and handing returned chunks to the stage's connector.
+``tests/test_ray_stage.py``). What the out-of-process engines share is in ``engine.remote``.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol
 
 from omni_runtime.adapters.input import StageInput
 from omni_runtime.engine.config import BACKENDS, EngineOptions
 from omni_runtime.engine.graph import ARStageSpec
-from omni_runtime.engine.stage import StageEngine, StageOutput, StageStep
-from omni_runtime.payload import StageChunk
+from omni_runtime.engine.stage import StageEngine, StageStep
 from omni_runtime.sched.transfer import ChunkSink
 
-logger = logging.getLogger(__name__)
-
-__all__ = [
-    "BackendUnavailable",
-    "StageBackend",
-    "StageProcessDied",
-    "fail_held",
-    "make_stage_engine",
-    "refused_as_errors",
-    "route_chunks",
-]
-
-
-class BackendUnavailable(RuntimeError):
-    """The chosen backend cannot run here (Ray not installed, its cluster unreachable)."""
-
-
-class StageProcessDied(RuntimeError):
-    """A stage's engine process (or actor) exited while holding requests."""
-
-
-def route_chunks(
-    stage_id: str, sink: ChunkSink | None, chunks: Iterable[StageChunk]
-) -> dict[str, str]:
-    """Hand a stage's returned chunks to its connector, in order; returns refused requests.
-
-    A connector fault fails only its own request (C-61): that request's later chunks are not
-    sent, and the caller aborts it and reports the cause this returns (request id -> message).
-    """
-    refused: dict[str, str] = {}
-    if sink is None:
-        return refused
-    for chunk in chunks:
-        if chunk.request_id in refused:
-            continue
-        try:
-            sink.send(chunk)
-        except Exception as exc:
-            refused[chunk.request_id] = f"{stage_id}: {type(exc).__name__}: {exc}"
-    return refused
-
-
-def fail_held(stage_id: str, held: set[str], cause: str) -> list[StageOutput]:
-    """One error outcome for every request a dead stage process held; ``held`` is emptied."""
-    failed = sorted(held)
-    held.clear()
-    logger.warning("stage %s: %s; failing %s and restarting", stage_id, cause, failed)
-    message = f"{stage_id}: {StageProcessDied.__name__}: {cause}"
-    return [StageOutput(rid, [], "error", message) for rid in failed]
-
-
-def refused_as_errors(outputs: list[StageOutput], refused: dict[str, str]) -> list[StageOutput]:
-    """The step's outputs with each refused request's replaced by one error outcome."""
-    kept = [o for o in outputs if o.request_id not in refused]
-    return kept + [StageOutput(rid, [], "error", why) for rid, why in refused.items()]
+__all__ = ["StageBackend", "make_stage_engine"]
 
 
 class StageBackend(Protocol):

@@ -64,14 +64,14 @@ from omni_runtime.adapters.shm_wire import (
 )
 from omni_runtime.config import OmniStageConfig
 from omni_runtime.engine import vllm_compat as compat
-from omni_runtime.engine.backends import (
+from omni_runtime.engine.config import EngineOptions, stage_vllm_config
+from omni_runtime.engine.graph import ARStageSpec
+from omni_runtime.engine.remote import (
     StageProcessDied,
     fail_held,
     refused_as_errors,
     route_chunks,
 )
-from omni_runtime.engine.config import EngineOptions, stage_vllm_config
-from omni_runtime.engine.graph import ARStageSpec
 from omni_runtime.engine.stage import StageOutput, StageStep
 from omni_runtime.platform import install_for_process
 from omni_runtime.sched.process_stage import (

@@ -49,15 +49,15 @@ from omni_runtime.adapters.shm_wire import (
     read_chunks,
     sweep_segments,
 )
-from omni_runtime.engine.backends import (
+from omni_runtime.engine.config import EngineOptions
+from omni_runtime.engine.graph import ARStageSpec
+from omni_runtime.engine.remote import (
     BackendUnavailable,
     StageProcessDied,
     fail_held,
     refused_as_errors,
     route_chunks,
 )
-from omni_runtime.engine.config import EngineOptions
-from omni_runtime.engine.graph import ARStageSpec
 from omni_runtime.engine.stage import StageEngine, StageOutput, StageStep
 from omni_runtime.sched.transfer import ChunkSink, OutboxSink
 
