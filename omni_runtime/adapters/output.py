@@ -1,27 +1,14 @@
 """The output adapter: runner tensors leave a stage only as typed, per-request payloads (C-11).
 
-Scheduler side: ``payloads_by_request`` unpacks the payload list an ``OmniModelRunnerOutput``
-carries, aligned with the runner's ``req_ids`` (C-51), into a mapping by request id.
+Scheduler side: ``payloads_by_request`` maps the payload list of an ``OmniModelRunnerOutput``,
+aligned with the runner's ``req_ids`` (C-51), to request ids.
 
-Runner side: ``PayloadBuilder.build(plan, inputs)`` turns one step's tensors into the payload
-list, one slot per scheduled request in scheduler order (C-51). It is a pure function of its
-two arguments: the runner decides *when* it runs (inline on the calling thread, or on a builder
-thread over a snapshot, see ``omni_runtime.worker.materialize``) and guarantees that what it
-passes stays unchanged until the build returns (C-52, C-53).
-
-What a payload holds (``StagePayload``):
-
-* ``hidden`` — the final-normed hidden rows (the rows the LM head reads) of the request's
-  scheduled positions ``[num_computed, num_computed + num_scheduled)``, as a private copy;
-  absent in token-only mode (C-30). With a prefix-cache merge (C-55) the rows of the cached
-  prompt positions ``[0, num_computed)`` come first and ``start`` is 0.
-* ``multimodal`` — one entry per name in ``OmniStageConfig.multimodal_outputs``, each covering
-  the same positions as the scheduled rows.
-* ``conditioning`` — *prefill conditioning*: the final-normed hidden row ``[H]`` of the prompt's
-  last position, attached once per request, to the step whose computation of that position
-  completes the prefill. It crosses in token-only mode too (C-31).
-
-A request with nothing to deliver gets a None slot; later slots never shift (C-51).
+Runner side: ``PayloadBuilder.build(plan, inputs)`` turns one step's tensors into that list, one
+slot per scheduled request in scheduler order, an empty slot where there is nothing to deliver
+(C-51). It is a pure function of its arguments; the runner decides when it runs, inline or on a
+builder thread (``omni_runtime.worker.materialize``), and keeps its inputs unchanged until it
+returns (C-52, C-53). What a payload holds (hidden rows, multimodal outputs, the prefill
+conditioning; C-30, C-31, C-55): docs/design.md, "Inside the layers"; docs/contracts.md.
 """
 
 from __future__ import annotations

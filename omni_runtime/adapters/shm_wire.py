@@ -1,27 +1,18 @@
 """Chunks across a process boundary through shared memory: the wire form and its two ends.
 
-A stage that runs in its own process (``omni_runtime.engine.mp_stage``) hands its chunks to the
-orchestrator's process on vLLM's own output messages. This module owns what travels and how:
+A stage in its own process (``omni_runtime.engine.mp_stage``) returns its chunks on vLLM's own
+output messages. This module owns what travels:
 
-* ``ChunkDescriptor`` — one ``StageChunk`` without its tensor bytes: request id, source stage,
-  seq, accepted token ids, terminal flag and reason, the payload's scalar fields, the processor's
-  data as a small tagged tree, and for every tensor (``TensorRef``) its offset, byte count,
-  dtype and shape inside one named shared-memory segment.
-* ``ShmEngineCoreOutputs`` — ``OmniEngineCoreOutputs`` plus one more trailing field,
-  ``omni_chunks``, so the descriptors ride on the very message that carries the step's outputs.
-* ``ShmChunkWriter`` — the child-side sink. ``send`` encodes a chunk at once (an unsupported
-  data type raises there, inside the transfer adapter, so it fails only its own request as any
-  connector fault does, C-61); ``flush`` writes every pending tensor of the step into one new
-  segment (the single copy on the sending side; nothing is pickled) and returns the descriptors.
-* ``read_chunks`` — the parent side: copies each tensor out of its segment once into private
-  memory, rebuilds the ``StageChunk`` (and its ``StagePayload``: payload objects are built only
-  under ``adapters/``, C-10/C-11), then closes and unlinks the segment. A segment therefore lives
-  from the child's flush until the parent reads the message that names it.
+* ``ChunkDescriptor`` / ``TensorRef`` — a ``StageChunk`` without its tensor bytes, each tensor
+  named by segment, offset, byte count, dtype and shape;
+* ``ShmEngineCoreOutputs`` — ``OmniEngineCoreOutputs`` plus a trailing field, ``omni_chunks``;
+* ``ShmChunkWriter`` — the child's sink: ``send`` encodes at once (a bad data type fails only its
+  request, C-61), ``flush`` writes the step's tensors into one new segment, nothing pickled;
+* ``read_chunks`` — the parent's end: one copy out, the chunk rebuilt (payloads only through
+  ``adapters/``, C-10/C-11), the segment unlinked; ``sweep_segments`` removes a dead child's.
 
-Ownership of a segment passes to the parent with the message: the writer takes it off the
-stdlib resource tracker, so a child that dies never unlinks what the parent may still be reading.
-Segments of a child that died before its message was read are found by name: every name starts
-with the writer's ``prefix``, and ``sweep_segments`` unlinks what is left under it.
+Segment ownership and naming: docs/design.md, "A stage in its own process"; C-46 in
+docs/contracts.md.
 """
 
 from __future__ import annotations

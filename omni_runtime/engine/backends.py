@@ -1,20 +1,16 @@
 """Choosing where an AR stage's ``EngineCore`` runs: ``make_stage_engine``.
 
-``EngineOptions.backend`` picks one of two engines with the same surface (the ``StageBackend``
-protocol below is what the orchestrator uses of them):
+``EngineOptions.backend`` picks one of three engines with one surface (``StageBackend``, what
+the orchestrator uses of them):
 
-* ``"inprocess"`` — ``StageEngine``: the ``EngineCore`` in the orchestrator's process, stepped
-  by the orchestrator (the default: on this runtime's small CPU models it is the faster one, see
-  ``benchmarks/test_bench_backends.py``);
-* ``"multiprocess"`` — ``MPStageEngine``: the ``EngineCore`` in its own process through vLLM's
-  ``SyncMPClient``, stepping on its own; chunks come back on vLLM's output messages with their
-  tensors in shared memory;
-* ``"ray"`` — ``RayStageEngine``: the ``EngineCore`` in a Ray actor placed by the stage's
-  ``ray_resources``, on this host or another; chunks come back with each step, through shared
-  memory on the same host and Ray's object store across hosts.
+* ``"inprocess"`` — ``StageEngine``, in the orchestrator's process (the default);
+* ``"multiprocess"`` — ``MPStageEngine``, in its own process through vLLM's ``SyncMPClient``;
+* ``"ray"`` — ``RayStageEngine``, in a Ray actor placed by the stage's ``ray_resources``.
 
-All give bit-identical outputs for the same requests (``tests/test_mp_stage.py``,
-``tests/test_ray_stage.py``). What the out-of-process engines share is in ``engine.remote``.
+All give bit-identical outputs (``tests/test_mp_stage.py``, ``tests/test_ray_stage.py``); what
+the out-of-process engines share is in ``engine.remote``. How each works, and what each costs
+(``benchmarks/test_bench_backends.py``): docs/design.md, "A stage in its own process, or on
+another machine".
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """Connectors: how a stage's chunks reach the orchestrator for the next stage.
 
-A connector is the sink a stage's transfer adapter sends into (``send``, called on the engine's
+A connector is the sink the stage's transfer adapter sends into (``send``, on the engine's
 thread during ``update_from_output``) and the source the orchestrator drains after the step
-(``recv``). The orchestrator alone creates connectors and decides which stage reads them (C-21).
+(``recv``). Only the orchestrator creates connectors and decides who reads them (C-21).
 
-* ``InProcessConnector`` keeps chunk objects in a queue: no copy, no serialisation.
-* ``PipeConnector`` crosses a process boundary: each chunk is serialised (tensors as raw bytes
-  with dtype and shape; no pickled tensors, no shared storage) and written to a pipe whose far
-  end is a child process, which forwards the bytes back on a second pipe where ``recv`` decodes
-  them. ``recv`` waits until every chunk sent so far has come back, so a step's chunks are
-  all visible right after the step, exactly as with the in-process connector, and results do
-  not depend on the connector. The relay child keeps an unbounded queue between its reader and
-  writer threads, so ``send`` never blocks on a full pipe while nobody is receiving.
-  When the relay dies, or sends nothing back for ``recv_timeout`` seconds, the chunks still
-  inside it are lost: the connector reaps it and starts a fresh relay, and the next ``recv``
-  raises ``ConnectorLost`` naming the requests whose chunks were lost (and carrying the chunks
-  that did come back), so the orchestrator fails exactly those requests and the edge keeps
-  serving the others (C-61).
+* ``InProcessConnector`` — a queue of chunk objects: no copy, no serialisation.
+* ``PipeConnector`` — chunks serialised (raw tensor bytes, no pickles) through a relay child
+  process and back; ``recv`` returns every chunk sent so far, so results do not depend on the
+  connector. A relay that dies or stalls past ``recv_timeout`` is replaced, and the next
+  ``recv`` raises ``ConnectorLost`` naming the requests whose chunks were lost (C-61).
+
+Details: docs/design.md, "Inside the layers" (connectors) and "Faults and signals".
 """
 
 from __future__ import annotations

@@ -1,33 +1,17 @@
 """``MPStageEngine``: an AR stage whose vLLM ``EngineCore`` runs in its own process.
 
-The stage process is started and driven by vLLM's own multiprocess client
-(``vllm_compat.OmniSyncMPClient``, a ``SyncMPClient``: the client ``vllm.LLM`` uses) and runs
-vLLM's ``EngineCoreProc`` busy loop with the uni executor, ``OmniARWorker`` and the omni
-scheduler in its process form (``sched.process_stage``). This class gives the orchestrator the
-same surface as the in-process ``StageEngine`` (add / abort / has_work / step / set_sink /
-leftovers / is_clean / num_free_blocks / initial_free_blocks / shutdown):
+vLLM's own multiprocess client (``vllm_compat.OmniSyncMPClient``, a ``SyncMPClient``) starts and
+drives vLLM's ``EngineCoreProc`` with the uni executor, ``OmniARWorker`` and the schedulers in
+their process form (``sched.process_stage``). This class gives the orchestrator the surface of
+the in-process ``StageEngine``: requests are validated here by the stage's ``InputAdapter`` and
+sent as ``EngineCoreRequest``s with the omni slot in ``SamplingParams.extra_args``; ``step``
+turns the messages that arrived into ``StageOutput``s and hands the chunks they name
+(``adapters.shm_wire.read_chunks``) to the orchestrator's sink; a fault the worker raises fails
+that step's requests (``vllm_compat.FaultContainingExecutor``); a dead engine process fails
+exactly the requests it held, naming the stage, and a fresh one is started.
 
-* admission: the stage's ``InputAdapter`` validates in this process, so a bad input is refused
-  before anything crosses; the request then goes as vLLM's ``EngineCoreRequest`` (prompt ids or
-  vLLM's own ``prompt_embeds`` field) with the omni slot in ``SamplingParams.extra_args``;
-* outputs: the engine process steps on its own as long as it holds requests; ``step`` takes the
-  messages that arrived (waiting briefly for one when nothing is ready anywhere), turns their
-  outputs into ``StageOutput`` exactly as ``StageEngine`` does, and hands the chunks their
-  descriptors name (``adapters.shm_wire.read_chunks``: one copy out, segment released) to the
-  sink the orchestrator set, before returning, as the in-process scheduler does during a step;
-* aborts go to the engine process in order with everything else; outputs that were already on
-  their way for an aborted request still arrive and are routed as usual (the orchestrator
-  ignores anything of a request whose outcome is decided);
-* step faults: the runner recovers from model and payload-build faults inside the process as
-  it does in process (``worker.recovery``); a fault the worker raises out of a step fails that
-  step's requests (``vllm_compat.FaultContainingExecutor``), where vLLM's engine loop would end
-  the process and with it every request the stage holds;
-* death: when the engine process exits (killed, or vLLM's ``ENGINE_CORE_DEAD``), exactly the
-  requests it held are finished with reason "error" and a message naming the stage, the
-  segments it left are swept, and a fresh process is started, which serves new requests.
-
-Shared-memory segments are named ``<prefix>-<n>`` with a prefix unique to this engine and
-process generation; ``shutdown`` and a restart sweep what is left under it.
+How admission, outputs, aborts, faults, death and segment sweeping work: docs/design.md, "A
+stage in its own process, or on another machine".
 """
 
 from __future__ import annotations

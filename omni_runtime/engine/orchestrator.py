@@ -1,28 +1,16 @@
 """The orchestrator: the only code that knows the stage graph and routes between stages (C-21).
 
-It owns one ``StageEngine`` per AR stage, the ``Code2WavStage``, and one connector per edge,
-and tracks every client request from admission to its single terminal outcome (C-62):
+It owns one stage engine per AR stage, the ``Code2WavStage`` and one connector per edge, and
+follows every client request from admission to its single terminal outcome (C-62). After each
+stage step it drains that stage's connector and routes each chunk by its edge: into an AR stage,
+the hidden rows are collected and, on the EOF, become the downstream request's
+``prompt_embeds``; into code2wav, each codec chunk is decoded as it arrives. Text-only requests
+end at the first stage and send nothing (C-42). An abort ends the request in every stage; a
+step, connector, processor, decoder fault or a rejected downstream input ends only the requests
+concerned, with reason "error" (C-61). Stages step in graph order once per ``step()``.
 
-* admission: the first stage gets the prompt ids; ``final_stage_id`` is the first stage for
-  text-only requests, which then never cause a send and never reach the talker (C-42);
-* a stage step: its outputs (sampled ids, finish reasons) are recorded, then its connector is
-  drained and each chunk is routed by the edge it came from:
-  - into an AR stage: the chunks' hidden rows are collected, and on the upstream's terminal
-    (EOF) chunk the rows of every position the upstream computed (prompt and generated,
-    ``[0, prompt + generated - 1)``) are concatenated in position order and followed by the
-    embeddings of the downstream's ``start_token_ids``; that becomes the downstream request's
-    ``prompt_embeds`` through its input adapter (hidden sizes must agree: the embedded thinker
-    and talker are both 64 wide, so the projection is the identity);
-  - into code2wav: each codec chunk is decoded at once by the streaming decoder, so audio is
-    produced while the talker is still generating; the terminal chunk completes the request;
-* abort: the request is aborted in every stage that holds it, its decoder state dropped, and
-  its terminal outcome is "abort"; EOF chunks the abort causes are drained and ignored;
-* faults: a step fault, connector fault (including chunks a connector lost with its relay
-  process), processor fault, rejected downstream input or decoder error ends only the requests
-  concerned, with finish reason "error" and a message (C-61).
-
-Stages are stepped in graph order once per ``step()``, so the routing order, and therefore
-every output, is the same in sync and async scheduling and with either connector.
+The routing step by step: docs/design.md, "One stage step" and "Inside the layers"; faults:
+docs/design.md, "Faults and signals".
 """
 
 from __future__ import annotations

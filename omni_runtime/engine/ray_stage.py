@@ -1,32 +1,17 @@
 """``RayStageEngine``: an AR stage whose vLLM ``EngineCore`` runs inside a Ray actor.
 
-The actor (``StageActor``) holds an ordinary in-process ``StageEngine``: vLLM's ``EngineCore``
-with the omni scheduler and ``OmniARWorker``, so admission, stepping, aborts and the worker's
-fault recovery are the very code the in-process backend runs. This class gives the orchestrator
-the same surface as ``StageEngine`` (``backends.StageBackend``) from the driver's side:
+The actor (``StageActor``) holds an ordinary in-process ``StageEngine``, so admission, stepping,
+aborts and fault recovery are the in-process backend's code. This class gives the orchestrator
+that surface (``backends.StageBackend``) from the driver's side: one actor per AR stage, placed
+by the stage's ``ray_resources`` in a Ray session it joins, reuses or starts (``RaySession``);
+validation in the driver before anything is sent; a waited-for call per step, adds and aborts
+sent without waiting; chunks back with each step, through shared memory on the driver's host
+(``adapters.shm_wire``) or Ray's object store across hosts, handed to the stage's connector
+(a refused chunk fails its request, C-61); a dead actor fails exactly the requests it held and
+is replaced.
 
-* placement: one actor per AR stage, reserving the stage's ``ray_resources`` from the pipeline
-  file (default one CPU). Ray is joined at ``EngineOptions.ray_address``, or the instance this
-  process already initialised is used, or a local one is started (``RaySession``) and stopped
-  when its last stage shuts down. Actors get the driver's ``HF_*``, ``VLLM_*``,
-  ``OMNI_RUNTIME_*`` and ``PYTHONHASHSEED`` environment and its torch thread count, so a stage
-  computes the same bits wherever it runs;
-* admission: the stage's ``InputAdapter`` validates in the driver, so a bad input is refused
-  before anything is sent; the actor validates again with the engine's own block hasher;
-* stepping: ``step`` runs one engine step in the actor and waits for it, so every backend steps
-  the same schedule in the same order (outputs are bit-identical to in-process). Adds and
-  aborts are sent without waiting: Ray runs one caller's calls on an actor in order;
-* payloads: the stage's chunks come back with the step. When the actor shares the driver's
-  host they are written once into shared memory and only descriptors travel
-  (``adapters.shm_wire``); across hosts they travel as the step's return value, through Ray's
-  object store. The driver hands them to the stage's connector, as the in-process scheduler
-  does during its step; a chunk the connector refuses fails only its request (C-61);
-* death: a dead actor (killed, its node lost) fails exactly the requests it held, with reason
-  "error" and a message naming the stage; its segments are swept and a fresh actor serves new
-  requests. Shutdown kills the actor and sweeps what it left.
-
-Ray is an optional extra (``pip install 'omni-conformance[ray]'``); nothing imports it unless this
-backend is chosen.
+Ray is an optional extra (``pip install 'omni-conformance[ray]'``), imported only when this
+backend is chosen. Details: docs/design.md, "A stage in its own process, or on another machine".
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """AR stage engines: one vLLM ``EngineCore`` per autoregressive stage.
 
 ``StageEngine`` owns one in-process ``EngineCore`` (``vllm_compat.TrackedEngineCore``, vLLM's
-uni executor) built from ``config.stage_vllm_config``: our omni scheduler (``OmniARScheduler``
-for sync stepping, ``OmniARAsyncScheduler`` with the engine's batch queue for async) and
-``OmniARWorker``. Requests enter only through the stage's ``InputAdapter`` and reach the engine
-as ready ``Request`` objects built with the engine's own block hasher. Aborts go to
-``EngineCore.abort_requests``; steps to the engine's own step function. Every read of a vLLM
-internal goes through ``omni_runtime.engine.vllm_compat``.
+uni executor) built from ``config.stage_vllm_config`` with the omni schedulers
+(``OmniARScheduler`` for sync stepping, ``OmniARAsyncScheduler`` with the batch queue for async)
+and ``OmniARWorker``. Requests enter only through the stage's ``InputAdapter``, built with the
+engine's own block hasher; aborts and steps are the engine's own. Every read of a vLLM internal
+goes through ``omni_runtime.engine.vllm_compat``.
 
-A fault inside the model runner's step is first undone and retried, then pinned on the requests
-it concerns by splitting the batch (``omni_runtime.worker.recovery``); the scheduler fails just
-those, and this engine reads their cause from ``omni_error``. What still raises out of a step
-(a background builder's error, a fault outside the runner) fails only the requests of the steps
-that were in flight and not yet applied: they are finished with ``FINISHED_ERROR`` through the
-scheduler, which frees their blocks and gives each one downstream EOF (C-61); the engine keeps
-serving everyone else.
-
-The code2wav stage lives in ``omni_runtime.engine.code2wav_stage``.
+Faults: the runner recovers from a step fault itself (``omni_runtime.worker.recovery``) and this
+engine reads a failed request's cause from ``omni_error``; what still raises out of a step fails
+only the requests of the steps in flight, with downstream EOF (C-61). See docs/design.md, "When
+a step faults". The code2wav stage lives in ``omni_runtime.engine.code2wav_stage``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,11 @@
 """The engine's single seam to vLLM internals (written against vLLM 0.33.0).
 
-Every read or write the engine layer makes of an ``EngineCore`` field, of the scheduler's
-private state, of the executor's worker chain or of the batch queue's entry layout lives here,
-so that a vLLM upgrade is reviewed for the engine in this file alone. Other engine modules use
-only vLLM's public surface (``EngineCore.abort_requests`` / ``shutdown``, the scheduler's
-``has_requests`` / ``finish_requests``, ``EngineCoreOutputs``, config classes).
-
-In-flight steps (C-61): ``TrackedEngineCore`` knows which ``SchedulerOutput``s were handed to
-the executor and not yet applied by ``update_from_output``. It learns them through subclasses
-(its executor records each output it is asked to execute; its ``step`` /
-``step_with_batch_queue`` settle the record once a step returns), never by replacing methods
-on a live scheduler, so the scheduler class stays the configured one.
-
-The worker's own seam is ``omni_runtime.worker.vllm_compat``; the two are kept apart (one
-module per layer) because workers must not import engine code.
+Every read or write the engine layer makes of an ``EngineCore`` field, the scheduler's private
+state, the executor's worker chain or the batch queue's entries lives here, so a vLLM upgrade is
+reviewed for the engine in this file alone; other engine modules use vLLM's public surface.
+``TrackedEngineCore`` knows the steps in flight (C-61), learned through subclasses rather than by
+patching a live scheduler. The worker's seam is ``omni_runtime.worker.vllm_compat`` (workers must
+not import engine code). See docs/design.md, "Inside the layers" (vLLM seams).
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
 """The omni schedulers as they run inside a stage process (``engine.mp_stage``).
 
 ``ProcessStageScheduler`` / ``ProcessStageAsyncScheduler`` are ``OmniARScheduler`` /
-``OmniARAsyncScheduler`` with three additions that only a stage in its own process needs; every
-decision (admission, transfer, EOF, error handling) is still the parent classes' code:
+``OmniARAsyncScheduler`` plus what only a stage in its own process needs; every decision
+(admission, transfer, EOF, errors) is still the parent classes' code:
 
-* ``add_request`` first moves the omni slot the parent put in ``SamplingParams.extra_args`` onto
-  the request, through the input adapter's ``attach_slot_from_extra_args`` (C-10), then stages
-  it: staged requests enter upstream's queue together when the parent says ``"release"``
-  (once per parent step that follows new admissions). The engine process steps on its own, so
-  without this the first requests of a batch could start before the rest arrived, and the batch
-  shapes (and with them the last bits of hidden rows, since CPU GEMM kernels block by shape)
-  would depend on timing instead of on what the orchestrator admitted before its step;
-* the transfer adapter's sink is a ``ShmChunkWriter``: after each ``update_from_output`` the
-  chunks of that step are written to shared memory and their descriptors leave on the step's
-  own output message (``ShmEngineCoreOutputs.omni_chunks``). Chunks sent outside an update are
-  the EOF deliveries of aborts, which only the parent can have asked for and whose outcome it
-  has already decided; they are dropped here, before anything is written;
-* calling the scheduler object answers the parent: ``scheduler("release")`` admits the staged
-  requests, ``scheduler("audit")`` reports what it holds. The parent reaches it through vLLM's utility-call path, which looks the name
-  ``scheduler`` up on the ``EngineCore`` and calls it (see ``engine.vllm_compat``).
+* ``add_request`` attaches the omni slot the parent put in ``SamplingParams.extra_args``
+  (``attach_slot_from_extra_args``, C-10) and stages the request until the parent's
+  ``"release"``, so batch shapes do not depend on timing;
+* the transfer adapter's sink is a ``ShmChunkWriter``: each update's chunks leave on the step's
+  own message (``ShmEngineCoreOutputs.omni_chunks``); the EOFs of aborts are dropped here;
+* calling the scheduler answers the parent: ``"release"`` and ``"audit"``.
 
-The shared-memory name prefix comes from ``additional_config["omni_process_stage"]``.
+The shared-memory prefix comes from ``additional_config["omni_process_stage"]``. Why and how:
+docs/design.md, "A stage in its own process, or on another machine".
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """``OmniARScheduler`` and ``OmniARAsyncScheduler``: vLLM's v1 schedulers, extended for omni stages.
 
-Every upstream transition (queues, statuses, computed tokens, block allocation, prefix caching,
-preemption, stop handling, async placeholders) is upstream's own code: these classes call
-``super()`` for all of it and add only, after the fact (AR-INV-001):
+Every upstream transition (queues, statuses, computed tokens, blocks, prefix caching,
+preemption, stop handling, async placeholders) is upstream's code, reached through ``super()``
+(AR-INV-001). After upstream's pass these classes add only: the chunk-transfer decision for the
+step's requests, in one call to ``sched.transfer`` (C-40..C-45); the EOF of requests that leave
+outside a model step (C-43); omni fields on ``EngineCoreOutput`` for requests whose step sent a
+chunk (``omni_runtime.payload``); and failing only the requests whose processor or connector
+raised or on which the worker pinned a step fault (``OmniModelRunnerOutput.omni_failed``, C-61).
+With no ``omni_stage``, or no downstream, ``update_from_output`` is upstream's call alone.
 
-* the chunk-transfer decision for every request of a step, made after upstream's pass over the
-  step in one call to the transfer adapter (``sched.transfer``); the omni slot of a request
-  upstream frees during the pass is captured at the free (C-42);
-* the terminal (EOF) delivery of requests that leave outside a model step (abort, error) (C-43);
-* omni output fields on ``EngineCoreOutput`` for requests whose step sent a chunk, through the
-  trailing-field subclasses in ``omni_runtime.payload``;
-* failing, with an error finish reason, only the requests whose chunk processor or connector
-  raised, and those the worker pinned a step fault on (``OmniModelRunnerOutput.omni_failed``,
-  see ``omni_runtime.worker.recovery``) (C-61).
-
-With no ``omni_stage`` in the config, or a stage with no downstream, there is nothing to decide
-and ``update_from_output`` is upstream's call alone.
+See docs/design.md, "One stage step" and "Inside the layers"; every difference from upstream is
+declared in ``omni_runtime/differences.py``.
 """
 
 from __future__ import annotations

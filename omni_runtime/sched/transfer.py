@@ -1,48 +1,17 @@
 """Chunk transfer: deciding, after each step's update, what goes to the downstream stage.
 
-The transfer adapter is owned by the scheduler (never by a worker, C-21). After
-``update_from_output`` has applied a step exactly as upstream does, the scheduler hands the
-adapter the whole step in one call (``on_steps``): per scheduled request, the accepted token ids
-(after stop trimming), the request's payload for that step and its finish reason. The adapter
-decides (C-40 to C-45):
+The transfer adapter belongs to the scheduler, never to a worker (C-21). Once
+``update_from_output`` has applied a step as upstream does, the scheduler hands it the whole
+step (``on_steps``, or ``on_aligned_steps`` for a steady decode step): per request, the
+stop-trimmed accepted ids, the payload and the finish reason. It decides (C-40..C-45): a request
+final at this stage never sends (C-42); otherwise a step sends for a tensor payload, for
+nonempty ids when the processor declares ``requires_token_updates`` exactly ``True``, or at the
+end (C-40, C-41); every request with a downstream gets exactly one EOF (C-43); rows already
+delivered are trimmed (C-45). It owns each such request's delivery progress until its EOF.
 
-* a request whose final stage is this stage never causes a send (C-42);
-* otherwise send when the step carries a tensor payload, or when it has nonempty accepted ids and
-  the processor declares ``requires_token_updates`` as exactly ``True`` (C-40, C-41), or when the
-  request terminates;
-* every request with a downstream consumer gets exactly one terminal (EOF) delivery, even when
-  the processor returns nothing for it (C-43);
-* hidden rows for positions already delivered are trimmed, so preemption and recompute never
-  deliver a position twice (C-45).
-
-Chunks go to the sink in scheduler order, then the EOFs of requests freed in the update without
-a step of their own. The adapter owns the per-request delivery progress: a record exists only
-for a request with a downstream consumer, from its first step until its EOF (or a fault on its
-send path), which is what lets ``on_steps`` skip reading the omni slot of a request it has
-already seen.
-
-Chunk processors are plain callables ``processor(request_id, payload, is_final)`` with an optional
-``requires_token_updates`` attribute; a processor whose signature accepts ``new_token_ids`` (by
-name, or through ``**kwargs``) also receives the step's ids as a fresh list. A processor that
-keeps per-request state may also have ``release(request_id)``: it is called when the processor
-raised on a request's final call, the one where it would have let go of that state itself.
-Change the processor with ``set_processor``: it derives from it whether ids alone trigger a call
-and whether the call passes them.
-
-A processor that declares ``requires_token_updates`` may also define, in its class,
-``on_token_batch(request_ids, token_ids, counts)``. The adapter then replaces the calls
-``processor(request_id, None, False, new_token_ids=ids)`` of each run of consecutive requests
-(in scheduler order) that would get exactly that call on a step (live, not final, no payload,
-nonempty ids) by one batch call: ``request_ids`` is a tuple of the run's ids, ``token_ids`` a
-fresh list of their ids concatenated in that order (the processor may keep or mutate it, C-44),
-``counts`` the number of ids of each request, or None when each has exactly one. It returns a
-mapping from request id to that request's data (a request absent, or mapped to None, has nothing
-this step), or None when no request has any. It must leave the processor as those per-request
-calls would have. If it raises, every request of the run fails with that exception, as if each
-call had raised it (C-61). Every other call stays a per-request call, so a step with an edge
-(a payload, a final step) splits the run: calls and chunks keep scheduler order. A class that
-redefines ``__call__`` below the class defining ``on_token_batch`` (a subclass changing the
-per-request call only) is called per request.
+The chunk-processor protocol (``new_token_ids``, ``release``, ``on_token_batch``,
+``set_processor``): docs/contracts.md, "Chunk processors". The adapter's bookkeeping:
+docs/design.md, "Inside the layers".
 """
 
 from __future__ import annotations

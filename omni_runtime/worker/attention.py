@@ -1,19 +1,13 @@
 """Paged KV cache storage and the attention function the runner hands to the model.
 
-``PagedKVCache`` owns one K and one V tensor per layer, shaped
+``PagedKVCache`` owns one K and one V tensor per layer,
 ``[num_blocks, block_size, num_kv_heads, head_dim]`` (sized from vLLM's ``KVCacheConfig``), and
-optionally the hidden-row cache used for prefix-cache merges (C-55): a ``[num_slots, H]``
-tensor indexed by the same slots as K/V. A slot's hidden row is written in the same step as its
-K/V, so it is valid exactly as long as the K/V there is, and a prefix-cache hit (which vouches
-for the K/V of the cached positions) vouches for their hidden rows too. That makes "keyed by
-block id + validity" free: validity is the scheduler's own prefix-cache bookkeeping.
-
-``StepAttention`` is built once per step from the scheduler's block tables and called per layer
-by ``LlamaLM.forward_layers``: it writes the step's new K/V into their slots
-(``block_table[pos // block_size] * block_size + pos % block_size``) and then reads the whole
-context of each request back *through the block table* — cached prefix, earlier chunks and the
-new tokens alike — with a causal mask inside the new tokens. Single-token (decode) requests are
-batched into one padded gather; multi-token (prefill) requests are done one by one.
+optionally the hidden-row cache for prefix-cache merges (C-55), indexed by the same slots and
+valid exactly as long as their K/V. ``StepAttention`` is built per step from the scheduler's
+block tables and called per layer by ``LlamaLM.forward_layers``: it writes the step's K/V into
+their slots and reads each request's whole context back through its block table. Why the row
+cache needs no bookkeeping of its own, and how decodes and prefills are gathered:
+docs/design.md, "Inside the layers".
 """
 
 from __future__ import annotations

@@ -1,29 +1,18 @@
 """Inline and background payload materialization (C-50 .. C-54).
 
-The runner finishes every step that needs payloads by handing its ``ModelRunnerOutput``, the
-step's ``PayloadPlan`` (scheduler metadata) and ``PayloadInputs`` (tensors) to a materializer:
+The runner ends every step that needs payloads by handing its ``ModelRunnerOutput``, the step's
+``PayloadPlan`` and ``PayloadInputs`` to a materializer:
 
-* ``InlineMaterializer`` builds the payloads on the calling thread before returning, reading
-  the runner's live buffers directly: they are consumed before the next execution can reuse
-  them (C-53).
-* ``BackgroundMaterializer`` snapshots the plan arrays and the tensors (private copies), submits
-  the build to its single builder thread and returns a ``BackgroundOutput``: vLLM's
-  ``AsyncModelRunnerOutput``, whose ``get_output()`` joins the build. vLLM's uni executor calls
-  ``get_output()`` when the engine collects the step's result, so under async scheduling the
-  build overlaps the next step's forward. Because the build reads only the snapshot, the runner
-  may overwrite every buffer as soon as ``sample_tokens`` returns (C-52).
+* ``InlineMaterializer`` builds on the calling thread before returning, from the live buffers
+  (C-53);
+* ``BackgroundMaterializer`` snapshots plan and tensors, builds on its one builder thread and
+  returns a ``BackgroundOutput`` (vLLM's ``AsyncModelRunnerOutput``) whose ``get_output()``
+  joins the build, so the runner may reuse every buffer at once (C-52).
 
-Both reuse the request-id list the runner built for ``ModelRunnerOutput.req_ids`` (C-53).
-Connector output is collected by the runner on the calling thread before materialization and
-never here (C-54). A build error is never lost (C-54): ``get_output()`` recovers from it on the
-caller's thread, from the snapshot the build read (``recover_build``): the whole build is
-retried, then each request is built alone, and a request whose build keeps failing is reported
-on ``OmniModelRunnerOutput.omni_failed`` with the error as its cause, so the scheduler fails it
-alone (C-61); should a caller drop a ``BackgroundOutput`` without collecting it, a later
-``finish`` raises its error instead.
-vLLM's engine keeps at most ``max_concurrent_batches`` (2) steps in flight, so when step N
-finishes only step N-1 may still be legitimately uncollected: anything older is abandoned, and
-that is when it is joined.
+Both reuse the runner's ``req_ids`` list (C-53). A build error is never lost: ``get_output()``
+recovers from the snapshot (``recover_build``) and reports a request whose build keeps failing
+on ``omni_failed`` (C-54, C-61). Threads, recovery and abandoned outputs: docs/design.md, "Inside
+the layers"; C-50..C-54 in docs/contracts.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """Step-fault recovery for the model runner: undo, retry, and pinning a fault on one request.
 
 A fault raised while a step executes (the forward, sampling, an inline payload build) must not
-fail requests it did not concern (C-61). The runner recovers in three moves, all owned here:
+fail requests it did not concern (C-61). Owned here:
 
-* **Undo.** ``StepJournal`` records, before the runner mutates them, the request states and the
-  slots of ``runner.requests`` a step touches. Rolling it back returns the runner to exactly
-  where it was before the step, so the same ``SchedulerOutput`` can run again. KV cache writes
-  need no undo: a re-run writes the same slots with the same values.
-* **Retry.** A step that fails is re-run up to ``OmniStageConfig.step_retries`` times; a fault
-  that a retry clears fails nobody and changes no token.
-* **Isolate.** When retries keep failing, ``bisect`` runs the step's requests in halves, in
-  scheduler order, splitting only the halves that fail, until each remaining fault sits on one
-  request. Those requests fail alone; everyone else's results are kept. Scheduler order
-  matters: a request may hit the prefix cache on blocks an earlier request computes in the
-  same step, and running halves in order keeps every write before its reads.
+* ``StepJournal`` — records what a step changes in the runner's request state, so rolling it
+  back lets the same ``SchedulerOutput`` run again (up to ``OmniStageConfig.step_retries`` times);
+* ``bisect`` — when retries keep failing, runs the step's requests in halves, in scheduler order,
+  until each remaining fault sits on one request, which fails alone;
+* ``PoisonedBlocks`` — the blocks a failed request never wrote; a request scheduled onto them as
+  a prefix hit fails too, naming the request it depended on.
 
-``PoisonedBlocks`` remembers the blocks a failed request was writing when it failed: their KV
-is garbage, yet vLLM's scheduler hashed them when it scheduled the step, so another request may
-already have been scheduled onto them as a prefix hit (in the same step, or under async
-scheduling in the step after). Such a reader fails too, naming the request it depended on.
+Why KV writes need no undo, why scheduler order matters and how long blocks stay poisoned:
+docs/design.md, "When a step faults".
 """
 
 from __future__ import annotations

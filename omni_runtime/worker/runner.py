@@ -1,35 +1,16 @@
 """``OmniARModelRunner``: executes vLLM ``SchedulerOutput``s on CPU over a paged KV cache.
 
 The runner owns the worker-side request states (token ids, block tables, sampling state), the
-paged KV cache, the per-step input preparation, the model forward, sampling, and handing the
-step's tensors to the output adapter's ``PayloadBuilder`` through a materializer. It reads the
-``SchedulerOutput`` it is given and nothing else: it never chooses a destination stage, never
-sends, and returns results for exactly the scheduled requests in scheduler order (AR-INV-003,
-C-20, C-21).
+paged KV cache, input preparation, the forward, sampling, and handing each step's tensors to the
+output adapter's ``PayloadBuilder`` through a materializer. It reads only the ``SchedulerOutput``
+it is given, never chooses a destination or sends, and returns results for exactly the scheduled
+requests in order (AR-INV-003, C-20, C-21).
 
-Request-state rules (V1 model-runner semantics, see ``vllm_compat.cached_request_updates``):
-
-* ``finished_req_ids`` drop state; preempted requests keep theirs (V1 sends them back as
-  cached requests with ``resumed`` set and a replacement block table).
-* The runner appends every token it samples to the request's token list, so under async
-  scheduling — where the scheduler schedules a decode step before it has seen the previous
-  token — the input of step N+1 is already here (the runner executes steps in order).
-  ``all_token_ids`` (sent for requests that skipped a step) replaces the list;
-  ``num_output_tokens`` smaller than what the runner holds trims tokens the scheduler dropped.
-* A step samples a request iff its scheduled chunk reaches the end of the known tokens; a
-  partial prefill chunk returns no token.
-* Prompt embeds replace the token embedding at prompt positions.
-
-Step protocol: ``execute_model`` runs the forward and returns None (or an empty output for an
-empty step); ``sample_tokens`` samples, collects connector output on the calling thread once
-(C-54), and finishes payloads inline or in the background (C-50..C-53). In named phases:
-
-1. ``_update_states`` — apply the ``SchedulerOutput``'s request updates;
-2. ``_prepare_inputs`` — fill the persistent buffers, return a ``StepInputs``;
-3. ``_forward`` — embed, run the layers over the paged KV cache, return an ``ExecutedStep``
-   (held until ``sample_tokens``);
-4. ``_sample`` — sample the requests that reached the end of their tokens;
-5. ``_finish_payloads`` — hand the step's rows to the payload builder via the materializer.
+``execute_model`` runs the forward; ``sample_tokens`` samples, collects connector output on the
+calling thread once (C-54) and finishes payloads inline or in the background (C-50..C-53). The
+phases are ``_update_states``, ``_prepare_inputs``, ``_forward``, ``_sample`` and
+``_finish_payloads``. The request-state rules (V1 model-runner semantics, see
+``vllm_compat.cached_request_updates``): docs/design.md, "Inside the layers".
 """
 
 from __future__ import annotations
