@@ -1,23 +1,14 @@
 """The differences-registry mechanism: how a subject's documented differences tolerate a field.
 
-Each subject declares its own entries (the omni runtime's live in ``omni_runtime/differences.py``);
-this module only decides, for one observed difference, which entry (if any) tolerates it. An
-entry tolerates a difference when one of its ``fields`` fnmatch patterns matches the field path
-*and* its ``applies(ctx)`` returns True. An entry whose pattern matches but whose condition does
-not hold is remembered, so the failure says "OMNI-OUT-001 names this field but its condition
-(...) does not hold here" rather than just "unexpected difference".
+Each subject declares its own entries (the omni runtime's are in ``omni_runtime/differences.py``);
+this module decides, for one observed difference, which entry (if any) tolerates it: one whose
+``fields`` patterns match the field path and whose ``applies(ctx)`` holds (C-02). An entry that
+matched by pattern but not by condition is remembered, so the failure names it.
 
-The context handed to ``applies`` (documented for registry authors):
-
-``path``           the field path (see ``conformance._core.observe``)
-``upstream``       upstream's value (None when upstream has no such field)
-``subject``        the subject's value (None when the subject has no such field)
-``request_id``     the request the field belongs to, or None
-``config``         ``HarnessConfig.to_dict()`` (``additional_config`` included)
-``subject_state``  request id -> the subject's extra facts (``Subject.request_facts``), captured
-                   while the request was live
-``step``           the lock-step index of the operation; ``op`` its description; ``mode``
-                   ``"sync"`` or ``"async"``
+The entry attributes and the ``ctx`` handed to ``applies`` (``path``, ``upstream``, ``subject``,
+``request_id``, ``config``, ``subject_state``, ``step``, ``op``, ``mode``) are documented for
+registry authors in docs/adopting-the-gate.md, section 4; matching in docs/design.md, "Inside
+the gate".
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """Faults in the harness's own code, told apart from the subject's.
 
-Some of the harness's code runs where a subject's fault would show. The token sources stand in
-for the model between ``schedule`` and ``update_from_output``, and the generated chunk processors
-are called by the subject's own scheduler. An exception there is the harness's bug, but it would
-be read as the subject's: the lock-step comparison records a crash as an observed difference, and
-a subject's fault containment fails the request whose processor raised, which the checks then
-report as the subject's finding (or, when both sides crash alike, the two crashes compare equal
-and the run goes on checking nothing).
+The token sources and the generated chunk processors run where a subject's fault would show, so
+an exception of theirs would be read as the subject's. ``harness_code`` marks a function as the
+harness's own: what it raises becomes a ``HarnessError`` (the original as its cause) and is also
+remembered, since the subject may catch it first; ``raise_pending`` re-raises a remembered one,
+after every lock-step operation and every step of a check that drives a scheduler itself. The
+error names the harness function, and the run stops.
 
-``harness_code`` marks a function as the harness's own. An exception it raises becomes a
-``HarnessError`` (the original as its cause) and is also remembered, because the subject may
-catch it before the harness sees it. ``raise_pending`` re-raises a remembered one; the lock-step
-session calls it after every operation, and checks that drive a scheduler themselves call it
-after every step. Such an error names the harness function that raised, and the run stops.
-
-One case is the subject's after all. The token source reads the subject's ``SchedulerOutput``,
-and a malformed one can make it raise. The lock-step session runs the same code on upstream's
-output too, so it decides by that side: raised on upstream's input, it is the gate's bug and
-the run stops; raised on the subject's alone, the crash is observed and reported as the
-subject's difference, as any crash of the subject's own code would be (``Lockstep.apply``).
+Why this is needed, and the one case that is the subject's after all (a token source raising on
+the subject's malformed ``SchedulerOutput`` alone, ``Lockstep.apply``): docs/design.md, "Inside
+the gate"; what an adopter sees: docs/adopting-the-gate.md, section 7.
 """
 
 from __future__ import annotations

@@ -1,40 +1,17 @@
 """Observation: normalised, comparable snapshots of one scheduler after each operation.
 
-A snapshot is a nested ``dict`` whose leaves are plain values (ints, strings, tuples, lists). Its
-dotted key paths are the *field paths* that comparisons, the differences registry
-(``fields`` patterns) and failure reports use:
+A snapshot is a nested ``dict`` of plain values whose dotted key paths are the *field paths*
+comparisons, registry patterns and failure reports use: ``requests.<id>.<field>``,
+``queues.<name>``, ``block_pool.<field>``, ``sched_out.<field>``, ``outputs.<id>.<field>`` and
+``audit.leaked_omni_ids`` (C-04). No timestamps are read, sets are sorted, live lists are copied
+as they are read; every vLLM internal is read through ``vllm_compat``.
 
-``requests.<id>.<field>``        status, num_computed_tokens, output_token_ids,
-                                 num_output_placeholders, num_stale_output_tokens,
-                                 drop_stale_output, num_in_flight_tokens, num_preemptions,
-                                 stop_reason, block_ids (per KV group)
-``queues.<name>``                running / waiting / kv_holding_waiting (order kept),
-                                 deferred_waiting / finished_pending (sorted)
-``block_pool.<field>``           num_free, free_order (eviction order), ref_counts (per block id),
-                                 hashed_blocks ((block id, hash) pairs), num_cached_hashes
-``sched_out.<field>``            scheduled_new / scheduled_cached (id order), resumed / preempted /
-                                 finished (sorted), total_tokens, and per request
-                                 ``num_scheduled_tokens.<id>``, ``num_computed_tokens.<id>``,
-                                 ``num_output_tokens.<id>``, ``block_ids.<id>``
-``outputs.<id>.<field>``         new_token_ids, finish_reason, stop_reason, prefill_stats,
-                                 trace_headers (sorted pairs; only when the output has any),
-                                 client (the container it came back in; only when not 0),
-                                 ``__type__`` (None for upstream's ``EngineCoreOutput``, else the
-                                 subclass name) and any non-default trailing subclass field
-                                 (``omni_chunk_refs``, ``omni_eof``); a second output for the same
-                                 id in one step is ``outputs.<id>#2``
-``audit.leaked_omni_ids``        ids the subject's own per-request structures hold although the
-                                 scheduler no longer holds the request (C-04)
+An ``Observation`` holds one side's live state; ``same_state`` checks both sides in place
+(``vllm_compat.same_scheduler_state``, ``same_outputs``) and says equal only if the snapshots
+would be, so they are built and compared field by field only when it cannot show equality.
 
-Normalisation: no timestamps or event lists are read; sets are sorted; live lists are copied the
-moment they are read (``observe_schedule`` runs right after ``schedule()``, before anything can
-mutate the request lists the output aliases). All vLLM internals are read via ``vllm_compat``.
-
-Lock-step does not build both snapshots after every operation: an ``Observation`` holds one
-side's state where it lies, ``same_state`` checks both sides' state side by side in place
-(``vllm_compat.same_scheduler_state``, ``same_outputs``), and only when that cannot show them
-equal are the snapshots built and compared field by field. The check says equal only if the
-snapshots would be, so a difference is still reported from the snapshots, exactly as before.
+Every field of every section: docs/design.md, "Inside the gate"; why snapshots are built lazily
+and what it saved: docs/design.md, "The gate".
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """The upstream oracle in its own process, for subjects that patch vLLM when they load.
 
-Lock-step compares a subject with upstream vLLM after every operation. When loading the subject
-changed vLLM's classes in this process (``conformance._core.pristine``), an oracle built here would be
-vLLM *as the subject patched it*, and agreeing with it proves nothing. The oracle then runs in a
-child process that never imports the subject: a fresh interpreter, started once per process and
-reused by every session (importing vLLM costs seconds; building a scheduler costs milliseconds).
+When loading the subject changed vLLM's classes here (``conformance._core.pristine``), an oracle
+built in this process would be vLLM as the subject patched it. It then runs in a child process
+that never imports the subject, started once per process and reused by every session:
 
-* ``OracleProcess`` starts ``python -m conformance._core.oracle_process`` with two pipes (requests in,
-  replies out; vLLM's logging keeps stdout and stderr, which go to a log file whose tail is
-  quoted if the child dies) and exchanges pickled messages with it.
-* ``ProcessSide`` is the session's oracle side: it answers the questions ``Lockstep`` asks of a
-  side (``conformance._core.sides.Side``) from the child's reply to the last operation.
-* ``serve`` is the child: sessions keyed by id, each an ordinary in-process ``Side`` for vLLM's
-  own schedulers fed by the harness's deterministic token source.
+* ``OracleProcess`` starts ``python -m conformance._core.oracle_process`` and exchanges pickled
+  messages with it over two pipes, its output going to a log whose tail is quoted if it dies;
+* ``ProcessSide`` is the session's oracle side (``conformance._core.sides.Side``), answering from
+  the child's reply to the last operation;
+* ``serve`` is the child: sessions by id, each an in-process ``Side`` over vLLM's schedulers.
 
-Snapshots are plain values (``conformance._core.observe``), so both sides are compared exactly as in
-process. Block hashes chain from vLLM's per-process ``NONE_HASH``; the child adopts the parent's
-value, so prefix-cache hashes are comparable whatever ``PYTHONHASHSEED`` is.
+Why a child, and how block hashes stay comparable (``NONE_HASH``): docs/design.md, "Inside the
+gate"; docs/adopting-the-gate.md, "A subject that patches vLLM".
 """
 
 from __future__ import annotations

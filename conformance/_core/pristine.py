@@ -1,29 +1,18 @@
 """The pristine oracle: whether loading a subject left upstream vLLM untouched, and where the
 oracle runs when it did not.
 
-The harness compares a subject with upstream vLLM in the same process when it can. A subject that
-monkeypatches vLLM when it is imported or built — ``Scheduler.schedule = mine``, or rebinding
-``vllm.v1.core.sched.scheduler.KVCacheManager`` — changes the oracle too, and the lock-step
-comparison then agrees with a broken runtime. This module owns the check that rules that out:
+A subject that monkeypatches vLLM when imported or built changes the in-process oracle too, and
+lock step would then agree with a broken runtime. This module owns the check:
 
-* ``fingerprint()`` records, for vLLM's scheduler, request, KV-cache (manager, coordinators,
-  single-type managers, block pool, free queue, blocks) and output classes, the identity of every
-  entry of each class's ``__dict__`` (functions, properties, descriptors, class constants) and its
-  bases; and for the modules that define them, which object every module attribute naming a
-  class or a function points to (so rebinding a name the scheduler module imported is caught as
-  well as replacing a method), and which module object ``sys.modules`` holds;
-* ``guard_load(label)`` imports those modules, fingerprints on enter and compares on exit,
-  recording what changed for the process and, unless told otherwise, raising ``VllmPatched`` —
-  one line naming the subject and what changed;
-* ``oracle_placement()`` says where lock-step sessions run upstream: in this process while
-  nothing patched vLLM here, else in a child process that never loaded the subject
-  (``conformance._core.oracle_process``). ``conformance._core.subjects.load_subject`` records without
-  refusing, so a published runtime that patches vLLM (vllm-omni does) is still checked against
-  unpatched vLLM.
+* ``fingerprint()`` — the identity of everything that defines vLLM's scheduler, request,
+  KV-cache and output classes and the modules that hold them;
+* ``guard_load(label)`` — fingerprints around a load, records what changed and, unless told
+  otherwise, raises ``VllmPatched`` naming the subject and the change;
+* ``oracle_placement()`` — in process while nothing patched vLLM here, else in a child that
+  never loaded the subject (``conformance._core.oracle_process``).
 
-Subjects subclass vLLM's classes; subclassing never changes a base class's ``__dict__``, so a
-conforming subject never trips the guard. Mutating an object in place (a class-level cache, an
-ABC registry) is not a rebinding and is deliberately not flagged.
+What is fingerprinted and what is deliberately not: docs/design.md, "Inside the gate"; what an
+adopter sees: docs/adopting-the-gate.md, "A subject that patches vLLM".
 """
 
 from __future__ import annotations

@@ -1,21 +1,16 @@
 """Failure traces: where they are written, what they record, and how a saved trace is re-run.
 
-Every lock-step failure is written as a trace (JSON) into the failures folder —
-``./conformance-failures/`` unless the pytest option ``--conformance-failures-dir`` (``check
---failures-dir``) or ``OMNI_CONFORMANCE_FAILURES`` says otherwise — shrunk by
-``conformance._core.lockstep.Shrinker`` (bounded, 60 s by default). The trace's ``meta`` says where it
-came from, so a replay can tell whether it still means what it meant:
+Every lock-step failure is written as a shrunk trace (JSON, ``conformance._core.lockstep.Shrinker``)
+into the failures folder (``./conformance-failures/`` unless ``--conformance-failures-dir``,
+``check --failures-dir`` or ``OMNI_CONFORMANCE_FAILURES`` says otherwise). Its ``meta`` records
+where it came from (subject, test, profile, mode, versions, the first difference, the unshrunk
+find, the shrink) so a replay can tell whether it still means what it meant.
 
-* ``subject`` (the spec that loads it again), ``test``, ``profile``, ``mode`` (sync or async
-  scheduling; the whole harness config is the trace's ``config``), ``use_worker``;
-* ``vllm``, ``torch``, ``python``: the versions it was recorded with;
-* ``first_difference``: the saved trace's first difference, which a replay must reproduce;
-* ``found``: the operation count and first difference of the run that found it, before
-  shrinking; ``shrink``: how the shrinker did (runs, seconds, whether it finished).
+``replay_trace`` re-runs a loaded trace and returns a ``ReplayOutcome``: reproduced or not, the
+same first difference or another, and whether vLLM or the subject differ from the record.
 
-``replay_trace`` re-runs a loaded trace and returns a ``ReplayOutcome`` that compares the result
-with the record: reproduced or not, the same first difference or another, and whether the vLLM
-version or the subject differ from the recorded ones.
+The fields of ``meta``: docs/design.md, "Inside the gate"; ``omni-conformance replay`` and its
+exit codes: docs/adopting-the-gate.md, section 7.
 """
 
 from __future__ import annotations

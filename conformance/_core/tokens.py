@@ -1,26 +1,15 @@
 """A deterministic stand-in for a model runner: the tokens both schedulers are fed.
 
 ``DeterministicTokenSource.execute(scheduler_output)`` behaves like a worker: it reads only the
-``SchedulerOutput`` (never the scheduler), keeps its own per-request view across steps (how many
-tokens the request has, its stop ids), drops that view when the id shows up in
-``finished_req_ids``, returns no token for a partial prefill chunk, and returns results for
-exactly the scheduled requests in the scheduler's order (C-20).
-
+``SchedulerOutput``, keeps its own view of each request until the id is finished, returns no
+token for a partial prefill chunk and answers exactly the scheduled requests in order (C-20).
 A sampled token is a pure function of (request id, position), so two schedulers that schedule
-the same work get the same tokens whatever else happens. Where a request's sampling params ask
-for stop ids (or EOS is not ignored), a small deterministic share of positions yields a stop
-token, so stop handling (and, under async scheduling, the wasted step after a stop) is exercised.
-Where the configuration names token edges (``HarnessConfig.token_edges``: ids where the subject's
-handling changes, such as the ends of a codec vocabulary), one position in ``EDGE_PERIOD`` samples
-one of them instead, which a uniform draw over the vocabulary rarely or never does.
+the same work get the same tokens. A fixed share of positions yields stop tokens where sampling
+allows them, and one in ``EDGE_PERIOD`` a token edge (``HarnessConfig.token_edges``). Under
+speculative decoding (``HarnessConfig.num_speculative_tokens``) it also drafts tokens and
+verifies the drafts vLLM scheduled, depending on positions only.
 
-Under speculative decoding (``HarnessConfig.num_speculative_tokens``) the source is also the
-drafter: after each step it proposes, for every request that sampled, the next tokens
-(``take_draft_token_ids``, which ``EngineCore.post_step`` reads), each one right or wrong by a
-fixed hash of its position, and when a step verifies the drafts vLLM scheduled it accepts the
-longest right prefix and samples one token after it, as a rejection sampler with a greedy target
-does. Every token is still the pure function of (request id, position) above, so how many drafts
-a step accepts depends only on the positions, on both sides alike.
+How stops, edges, drafting and verification are chosen: docs/design.md, "Inside the gate".
 """
 
 from __future__ import annotations

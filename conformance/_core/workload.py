@@ -1,22 +1,12 @@
 """The workload language: the operations a lock-step run applies to both schedulers, and traces.
 
-A ``Trace`` is a ``HarnessConfig`` plus named shared prompt prefixes plus a list of operations.
-It is the unit of replay: every failure is written as a trace (JSON, see ``to_json``) and
-``omni-conformance replay`` re-runs it. The operations are deliberately few:
+A ``Trace`` is a ``HarnessConfig``, named shared prompt prefixes and a list of operations; it is
+the unit of replay (``to_json``; ``omni-conformance replay``). The operations are deliberately
+few: ``AddRequest``, ``Step``, ``Abort``, ``ResetPrefixCache`` and ``DeliverChunks``. Nothing
+else changes scheduler state, so a trace fully determines both runs.
 
-* ``AddRequest``      a request: prompt (after an optional shared prefix), sampling limits, the
-                      tracing context its client sent (``trace_headers``, which upstream copies
-                      onto every output of the request), the client it came from
-                      (``client_index``: upstream returns each client's outputs in a container
-                      of its own), and the omni metadata a subject may use (its final stage);
-* ``Step``            one engine step (sync: schedule/execute/update; async: one
-                      ``step_with_batch_queue`` iteration);
-* ``Abort``           ``finish_requests(ids, FINISHED_ABORTED)`` between steps, as EngineCore does;
-* ``ResetPrefixCache`` ``reset_prefix_cache(reset_running_requests, reset_connector)``;
-* ``DeliverChunks``   the orchestrator takes whatever stage chunks the subject has queued for its
-                      downstream (a no-op for subjects without a send path).
-
-Nothing else changes scheduler state; a trace fully determines both runs.
+What each operation carries and does: docs/design.md, "Inside the gate"; the trace headers and
+client index of ``AddRequest``: C-07 in docs/contracts.md.
 """
 
 from __future__ import annotations
