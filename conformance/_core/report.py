@@ -3,8 +3,9 @@
 ``ReportBuilder`` accumulates one ``TestRecord`` per test (outcome, the clauses it declares,
 examples run, steps compared, tolerated differences by registry id, its first difference and
 failure trace, or why it did not apply) and renders the report. The JSON is the source of truth
-(its schema is ``conformance/schemas/compat-report.schema.json``); Markdown (a CI job summary) and
-JUnit XML (one test case per clause, then one per test) are renderings of it, and
+(its schema is ``conformance/schemas/compat-report.schema.json``); Markdown (a CI job summary, the
+template ``conformance/templates/compat-report.md.j2``) and JUnit XML (one test case per clause,
+then one per test, written by ``conformance._core.render``) are renderings of it, and
 ``render_from_json`` rebuilds them.
 
 Outcomes are honest about what ran. A test pytest skipped (a feature the subject lacks, a worker
@@ -22,12 +23,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-from xml.sax.saxutils import escape
-
 from conformance._core import clauses as clause_table
+from conformance._core import schemas
+from conformance._core.render import Case, Suite, junit_xml, render
 
 SCHEMA_ID = "omni-conformance-compat-report/2"
-SCHEMA_PATH = Path(__file__).parents[1] / "schemas" / "compat-report.schema.json"
+SCHEMA_PATH = schemas.SCHEMA_DIR / "compat-report.schema.json"
 
 # The invariants the report rolls clauses up into, and clause -> the invariant (or contract
 # group) it belongs to: both from the one clause table, ``conformance._core.clauses``.
@@ -289,11 +290,6 @@ def _tol(t: Mapping[str, int]) -> str:
     return ", ".join(f"{k}×{v}" for k, v in sorted(t.items())) or "—"
 
 
-def _cell(text: str) -> str:
-    """Text safe inside a Markdown table cell (one line, no column breaks)."""
-    return " ".join(str(text).split()).replace("|", "\\|")
-
-
 def counts_line(summary: Mapping[str, Any]) -> str:
     """``N tests: R ran (P passed, F failed, E errors), A not applicable``."""
     return (
@@ -305,83 +301,19 @@ def counts_line(summary: Mapping[str, Any]) -> str:
 
 
 def render_markdown(report: Mapping[str, Any]) -> str:
-    env = report["environment"]
-    s = report["summary"]
-    lines = [
-        f"## omni-conformance: {report['status'].upper()} — subject `{report['subject']}`",
-        "",
-    ]
-    if report.get("complete") is False:
-        lines += [
-            f"> **⚠️ INCOMPLETE: {report.get('incomplete_reason') or 'the run was cut short'}.** "
-            "Only the tests that finished before the stop are reported; clauses and invariants "
-            "they did not reach are missing or not run.",
-            "",
-        ]
-    lines += [
-        f"vLLM {env.get('vllm')} · torch {env.get('torch')} · Python {env.get('python')} · "
-        f"hypothesis {env.get('hypothesis', 'unknown')} · "
-        f"profile `{report['profile']}` · seed `{report['seed']}`"
-        + (
-            " · **untested vLLM** (outside the harness's supported releases, run by opt-in)"
-            if env.get("vllm_support") == "untested"
-            else ""
-        ),
-        "",
-        f"Oracle (upstream vLLM): {env.get('oracle', 'in-process')}",
-        "",
-        f"{counts_line(s)} · {s['examples']} examples · {s['steps_compared']} steps compared · "
-        f"tolerated: {_tol(s['tolerated'])}",
-        "",
-        "| Invariant | Status | Examples | Steps compared | Tolerated differences |",
-        "|---|---|---:|---:|---|",
-    ]
-    for inv in report["invariants"]:
-        lines.append(
-            f"| {inv['id']} {inv['title']} | {_ICON[inv['status']]} | {inv['examples']} | "
-            f"{inv['steps_compared']} | {_tol(inv['tolerated'])} |"
-        )
-    lines += [
-        "",
-        "| Clause | Invariant | Status | Examples | Steps compared | Tolerated |",
-        "|---|---|---|---:|---:|---|",
-    ]
-    for c in report["clauses"]:
-        if c["status"] == "not_run":
-            continue
-        lines.append(
-            f"| {c['id']} | {c['invariant']} | {_ICON[c['status']]} | {c['examples']} | "
-            f"{c['steps_compared']} | {_tol(c['tolerated'])} |"
-        )
     blocked = {c for n in report.get("not_run", ()) for c in n["clauses"]}
     uncovered = [
         c["id"] for c in report["clauses"] if c["status"] == "not_run" and c["id"] not in blocked
     ]
-    if blocked:
-        lines += ["", f"Clauses whose check could not run here: {', '.join(sorted(blocked))}"]
-    if uncovered:
-        lines += ["", f"Clauses not covered by this run: {', '.join(uncovered)}"]
-    if report["failures"]:
-        lines += ["", "### Violations", ""]
-        for f in report["failures"]:
-            lines.append(
-                f"- `{f['test']}` ({', '.join(f['clauses']) or 'no clause'}): {f['message']}"
-            )
-            if f.get("trace"):
-                lines.append(f"  - replay: `omni-conformance replay {f['trace']}`")
-    if report.get("not_run"):
-        lines += ["", "### Could not run here", "", "| Test | Reason |", "|---|---|"]
-        for n in report["not_run"]:
-            lines.append(f"| `{_cell(n['test'])}` | {_cell(n['reason'])} |")
-    if report["not_applicable"]:
-        lines += ["", "### Not applicable", "", "| Test | Reason |", "|---|---|"]
-        for n in report["not_applicable"]:
-            lines.append(f"| `{_cell(n['test'])}` | {_cell(n['reason'])} |")
-    return "\n".join(lines) + "\n"
-
-
-def _attr(text: str) -> str:
-    return escape(str(text), {'"': "&quot;", "\n": "&#10;"})
+    return render(
+        "compat-report.md.j2",
+        report=report,
+        blocked=sorted(blocked),
+        uncovered=uncovered,
+        icon=_ICON,
+        tol=_tol,
+        counts_line=counts_line,
+    )
 
 
 def _reasons(report: Mapping[str, Any], clause: str) -> str:
@@ -389,92 +321,63 @@ def _reasons(report: Mapping[str, Any], clause: str) -> str:
     return "; ".join(dict.fromkeys(found)) or "not applicable"
 
 
-def _clause_cases(report: Mapping[str, Any]) -> tuple[list[str], int, int]:
-    cases = []
-    failures = skipped = 0
-    for c in report["clauses"]:
-        body = ""
-        if c["status"] == "fail":
-            failures += 1
-            msgs = [f["message"] for f in report["failures"] if c["id"] in f["clauses"]]
-            msg = msgs[0] if msgs else "violation"
-            body = f'<failure message="{_attr(msg)}">{escape(chr(10).join(msgs))}</failure>'
-        elif c["status"] == NOT_APPLICABLE:
-            skipped += 1
-            body = f'<skipped message="{_attr("not applicable: " + _reasons(report, c["id"]))}"/>'
-        elif c["status"] == "not_run":
-            why = [n["reason"] for n in report.get("not_run", ()) if c["id"] in n["clauses"]]
-            if why:  # a covering test could not run here: an error, not a skip
-                failures += 1
-                msg = "could not run: " + "; ".join(dict.fromkeys(why))
-                body = f'<failure type="not_run" message="{_attr(msg)}">{escape(msg)}</failure>'
-            else:
-                skipped += 1
-                body = '<skipped message="no test covered this clause"/>'
-        props = (
-            f'<properties><property name="examples" value="{c["examples"]}"/>'
-            f'<property name="steps_compared" value="{c["steps_compared"]}"/>'
-            f'<property name="tolerated" value="{_attr(_tol(c["tolerated"]))}"/></properties>'
-        )
-        cls = _attr(f"omni_conformance.{c['invariant']}")
-        cases.append(
-            f'  <testcase classname="{cls}" name="{_attr(c["id"])}">{props}{body}</testcase>'
-        )
-    return cases, failures, skipped
+def _clause_case(report: Mapping[str, Any], c: Mapping[str, Any]) -> Case:
+    case = Case(
+        f"omni_conformance.{c['invariant']}",
+        c["id"],
+        properties={
+            "examples": c["examples"],
+            "steps_compared": c["steps_compared"],
+            "tolerated": _tol(c["tolerated"]),
+        },
+    )
+    if c["status"] == "fail":
+        msgs = [f["message"] for f in report["failures"] if c["id"] in f["clauses"]]
+        case.result, case.message = "failure", msgs[0] if msgs else "violation"
+        case.detail = "\n".join(msgs)
+    elif c["status"] == NOT_APPLICABLE:
+        case.result, case.message = "skipped", "not applicable: " + _reasons(report, c["id"])
+    elif c["status"] == "not_run":
+        why = [n["reason"] for n in report.get("not_run", ()) if c["id"] in n["clauses"]]
+        if why:  # a covering test could not run here: an error, not a skip
+            msg = "could not run: " + "; ".join(dict.fromkeys(why))
+            case.result, case.kind, case.message, case.detail = "failure", "not_run", msg, msg
+        else:
+            case.result, case.message = "skipped", "no test covered this clause"
+    return case
 
 
-def _test_cases(report: Mapping[str, Any]) -> tuple[list[str], int, int, int]:
-    cases = []
-    failures = errors = skipped = 0
-    for t in report["tests"]:
-        module, _, name = t["nodeid"].rpartition("::")
-        body = ""
-        message = t.get("message") or t["outcome"]
-        if t["outcome"] == "failed":
-            failures += 1
-            body = f'<failure message="{_attr(message)}">{escape(message)}</failure>'
-        elif t["outcome"] == "error":
-            errors += 1
-            body = f'<error message="{_attr(message)}">{escape(message)}</error>'
-        elif t["outcome"] == NOT_APPLICABLE:
-            skipped += 1
-            reason = t.get("reason") or "not applicable"
-            body = f'<skipped type="not_applicable" message="{_attr(reason)}"/>'
-        elif t["outcome"] == NOT_RUN:
-            errors += 1
-            reason = "could not run: " + (t.get("reason") or "unknown")
-            body = f'<error type="not_run" message="{_attr(reason)}">{escape(reason)}</error>'
-        cases.append(
-            f'  <testcase classname="{_attr(module or name)}" name="{_attr(name)}" '
-            f'time="{float(t.get("duration") or 0.0):.3f}">{body}</testcase>'
-        )
-    return cases, failures, errors, skipped
+def _test_case(t: Mapping[str, Any]) -> Case:
+    module, _, name = t["nodeid"].rpartition("::")
+    case = Case(module or name, name, time=float(t.get("duration") or 0.0))
+    message = t.get("message") or t["outcome"]
+    if t["outcome"] in ("failed", "error"):
+        case.result = "failure" if t["outcome"] == "failed" else "error"
+        case.message = case.detail = message
+    elif t["outcome"] == NOT_APPLICABLE:
+        case.result, case.kind = "skipped", "not_applicable"
+        case.message = t.get("reason") or "not applicable"
+    elif t["outcome"] == NOT_RUN:
+        reason = "could not run: " + (t.get("reason") or "unknown")
+        case.result, case.kind, case.message, case.detail = "error", "not_run", reason, reason
+    return case
 
 
 def render_junit(report: Mapping[str, Any]) -> str:
     """Two suites: one test case per clause (the contract view), then one per test."""
-    subject = _attr(report["subject"])
-    clause_cases, c_fail, c_skip = _clause_cases(report)
-    test_cases, t_fail, t_err, t_skip = _test_cases(report)
+    subject = report["subject"]
+    tests = [_test_case(t) for t in report["tests"]]
     if report.get("complete") is False:
         # An interrupted run is an error to a CI reader, whatever the tests that ran say.
-        reason = _attr(str(report.get("incomplete_reason") or "the run was cut short"))
-        test_cases.append(
-            f'<testcase classname="omni-conformance" name="run complete">'
-            f'<error message="INCOMPLETE: {reason}"/></testcase>'
+        reason = str(report.get("incomplete_reason") or "the run was cut short")
+        tests.append(
+            Case("omni-conformance", "run complete", "error", message=f"INCOMPLETE: {reason}")
         )
-        t_err += 1
-    return (
-        '<?xml version="1.0" encoding="utf-8"?>\n<testsuites>'
-        f'<testsuite name="omni-conformance[{subject}]" tests="{len(clause_cases)}" '
-        f'failures="{c_fail}" errors="0" skipped="{c_skip}">\n'
-        + "\n".join(clause_cases)
-        + "\n</testsuite>\n"
-        f'<testsuite name="omni-conformance[{subject}] tests" tests="{len(test_cases)}" '
-        f'failures="{t_fail}" errors="{t_err}" skipped="{t_skip}">\n'
-        + "\n".join(test_cases)
-        + ("\n" if test_cases else "")
-        + "</testsuite></testsuites>\n"
+    return junit_xml(
+        [
+            Suite(f"omni-conformance[{subject}]", [_clause_case(report, c) for c in report["clauses"]]),
+            Suite(f"omni-conformance[{subject}] tests", tests),
+        ]
     )
 
 
@@ -493,14 +396,12 @@ def write_report(report: Mapping[str, Any], out_dir: str | Path) -> dict[str, Pa
 
 
 def load_schema() -> dict[str, Any]:
-    return json.loads(SCHEMA_PATH.read_text())  # type: ignore[no-any-return]
+    return schemas.load("compat-report")
 
 
 def validate(report: Mapping[str, Any]) -> None:
     """Raise ``jsonschema.ValidationError`` when the report does not match its schema."""
-    import jsonschema
-
-    jsonschema.validate(dict(report), load_schema())
+    schemas.validate("compat-report", dict(report))
 
 
 def render_from_json(path: str | Path, out_dir: str | Path | None = None) -> dict[str, Path]:
