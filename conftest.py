@@ -1,10 +1,9 @@
 """Opt-in lanes, and one fixed string hash for every test process.
 
-String hashing: vLLM frees the blocks of a multi-id abort in ``set`` order, so lock-step step
-counts depend on ``PYTHONHASHSEED``, and an oracle in its own process must hash as the tests do.
-The seed is fixed here, before pytest-xdist starts its workers (which inherit it), so the README's
-``pytest -n 2`` runs the examples ``omni-conformance check`` runs; without ``-n`` set
-``PYTHONHASHSEED=0`` yourself (``.ci/run`` does).
+String hashing: the seed (``conformance._core.hash_seed``) is fixed here for every child, before
+pytest-xdist starts its workers (which inherit it), so the README's ``pytest -n 2`` runs the
+examples ``omni-conformance check`` runs; a run without ``-n`` restarts itself under the seed
+(``invariants/conftest.py``).
 
 Opt-in lanes: tests that need environments beyond the installed vLLM.
 
@@ -16,12 +15,11 @@ by pytest, never silently skipped) unless the ``-m`` expression names their mark
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
-if os.environ.get("PYTHONHASHSEED", "random") in ("", "random"):
-    os.environ["PYTHONHASHSEED"] = "0"
+from conformance._core import hash_seed
+
+hash_seed.pin_for_children()
 
 OPT_IN = ("vllm_matrix", "vllm_omni")
 

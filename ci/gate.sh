@@ -18,7 +18,6 @@ REPORT_DIR="${REPORT_DIR:-compat-report}"
 FAILURES_DIR="${FAILURES_DIR:-conformance-failures}"
 
 export HF_HUB_OFFLINE="${HF_HUB_OFFLINE:-1}"
-export PYTHONHASHSEED="${PYTHONHASHSEED:-0}"   # multi-id aborts free blocks in set order
 
 if [[ "${GATE_SKIP_INSTALL:-0}" != "1" ]]; then
   python -m pip install --quiet "$SPEC"

@@ -37,6 +37,8 @@ from typing import TYPE_CHECKING, Any
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
+from conformance._core import hypothesis_compat
+
 if TYPE_CHECKING:  # the plugin loads in every pytest run here: keep vLLM and torch out of it
     from conformance._core.config import HarnessConfig
 
@@ -89,37 +91,6 @@ settings.register_profile(
 settings.register_profile(
     "thorough", max_examples=CI_EXAMPLES * 10, stateful_step_count=100, **_COMMON
 )
-
-# Whether ``freeze_local_constants`` took effect in this process (the report says so).
-LOCAL_CONSTANTS_FROZEN = False
-
-
-def freeze_local_constants() -> bool:
-    """Stop hypothesis from drawing "local constants": literals it collects from every
-    non-test module of the project that happens to be imported when it draws (it does, for about
-    one draw in twenty, since 6.13x). Which modules are imported differs between
-    ``omni-conformance check`` (the suite alone), ``pytest -m invariants`` from a checkout (which
-    also collects ``tests/`` and imports the runtime modules those files import), each xdist
-    worker (what its earlier tests imported) and a non-editable install (site-packages modules
-    are never "local"), so the same derandomized profile generated different examples each way.
-    The pool is emptied instead: global constants stay, and the examples depend only on the
-    hypothesis version (pinned by the gate's install) and the profile. Returns False when this
-    hypothesis has no such pool (nothing to freeze)."""
-    global LOCAL_CONSTANTS_FROZEN
-    try:
-        from hypothesis.internal.conjecture import providers
-    except ImportError:  # pragma: no cover - hypothesis moved its internals
-        return False
-    if not hasattr(providers, "_get_local_constants") or not hasattr(providers, "Constants"):
-        return False
-    empty = providers.Constants()
-    providers._get_local_constants = lambda: empty
-    cache = getattr(providers, "CONSTANTS_CACHE", None)
-    if cache is not None and hasattr(cache, "cache"):
-        cache.cache.clear()  # anything cached from a pool read before the freeze
-    LOCAL_CONSTANTS_FROZEN = True
-    return True
-
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("omni-conformance", "differential conformance against upstream vLLM")
@@ -182,7 +153,7 @@ def pytest_configure(config: pytest.Config) -> None:
         settings.load_profile(_profile_name(config))
     # Before any test draws: the same profile must generate the same examples however the
     # suite is run (see ``freeze_local_constants``).
-    freeze_local_constants()
+    hypothesis_compat.freeze_local_constants()
     if not config.pluginmanager.has_plugin(SESSION_PLUGIN):
         config.pluginmanager.register(ConformanceSession(config), SESSION_PLUGIN)
 
@@ -248,14 +219,13 @@ class ConformanceRecorder:
                 self.exercised[k] = self.exercised.get(k, 0) + v
         self.sessions = []
 
-    def fail(self, session: Any, name: str, *, do_shrink: bool = True) -> None:
+    def fail(self, session: Any, name: str) -> None:
         """Save the failing trace and raise the first difference as the test failure.
 
         The trace is written as found, right away; the harness's bounded shrinker then runs once,
         when the test ends (``finish``), on the last failure recorded — under a profile with a
         shrink phase that is the example hypothesis shrank to, so every profile saves a shrunk
         trace and no failing example hypothesis tries on its way is shrunk twice.
-        ``do_shrink=False`` ("hypothesis shrinks this example") is accepted for compatibility.
         """
         from conformance._core.lockstep import SubjectBroken
 
@@ -592,7 +562,7 @@ class ConformanceSession:
         if seed is None:
             seed = 0 if settings.get_profile(profile).derandomize else "random"
         environment = environment_versions()
-        environment["hypothesis_local_constants"] = "off" if LOCAL_CONSTANTS_FROZEN else "on"
+        environment["hypothesis_local_constants"] = "off" if hypothesis_compat.local_constants_frozen() else "on"
         # Where each worker ran upstream (its recorder says): separate once any did.
         placements = sorted({str(t["oracle"]) for t in self.tests.values() if t.get("oracle")})
         isolated = [p for p in placements if p != "in-process"]

@@ -17,21 +17,20 @@ in ``set`` order, so without it the examples the suite runs are not the ones the
 import os
 import sys
 
+from conformance._core import hash_seed
+
 
 def _restart_with_pinned_hash_seed(config: object) -> None:
-    """``exec`` this pytest command again with ``PYTHONHASHSEED=0`` when this interpreter hashes
-    at random. Not inside a running test (an in-process ``pytest.main`` must not replace its
-    host), not in an xdist worker (it inherits the controller's seed), and never over a seed
-    the caller chose (the root conftest sets ``0`` only where none was given).
+    """Run this pytest command again under the fixed hash seed when this interpreter hashes at
+    random. Not inside a running test (an in-process ``pytest.main`` must not replace its host),
+    not in an xdist worker (it inherits the controller's seed).
 
     pytest captures file descriptors 1 and 2 while it loads conftest files, and an exec'd
     process keeps the descriptors it inherits: the capture is stopped first, or the new run
     would write its whole output into the old run's capture files and show nothing."""
-    if sys.flags.hash_randomization == 0:
+    if not hash_seed.hashes_at_random():
         return
     if os.environ.get("PYTEST_CURRENT_TEST") or os.environ.get("PYTEST_XDIST_WORKER"):
-        return
-    if os.environ.get("PYTHONHASHSEED", "random") not in ("", "random", "0"):
         return
     argv = list(getattr(sys, "orig_argv", ()))[1:]
     if not argv:
@@ -39,9 +38,7 @@ def _restart_with_pinned_hash_seed(config: object) -> None:
     capture = config.pluginmanager.getplugin("capturemanager")  # type: ignore[attr-defined]
     if capture is not None:
         capture.stop_global_capturing()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *argv], {**os.environ, "PYTHONHASHSEED": "0"})
+    hash_seed.restart_pinned(argv)
 
 
 import pytest  # noqa: E402

@@ -1,23 +1,18 @@
 """Audited lock-step machines: the engine of every stateful invariant in this suite.
 
-Built on the harness (``conformance._core.lockstep.Lockstep`` and ``conformance._core.machine``): the
-workload language, the upstream comparison after every operation (C-01..C-07) and conservation
-at teardown (C-06) are the harness's. This module adds, for whatever the subject declares
-(``conformance._core.capabilities``):
+Built on the harness (``conformance._core.lockstep.Lockstep``, ``conformance._core.machine``),
+which compares with upstream after every operation (C-01..C-07) and checks conservation at
+teardown (C-06). This module adds, for whatever the subject declares:
 
-* ``AuditedLockstep`` — after every operation, the audits of ``invariants.audits`` (declared
-  attributes C-10..C-12, executor results C-20/C-51, sends from worker frames C-21, what crossed a
-  process boundary and what it still holds C-46), and a ledger of every request's accepted
-  tokens and finish for the teardown checks of ``invariants.ledger``.
-* ``InvariantMachine`` — ``conformance._core.machine.LockstepMachine`` over an audited session: audit
-  problems fail the program after the operation that caused them (an ``@invariant``), the ledger
-  and the model reference are checked after the drain at teardown.
-* ``MachineRun`` / ``run_machine`` — one property's run: which subject, feature and config, and
-  the length (in operations) of the last program hypothesis ran, i.e. the shrunk failing program
-  when it fails (the mutant self-test reports it).
+* ``AuditedLockstep`` — after every operation the audits of ``invariants.audits`` (C-10..C-12,
+  C-20/C-51, C-21, C-46), and a ledger for the teardown checks of ``invariants.ledger``;
+* ``InvariantMachine`` — ``LockstepMachine`` over an audited session: audit problems fail the
+  program after the operation that caused them; ledger and model reference are checked at
+  teardown;
+* ``MachineRun`` / ``run_machine`` — one property's run, and the length of the last program.
 
-Why an audit can fail: each message names its clause; the positive controls are the mutants in
-``tests/mutants/runtime_mutants.py`` (``tests/test_mutant_selftest.py`` proves each is caught).
+Each failure names its clause (docs/contracts.md, with the mutants that prove it caught); how
+the suite is built: docs/design.md, "How the suite checks".
 """
 
 from __future__ import annotations
@@ -89,8 +84,7 @@ class AuditedLockstep(Lockstep):
         local = isinstance(self.up, Side)
         self.declared = subject.declared_attributes() if local else None
         self.delivery = subject.chunk_delivery()
-        boundary = getattr(subject, "process_boundary", None)
-        self.boundary = boundary() if boundary is not None else None
+        self.boundary = subject.process_boundary()
         probes = subject.runner_probes() if feature.use_worker else None
         self.ledger: dict[str, RequestLedger] = {}
         self.terminal = TerminalOutcomes()
@@ -324,7 +318,7 @@ class InvariantMachine(LockstepMachine):
                     self.run.audit_failure = (self.session, list(self.session.problems))
                     raise AssertionError(describe(self.session, self.session.problems))
                 if self.session.failure is not None:
-                    self.recorder.fail(self.session, self.name, do_shrink=False)
+                    self.recorder.fail(self.session, self.name)
                 problems = self.session.teardown_problems(check_reference=self.run.check_reference)
                 if problems:
                     self.run.audit_failure = (self.session, problems)
@@ -499,7 +493,7 @@ class LocalRecorder:
         self.examples = 0
         self.steps_compared = 0
 
-    def fail(self, session: Any, name: str, *, do_shrink: bool = True) -> None:
+    def fail(self, session: Any, name: str) -> None:
         assert session.failure is not None
         raise SubjectBroken(session.failure)
 

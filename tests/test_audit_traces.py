@@ -36,7 +36,7 @@ class Recorder:
         self.sessions: list = []
         self.examples = 0
 
-    def fail(self, session, name, *, do_shrink=True):  # pragma: no cover - not a lock-step bug
+    def fail(self, session, name):  # pragma: no cover - not a lock-step bug
         raise AssertionError(session.failure.headline())
 
 

@@ -11,7 +11,7 @@ how the suite was run rather than on the profile alone:
 * hypothesis's local constants: it draws literals from whichever of the project's modules are
   imported at the time, and that set depends on the way of running (the checkout also collects
   ``tests/``, each xdist worker imports what its own tests need). The plugin empties that pool
-  (``conformance.plugin.freeze_local_constants``).
+  (``conformance._core.hypothesis_compat``).
 
 Where it showed: the gate as installed (its modules in site-packages, so none of their literals
 in the pool) compared 4213 steps at the smoke profile, the checkout 3809, in 8 lock-step tests.
@@ -48,7 +48,7 @@ DRAWS = """
 import sys
 if "extra" in sys.argv:
     import extra_literals  # noqa: F401
-from conformance.plugin import freeze_local_constants
+from conformance._core.hypothesis_compat import freeze_local_constants
 assert freeze_local_constants()
 from hypothesis import given, settings, strategies as st
 seen = []

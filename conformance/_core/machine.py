@@ -191,13 +191,13 @@ class LockstepMachine(RuleBasedStateMachine):
     def no_undeclared_difference(self) -> None:
         if self.session.failure is not None:
             # Hypothesis shrinks; the last (smallest) failing example's trace is what remains.
-            self.recorder.fail(self.session, self.name, do_shrink=False)
+            self.recorder.fail(self.session, self.name)
 
     def teardown(self) -> None:
         if self.session.failure is None:
             self.session.drain()
             if self.session.failure is not None:
-                self.recorder.fail(self.session, self.name, do_shrink=False)
+                self.recorder.fail(self.session, self.name)
             problems = self.session.conservation_problems()
             assert not problems, "; ".join(problems)
 

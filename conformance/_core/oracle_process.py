@@ -26,6 +26,7 @@ import weakref
 from multiprocessing.connection import Connection
 from typing import Any
 
+from conformance._core import hash_seed
 from conformance._core.config import HarnessConfig
 from conformance._core.observe import Observation
 from conformance._core.workload import Op
@@ -45,8 +46,7 @@ def hash_seed_problem() -> str | None:
     blocks in an order that depends on ``PYTHONHASHSEED``: oracle and subject must hash alike,
     and a child inherits the seed only when it is fixed.
     """
-    seed = os.environ.get("PYTHONHASHSEED", "random")
-    if sys.flags.hash_randomization and seed in ("", "random"):
+    if hash_seed.hashes_at_random() and not hash_seed.chosen():
         return (
             "an oracle in its own process needs a fixed PYTHONHASHSEED (vLLM frees the blocks of "
             "a multi-id abort in set order); run with PYTHONHASHSEED=0, as omni-conformance does"
