@@ -2,21 +2,17 @@
 
 Each audit reads only what the subject declared (``conformance._core.capabilities``):
 
-* ``audit_requests`` / ``audit_scheduler`` (``DeclaredAttributes``) — a live request carries no
-  attribute upstream's ``Request`` lacks beyond the declared slots, each slot holds its declared
-  type (C-10, C-12); no tensor, array or subject payload object is reachable from an upstream
-  request field or from scheduler state outside the declared send path (C-11).
-* ``CheckingExecutor`` — a side's executor returned results for exactly the scheduled requests,
-  in order, one sampled list each, and (``RunnerProbes``) one payload slot per request that
-  belongs to it (C-20, C-51).
-* ``RecordingSink`` (``ChunkDelivery`` + ``SourceLayout.worker_roots``) — no chunk is sent from a
-  frame of worker or model code (C-21).
-* ``crossing_problems`` / ``leftover_problems`` (``ProcessBoundary``) — what crossed between the
-  scheduler's process and its caller's arrived as it was sent, bit for bit, and nothing of the
-  crossing (a shared-memory segment, a chunk written but unread) is held between operations
-  (C-46).
+* ``audit_requests`` / ``audit_scheduler`` (``DeclaredAttributes``) — declared slots only, each
+  of its declared type, and no tensor or payload reachable outside the send path (C-10..C-12);
+* ``CheckingExecutor`` — results for exactly the scheduled requests, in order, and one payload
+  slot per request that belongs to it (C-20, C-51);
+* ``RecordingSink`` (``ChunkDelivery``, ``SourceLayout.worker_roots``) — no send from worker or
+  model code (C-21);
+* ``crossing_problems`` / ``leftover_problems`` (``ProcessBoundary``) — what crossed a process
+  boundary arrived as sent, and nothing of the crossing is held between operations (C-46).
 
-Problems are collected as strings that start with their clause id; the machines raise them.
+Problems are strings that start with their clause id; the machines raise them. The clauses:
+docs/contracts.md; how the suite uses the audits: docs/design.md, "How the suite checks".
 """
 
 from __future__ import annotations

@@ -1,24 +1,18 @@
 """The chunk and payload ledger: what a lock-step session delivered downstream, checked at teardown.
 
 During a session each request's prompt, accepted tokens and finish are recorded
-(``RequestLedger``); the subject's chunks are read through its ``ChunkDelivery.view``. At teardown:
+(``RequestLedger``); the subject's chunks are read through its ``ChunkDelivery.view``. At
+teardown the ledger checks:
 
-* C-42 — a request whose final stage is this one (``has_downstream`` false in the subject's
-  request facts), or one from a client that knows nothing of the runtime (``AddRequest.plain``,
-  which must not claim a downstream either), caused no chunk;
-* C-43 — every other request got exactly one EOF, as its last chunk, with seqs ``0..n-1``
-  (a request the caller aborted: none, when the subject declares ``abort_eof = False``, C-46);
-* C-40/C-44/C-45 — the ids the configured processor streamed equal what the subject says it
-  streams for the accepted ids (``ChunkDelivery.expected_tokens``), once each; where the subject
-  also says how its processor groups them into chunks (``expected_chunks``), every chunk carries
-  exactly its group, the EOF included: a chunk held back a step, or an EOF whose data is not ids,
-  is a difference;
-* with the real worker (``RunnerProbes`` + ``ModelReference``): the prefill conditioning crossed
-  exactly once and is the row of the last prompt position (C-31); token-only stages delivered no
-  hidden rows (C-30); otherwise hidden rows start at position 0 even after a prefix hit (C-55),
-  never repeat a position (C-45), cover exactly the computed positions and equal the reference's
-  full recompute (C-51, C-52);
-* C-08 (``hf_problems``) — greedy tokens equal the subject's independent model reference.
+* C-42 / C-43 — no chunk for a request final at this stage (or from a plain client), and for
+  every other request exactly one EOF, last, with seqs ``0..n-1`` (none for an aborted request
+  when the subject declares ``abort_eof = False``, C-46);
+* C-40 / C-44 / C-45 — the ids streamed equal ``ChunkDelivery.expected_tokens``, once each, in
+  the groups ``expected_chunks`` says where the subject says it;
+* with the real worker: C-30, C-31, C-45, C-51, C-52, C-55 against the model reference's rows,
+  and C-08 (``hf_problems``), greedy tokens against the reference.
+
+Each clause's statement: docs/contracts.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,18 @@
 """C-03 checks of a subject's differences registry: every entry complete, every entry still needed.
 
-Both read only what the subject declares: its registry (``Subject.differences``, part of the
-protocol) and, for "still needed", its ``DifferenceWitness`` workloads
-(``Subject.difference_witnesses``, a capability; ``conformance._core.capabilities``).
+Both read only what the subject declares: ``Subject.differences`` and, for "still needed", its
+``DifferenceWitness`` workloads (``Subject.difference_witnesses``, a capability).
 
-* ``registry_problems`` — an entry must name the fields it may change (patterns over the
-  harness's snapshot sections, so it can match something), the condition in words and as a
-  predicate, its rationale, the clauses it concerns (ids ``conformance._core.clauses`` defines) and at
-  least one test that makes it happen (a pytest node id, ``path.py::name``).
-* ``witness_problems`` — each entry has a witness; the witness's workload, run in lock step with
-  the whole registry, passes and is tolerated at least once by that entry (the entry is used);
-  with the registry minus that entry it fails at a field the entry names (the entry is needed).
-  An entry whose difference no longer happens is stale and reported; so is a witness that needs
-  no entry. While the witness runs, every request must end with exactly one terminal outcome
-  (C-62; ``invariants.outcomes``): a witness is usually the one workload in which the subject
-  ends a request by itself (a fault, an error finish).
+* ``registry_problems`` — each entry names field patterns within the snapshot's sections, its
+  condition in words and as a predicate, its rationale, clauses ``conformance._core.clauses``
+  defines, and at least one test as a pytest node id.
+* ``witness_problems`` — each entry's witness passes in lock step with the whole registry, is
+  tolerated by that entry at least once, and fails without it at a field it names; stale
+  entries and needless witnesses are reported, and every request of a witness ends with
+  exactly one terminal outcome (C-62, ``invariants.outcomes``).
 
-Each problem is a string that starts with its clause id.
+Each problem is a string that starts with its clause id. C-03: docs/contracts.md; entries:
+docs/adopting-the-gate.md, section 4.
 """
 
 from __future__ import annotations

@@ -1,26 +1,18 @@
 """Shared vocabulary of the invariant suite: generated chunk processors, payload-carrying
 executors, malformed stage inputs and runner-level batches.
 
-Everything here is data or a pure function of its arguments, so two runs of one hypothesis
-example build identical objects (no ``hash()`` of strings, no clocks, no global RNG): the suite's
-verdicts and step counts must not depend on ``PYTHONHASHSEED`` (no flaky verdicts).
+Everything here is data or a pure function of its arguments, so verdicts do not depend on
+``PYTHONHASHSEED``, and nothing here knows a runtime: configurations, payload objects and input
+shapes come from the subject.
 
-Nothing here knows a runtime: stage configurations come from the subject
-(``Subject.feature_configs``), payload objects from its ``ChunkDelivery.with_payloads`` and the
-shapes of stage inputs from its ``InputAdapterProbe.spec``.
+* ``RecordingProcessor`` — a generated chunk processor (declaration, signature, return policy,
+  whether it mutates its ids) that logs every call; ``processor_specs_of`` draws them by
+  ``PROCESSOR_SHAPES``;
+* ``PayloadTokenSource`` — the harness's token source plus one synthetic hidden row per
+  scheduled position encoding (request, position) (C-45, C-51);
+* ``malformed_inputs`` — stage inputs with exactly one defect, and the field to name (C-13).
 
-* ``RecordingProcessor`` — a chunk processor whose declaration (``requires_token_updates``:
-  absent, ``True``, or a truthy non-``True`` value), signature (with or without
-  ``new_token_ids``, and then with or without ``on_token_batch``) and return policy (payload,
-  ``None`` at EOF, ``None`` always, the ids, or nested containers holding the payload, a tensor
-  and the ids; mutate the ids it was given or not) are generated; it logs every call so the
-  chunk contracts can be checked. ``processor_specs_of`` draws them by ``PROCESSOR_SHAPES``,
-  the delivery paths their declarations and signatures lead a subject down.
-* ``PayloadTokenSource`` — the harness's deterministic token source plus one synthetic hidden row
-  per scheduled position whose value encodes (request, position), so a redelivered or shifted
-  row is recognisable without a model (C-45, C-51).
-* ``malformed_inputs`` — stage inputs with exactly one defect each, and the field the adapter's
-  error must name (C-13).
+See docs/design.md, "How the suite checks".
 """
 
 from __future__ import annotations

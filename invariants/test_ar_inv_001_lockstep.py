@@ -1,19 +1,15 @@
 """AR-INV-001 (C-01, C-02, C-04, C-05, C-06, C-07): the subject's schedulers make upstream's
 transitions, step for step, on generated workloads — the harness's plain machine, no audits.
 
-Hypothesis generates programs in the workload language (``conformance._core.machine``): requests with
-shared prefixes, tight block budgets (so preemption and eviction happen), aborts of any subset of
-ids in any state, stop tokens, max_tokens, and all three forms of ``reset_prefix_cache``. Each
-operation is applied to upstream vLLM and to the subject in lock step; after each one, request
-state, queues, the block pool, the ``SchedulerOutput`` and the ``EngineCoreOutputs`` must be equal
-unless the subject's registry tolerates the field (C-02). Teardown drains the workload and checks
-conservation (C-06) and that no subject-side per-request state outlives its request (C-04).
+Hypothesis generates programs in the workload language (``conformance._core.machine``), applied
+to upstream vLLM and the subject in lock step; after each operation request state, queues, the
+block pool, the ``SchedulerOutput`` and the ``EngineCoreOutputs`` must be equal unless the
+subject's registry tolerates the field (C-02); teardown checks conservation (C-06) and that no
+subject state outlives its request (C-04). Runs with subject features off and with each
+token-source feature the subject declares, in sync and async scheduling.
 
-Why it can fail: any override that reorders queues, frees blocks differently, changes what is
-scheduled or emitted, or keeps state after a request ends. Positive controls are the mutants in
-``tests/mutants/harness_mutants.py``; ``tests/test_conformance_mutants.py`` shows each is caught.
-Runs with subject features off and with each token-source feature the subject declares, in sync
-and async (batch-queue) scheduling.
+Clauses and their mutants (``tests/mutants/harness_mutants.py``): docs/contracts.md; how the
+programs are drawn: docs/design.md, "How the suite checks".
 """
 
 import pytest

@@ -1,38 +1,18 @@
 """AR-INV-001 (C-01..C-08): the subject makes upstream vLLM's transitions at every step, with
 every feature it declares, in sync and async scheduling, with prefix caching on and off.
 
-Each example is a hypothesis program in the harness's workload language (``conformance._core.machine``)
-run by an audited lock-step session (``invariants.machines``): requests drawn from a small
-vocabulary with two shared prefixes (so the prefix cache hits and, with 14 blocks of 16 tokens,
-evicts), block and token budgets tight enough to preempt, aborts of random subsets of ids in
-every state (waiting, running, preempted, finished-unreported, in flight under async
-scheduling), stop tokens, EOS, max_tokens and the three forms of ``reset_prefix_cache``.
+Each example is a hypothesis program in the workload language run by an audited lock-step
+session (``invariants.machines``). It fails on any field that differs from upstream without a
+registry entry (C-01, C-02, C-05, C-07), a leaked id (C-04), a second or missing terminal
+outcome (C-62), a declared AR-INV-002/003 audit, and at teardown on conservation (C-06) and the
+chunk ledger (C-40..C-45, C-51, C-55).
 
-What can fail, and why:
+* ``test_lockstep_parity_speculative`` — the same under speculative decoding (sync), drafts
+  from the token source (``SPEC_DRAFTS`` per step);
+* ``test_model_parity_with_reference`` — greedy tokens of the real worker against the subject's
+  model reference (C-08).
 
-* after every operation, any field of request state, queues, block pool (free count, eviction
-  order, cached hashes), ``SchedulerOutput`` or ``EngineCoreOutputs`` that differs from upstream
-  without a registry entry (C-01, C-02, C-05, C-07); a leaked per-request id after an abort (C-04);
-  a request of the subject with a second terminal outcome (two finished outputs, or one after
-  its client abort), read from the subject's own outputs (C-62);
-* the per-operation audits of AR-INV-002/003 the subject declares capabilities for (attributes,
-  tensors, C-20, C-21) — they run here too because these are the longest programs;
-* at teardown, after draining: free blocks back to the initial count and no request held (C-06),
-  every request the subject accepted ended with a terminal outcome (C-62),
-  and the chunk ledger (C-40..C-45, C-51, C-55) for features with a downstream;
-* ``test_lockstep_parity_speculative``: the same under speculative decoding (sync, as vLLM's
-  engine drives it): the harness's token source drafts up to ``SPEC_DRAFTS`` tokens per step and
-  verifies the drafts vLLM scheduled, so steps accept several tokens of a request at once (a
-  processor that asks for token updates gets them as one list) and reject the rest (the
-  scheduler takes its computed positions back);
-* ``test_model_parity_with_reference``: greedy tokens of the subject's real worker differ from
-  its independent model reference (C-08), under chunked prefill, preemption, prefix caching
-  on/off and both scheduling modes.
-
-Features with ``use_worker`` run the subject's real worker on both sides; the others run the
-harness's deterministic token source. Positive controls: ``tests/mutants/runtime_mutants.py``
-(``requeue_preempted_at_back``, ``free_blocks_reversed``, ``abort_keeps_omni_progress``, ...),
-proven by ``tests/test_mutant_selftest.py``.
+Clauses and mutants: docs/contracts.md; the programs: docs/design.md, "How the suite checks".
 """
 
 import pytest

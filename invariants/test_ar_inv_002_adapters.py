@@ -2,26 +2,16 @@
 
 Three properties, each on what the subject declares:
 
-* Run-time audit (C-10, C-11, C-12; ``declared_attributes``) — ``invariants.audits`` audits every
-  live request and the scheduler after every operation of every lock-step program in this suite
-  (``test_ar_inv_001_parity.py`` runs it with every feature); ``test_runtime_audit`` runs it once
-  more with the subject's first token-source feature. It fails when a request carries an
-  attribute upstream's ``Request`` lacks other than the declared slots (C-12), when a slot holds
-  another type than declared (C-10), or when a tensor, array or the subject's payload object is
-  reachable from an upstream request field (other than vLLM's own ``prompt_embeds``) or from
-  scheduler state outside the declared send path (C-11).
-* Malformed stage inputs (C-13; ``input_adapter``) — generated inputs with exactly one defect
-  (NaN/inf or wrongly-typed/shaped embeds, bad ids, over-long or empty prompts, bad conditioning
-  or additional information, unknown or earlier final stage, max_tokens < 1, duplicate ids) must
-  raise the adapter's rejection naming the request and the field, and leave the scheduler
-  untouched (no request, no block). Positive control in the same test: inputs without a defect
-  are accepted, so a check that rejects everything fails too.
-* Static check (C-10, C-11; ``source_layout``) — only the declared builder modules construct the
-  subject's payload type (named exceptions aside). Fails when any other module calls it.
+* run-time audit (C-10..C-12; ``declared_attributes``) — ``invariants.audits`` on every live
+  request and the scheduler after every operation; ``test_runtime_audit`` runs it once more
+  with the subject's first token-source feature;
+* malformed stage inputs (C-13, C-60; ``input_adapter``) — each input with exactly one defect
+  is rejected by the adapter, naming request and field, and leaves the scheduler untouched;
+  well-formed inputs are accepted;
+* static check (C-10, C-11; ``source_layout``) — only the declared builder modules construct
+  the subject's payload type.
 
-Positive controls: mutants ``extra_request_attribute``, ``tensor_in_upstream_field``,
-``adapter_accepts_nan_embeds`` and ``payload_built_in_scheduler`` in
-``tests/mutants/runtime_mutants.py``.
+Clauses and mutants: docs/contracts.md; the method: docs/design.md, "How the suite checks".
 """
 
 from __future__ import annotations

@@ -1,22 +1,13 @@
 """AR-INV-003 (C-20..C-22): workers execute the work they are given, and nothing else.
 
-* C-20 — every ``ModelRunnerOutput`` covers exactly the requests of the ``SchedulerOutput`` it
-  answers, in the scheduler's order, with one sampled list and (when present) one payload slot
-  per request whose payload belongs to that request. Checked by ``CheckingExecutor`` around both
-  sides of every lock-step session in this suite, and here on the subject's real runners fed
-  identical schedules. Fails when a runner drops, adds or reorders a request.
-* C-21 — with ``chunk_delivery`` and ``source_layout``, the scheduler's sink is a
-  ``RecordingSink`` in every audited session: a ``send`` with a frame of the subject's worker
-  code on its call stack is a worker routing output, and fails the program. Statically, the
-  subject's import-linter contracts (workers never import routing code) must hold; they run
-  through import-linter's Python API, never a ``PATH`` lookup.
-* C-22 — one scheduler's ``SchedulerOutput`` stream is executed by several runners whose stage
-  configs differ only in the stage graph that follows (``RunnerProbes.graphs``); their sampled
-  tokens and payloads must be identical. Fails when a runner reads the stage graph to decide
-  what it computes or returns.
+* C-20 — every ``ModelRunnerOutput`` covers exactly the scheduled requests, in order
+  (``CheckingExecutor`` in every lock-step session, and here on the subject's real runners);
+* C-21 — no ``send`` from worker code (``RecordingSink``), and the subject's import-linter
+  contracts hold;
+* C-22 — runners whose stage configs differ only in the graph that follows
+  (``RunnerProbes.graphs``) give identical tokens and payloads.
 
-Positive controls: mutants ``worker_extra_request``, ``worker_missing_request``,
-``send_from_worker`` and ``runner_reads_stage_graph``.
+Clauses and mutants: docs/contracts.md; the method: docs/design.md, "How the suite checks".
 """
 
 from __future__ import annotations

@@ -1,52 +1,18 @@
 """Chunk processors and token updates (C-40..C-45), with generated processors.
 
 A lock-step program (upstream vs the subject, ``invariants.machines``) runs the subject's
-processor feature (``ChunkDelivery.processor_feature``: a stage with a downstream consumer) with
-an executor that attaches synthetic hidden rows to some steps of some requests
-(``PayloadTokenSource``: every step, none, prefill only or every other step, per request, so one
-batch mixes payload and payload-less requests) while requests whose final stage is this stage
-(no downstream) and requests with a downstream consumer are mixed in every batch. The chunk
-processor is generated first (``@initialize``): ``requires_token_updates`` absent, ``True`` or a
-truthy value that is not ``True`` (1, "yes", [1], 1.0) or False; a signature with or without
-``new_token_ids``; returning the payload, the ids, ``None`` at EOF or ``None`` always; mutating
-the id list it was handed or not. Every call is logged.
+processor feature (``ChunkDelivery.processor_feature``) with a generated, logging chunk
+processor and an executor that attaches synthetic hidden rows to some steps of some requests
+(``PayloadTokenSource``), mixing requests with and without a downstream in every batch. It
+checks every call and chunk against C-40..C-45, C-51, C-62 and, for a subject whose chunks
+cross a process boundary, C-46.
 
-What can fail, and why:
+``test_rows_survive_a_reset_with_steps_in_flight`` resets the prefix cache with running
+requests and steps in flight (async): no row of a step upstream drops as stale may reach the
+processor, and every row the recompute owes must (C-45).
 
-* C-40 — a ``True`` declaration: a call on every step that accepted ids, with or without an
-  ids-taking signature; with one, the ids over all calls must equal the request's accepted
-  tokens (every nonempty list, also on steps without a payload).
-* C-41 — without that exact declaration, a non-final call must carry a tensor payload.
-* C-42 — a request final at this stage causes no processor call and no chunk.
-* C-43 — every request with a downstream gets exactly one final call, as its last call, and one
-  EOF chunk, even when the processor returns ``None`` for it; before the EOF, one chunk for each
-  non-final call that returned data (a call that returned ``None`` may still send its payload's
-  tensors), and ``is_final`` is a bool on every call.
-* C-44 — the ids a processor received must not change after the call (except by the processor
-  itself); a processor mutating its list must not change what the scheduler emits (the lock-step
-  comparison with upstream sees that); the ids are the accepted ids after stop trimming (C-40's
-  equality).
-* C-45 — no position's row is delivered twice, even after preemption and recompute (tight block
-  budget; rows encode their position), every computed row reaches the processor once (trimming
-  drops only what was delivered), and each row belongs to its request (C-51).
-
-* C-62 — as in every audited lock-step session, each request ends with exactly one terminal
-  outcome, whatever the generated processor does (``invariants.outcomes``).
-* C-46 — for a subject whose chunks cross a process boundary (``process_boundary``), every
-  chunk arrives as it was sent and the boundary holds nothing between operations
-  (``invariants.test_process_boundary``).
-
-A second, targeted property (``test_rows_survive_a_reset_with_steps_in_flight``) runs async
-workloads that reset the prefix cache with running requests while steps are in flight, so that
-upstream drops those steps' tokens as stale and the requests recompute: no row of a dropped step
-may reach the processor in their place, and every row the recompute owes must (C-45). The
-machine above reaches that path only rarely within its example budget.
-
-Not applicable to a subject without ``chunk_delivery`` or without a ``processor_feature``.
-Positive controls: mutants ``truthy_token_updates``, ``token_update_call_skipped``,
-``no_eof_when_processor_returns_none``, ``double_eof_on_abort``, ``token_update_data_dropped``,
-``final_stage_request_sends``, ``ids_not_copied``, ``redelivery_after_preemption``,
-``trim_loses_kept_rows``, ``stale_step_chunk_sent``.
+Not applicable without ``chunk_delivery`` or a ``processor_feature``. Clauses and mutants:
+docs/contracts.md; how processors are drawn: docs/design.md, "How the suite checks".
 """
 
 from __future__ import annotations

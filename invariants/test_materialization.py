@@ -1,45 +1,17 @@
 """Inline and background materialization (C-50, C-52, C-53, C-54).
 
-Runner-level properties over generated batches (``invariants.runners.drive_runners``): the same
-``SchedulerOutput`` stream is executed by an inline and a background runner of one include-hidden
-stage (prefix-cache merges on), and, right after ``sample_tokens`` returns and *before* the
-output is collected, every buffer the runner may reuse (``RunnerProbes.reusable_buffers``) is
-overwritten with garbage. The background runner's builds are deferred to collection
-(``RunnerProbes.defer_background_builds``), so the overwrite deterministically happens before
-the build — no race decides the verdict.
+Runner-level properties over generated batches (``invariants.runners.drive_runners``): one
+``SchedulerOutput`` stream runs through an inline and a background runner of one include-hidden
+stage, and every reusable buffer (``RunnerProbes.reusable_buffers``) is overwritten after
+``sample_tokens`` returns, before the output is collected; background builds are deferred to
+collection, so no race decides the verdict. With the real builder thread
+(``RunnerProbes.instrument``) it checks where collection and builds run and that a builder
+error is never lost; with a build fault that persists for one request
+(``MaterializationProbe.fail_request``), that recovery fails that request alone and, where the
+subject declares retry budgets, costs exactly the builds it declares.
 
-What can fail, and why:
-
-* C-52/C-53 — payloads (hidden rows, conditioning, start, counts) or tokens differ between
-  inline and background, i.e. one of them read a buffer after the runner reused it (background
-  must snapshot; inline must consume before returning).
-* C-53 — a payload list that is not aligned with the output's ``req_ids``.
-* C-54 — with the real builder thread (``RunnerProbes.instrument``): connector output is
-  collected on a thread other than the calling one, or not exactly once per executed step; a
-  payload build ran on the calling thread instead of the builder's (also as the gate's probe saw
-  it: in a run without a planted fault no build may run there, since recovery rebuilds a failed
-  build on the caller and would hide a broken builder path); a builder exception is lost:
-  it must either be re-raised from ``get_output`` (or, for an output nobody collected, from a
-  later step), or be recovered there, and then the step still delivers a payload for every
-  request (a one-off fault, which is what is planted here, leaves nothing to fail).
-
-* C-54 recovery — a build fault that persists for one request (every build whose batch holds
-  it raises; ``MaterializationProbe.fail_request``): the background runner's recovered steps must
-  report that request failed (``RunnerProbes.failed_requests``) with no payload, and give every
-  other request of the step the payload an undisturbed inline runner gives it, bit for bit, with
-  the same tokens. Recovery that fails the whole step, drops or misplaces a payload, or loses the
-  failure is caught.
-* C-54 recovery budget — for a subject that declares how often its stages retry a failed build
-  (``RunnerProbes.retry_features`` and ``recovery_builds``, optional), the same persistent fault
-  under retry budgets other than the default: every step that holds the failing request must
-  cost exactly the builds the subject declares for that budget (counted by the probe, builds
-  deferred to collection so each step's count is its own). A runner that ignores the configured
-  budget, gives up early or retries once more is caught.
-
-Not applicable to a subject without a real worker and runner probes. Positive controls: mutants
-``background_no_snapshot``, ``builder_error_swallowed``, ``connector_collected_on_builder``,
-``background_build_never_runs``, ``builder_threads_unrecorded``, ``recovery_fails_whole_step``,
-``background_ignores_step_retries``.
+Not applicable without a real worker and runner probes. Clauses and mutants: docs/contracts.md;
+the method: docs/design.md, "How the suite checks".
 """
 
 from __future__ import annotations

@@ -2,31 +2,13 @@
 
 Runner-level properties: upstream's scheduler schedules a generated batch (shared prefixes, a
 tight block pool so preemption happens, aborts at generated steps) and the same
-``SchedulerOutput`` stream is executed by an include-hidden runner and a token-only runner of the
-subject (``RunnerProbes.payload_feature``), over the same weights.
+``SchedulerOutput`` stream is executed by an include-hidden and a token-only runner of the
+subject (``RunnerProbes.payload_feature``) over the same weights; the ``postprocess`` case uses
+a model that postprocesses its payloads (``RunnerProbes.postprocessed``). The lock-step
+machines check the same clauses end to end in ``test_ar_inv_001_parity.py``.
 
-What can fail, and why:
-
-* C-30 — token-only payloads carry hidden rows, or the token streams differ from the
-  include-hidden run (logits and sampling must not depend on the payload mode).
-* C-31 — the prefill conditioning of a request is missing in token-only mode, or differs from
-  the include-hidden run's, or crosses again when a request preempted after it re-runs its
-  prompt.
-* C-50 — a token-only step on which no request completes its prompt (so there is neither a hidden
-  nor a multimodal payload to deliver) still builds payload objects.
-* C-51 — a payload slot does not belong to its request, or its rows are not exactly the
-  request's scheduled positions ``[num_computed, num_computed + num_scheduled)`` (or, with a
-  prefix-cache merge, ``[0, num_computed + num_scheduled)``, C-55); over a model that
-  postprocesses its payloads (``RunnerProbes.postprocessed``, the ``postprocess`` case), a slot
-  is empty or lacks what the postprocess adds.
-
-The lock-step machines check the same clauses end to end (chunk ledger, rows against the
-subject's model reference, C-55 coverage from position 0) in ``test_ar_inv_001_parity.py``.
-Not applicable to a subject without a real worker and runner probes (the ``postprocess`` case:
-without ``postprocessed``). Positive controls: mutants
-``token_only_builds_hidden``, ``conditioning_dropped_token_only``,
-``conditioning_resent_on_reprefill``, ``payload_slot_shifted``,
-``payloads_on_empty_steps``, ``prefix_merge_missing_rows``.
+Not applicable without a real worker and runner probes. Clauses and mutants: docs/contracts.md;
+the method: docs/design.md, "How the suite checks".
 """
 
 from __future__ import annotations

@@ -1,30 +1,17 @@
 """C-46: what crosses a stage's process boundary arrives unchanged, and nothing of it stays.
 
-A subject whose scheduler runs in a process of its own (``process_boundary``, see
-``conformance._core.capabilities.ProcessBoundary``) admits requests through its ``admit`` hook and
-hands the harness each step's outputs through ``receive_outputs``, as its runtime does across
-the boundary. What crossed is checked in two places:
+A subject whose scheduler runs in a process of its own (``process_boundary``,
+``conformance._core.capabilities.ProcessBoundary``) admits requests through ``admit`` and hands
+each step's outputs through ``receive_outputs``, as its runtime does across the boundary.
+Every audited lock-step session (``invariants.machines.AuditedLockstep``) checks each crossing
+and the boundary's leftovers after every operation; ``test_stage_inputs_cross_unchanged``
+below admits generated stage inputs with tensors of every dtype and layout the input adapter
+accepts, then aborts them: slots arrive unchanged, the request is queued when ``admit``
+returns, and the abort leaves the boundary empty (an accepted input must be able to cross,
+C-13).
 
-* every audited lock-step session (``invariants.machines.AuditedLockstep``: the parity
-  properties, the chunk contracts, the witnesses' sessions) checks after every operation that
-  each chunk the stage sent arrived with the same ids, seq, final flag, token ids, reason,
-  payload positions and data, every tensor bit for bit with its dtype and shape, that every
-  admitted request's stage-input slot arrived as the caller built it, and that the boundary
-  holds nothing (no shared-memory segment outlives the step whose message named it, no chunk
-  waits unread or unflushed, no request stays staged); an aborted request's EOF must not cross
-  when the subject says its caller ends it downstream (``ChunkDelivery.abort_eof``);
-* ``test_stage_inputs_cross_unchanged`` below admits generated well-formed stage inputs whose
-  conditioning and additional information carry tensors of every dtype and layout the input
-  adapter accepts (0-d, empty, non-contiguous, -0.0, subnormals, integer extremes) and scalars
-  and lists of every kind, then aborts them: the slots must arrive unchanged, the request must be
-  in the scheduler when ``admit`` returns, and the abort must leave the boundary empty. An input
-  the adapter accepts must be able to cross at all (integers past 64 bits are drawn too): the
-  adapter may refuse it, naming the field (C-13), but not accept it and fail later.
-
-Not applicable to a subject without ``process_boundary`` (a scheduler in its caller's process
-has no boundary to cross). Positive controls: mutants ``wire_drops_last_byte``,
-``reader_keeps_segments``, ``abort_keeps_unsent_chunks`` and ``slot_loses_info_tensor``
-(``tests/mutants/runtime_mutants.py``, proven by ``tests/test_mutant_selftest.py``).
+Not applicable without ``process_boundary``. The clause and its mutants: docs/contracts.md; the
+inputs drawn: docs/design.md, "How the suite checks".
 """
 
 from __future__ import annotations

@@ -1,22 +1,14 @@
 """A batching chunk processor's ``on_token_batch`` is its per-request calls, at once (C-40).
 
-A processor may define ``on_token_batch(request_ids, token_ids, counts)``: the calls
-``processor(rid, None, False, new_token_ids=ids)`` of one run of requests, made at once, returning
-the data those calls would have returned, by request id. A runtime that batches relies on that
-equivalence (it decides per step whether to batch), so the suite checks it for every batching
-processor a subject ships (``ChunkDelivery.batching_processors``, optional): the same generated
-sequence of steps is fed to two fresh instances, one call per request to the first, and to the
-second each step's run of id-only calls as one batch (the final calls and ``release`` stay per
-request on both). Every call's data, and which requests a processor still holds, must match.
+A runtime that batches relies on that equivalence, deciding per step whether to batch, so the
+suite checks it for every batching processor a subject ships
+(``ChunkDelivery.batching_processors``, optional): one generated sequence of steps goes to two
+fresh instances, per request to one and as batch calls to the other. Every call's data, and
+which requests each processor still holds, must match; a final call or a release lets a request
+go (C-04).
 
-The steps draw several ids per request as well (speculative decoding accepts several tokens a
-step; ``counts`` then says how many each request got), ids at the ends of the processor's id
-range where the subject names them (``Feature.token_edges`` of its features), and requests that
-end, are released (a failed request) or join in between.
-
-A request's final call or its release lets it go: the processor holds it no more (C-04).
-
-Positive controls: mutants ``batch_reads_one_id_each``, ``released_request_kept``.
+The ``on_token_batch`` protocol: docs/contracts.md, "Chunk processors"; the steps drawn:
+docs/design.md, "How the suite checks".
 """
 
 from __future__ import annotations

@@ -1,45 +1,16 @@
 """C-61 and C-62 under a worker step fault: the fault stays with the request it concerns.
 
-A subject that declares ``fault_containment`` claims its worker contains a fault raised inside
-its model's forward to the requests whose data cause it. The check takes that claim at its word
-and tests it with a fault the subject does not choose: a forward pre-hook on the subject's token
-embedding (the module ``FaultContainment.embedding`` names) raises whenever the embedded ids
-contain a *poison* token, which the workload places at the last prompt position
-of one request, the *victim* (vLLM never serves the last prompt position from the prefix cache,
-so the victim's prefill always embeds it).
+A subject that declares ``fault_containment`` claims its worker contains a fault raised in its
+model's forward to the requests whose data cause it. The check plants a fault the subject does
+not choose: a pre-hook on the token embedding (``FaultContainment.embedding``) raises on a
+poison token at the last prompt position of one request, the victim. Persistent: the victim
+alone ends with ``FinishReason.ERROR``, everyone else with one normal outcome, nothing left
+(C-06, C-04), and the victim's prompt, rerun, gives fault-free tokens. Transient: nobody fails
+and tokens equal the fault-free run's. Trace headers stay on every output (C-07, C-61); chunks
+go downstream as C-42/C-43 say. A fault that escapes the worker fails the check.
 
-The subject's own scheduler and worker run the workload, stepped as vLLM's ``EngineCore`` steps
-them (``conformance._core.driver``), sync and async, with inline and background payloads; some
-requests may end at this stage (drawn from the containment feature's final stages), so a step
-may carry no chunk at all, and the victim's error output then joins plain step outputs:
-
-* **persistent** — the hook raises on every forward that embeds the poison. The victim must end
-  with exactly one terminal output whose finish reason is upstream's ``FinishReason.ERROR``;
-  every other request exactly one terminal output, not an error (C-61, C-62); once drained the
-  scheduler holds nothing, every block is free, no omni state is left (C-06, C-04). Then, hook
-  removed, the victim's prompt runs again alone: its tokens must equal the same prompt run alone
-  after a fault-free workload: a prefix-cache hit on KV the failed step never wrote would differ.
-* **transient** — the hook raises once. Nobody may fail, and every request's tokens must equal
-  the fault-free run's exactly (identical batches, so identical arithmetic).
-
-Every request is sent with trace headers, and every output of it, the victim's error output
-included, must carry them, as upstream's outputs do (C-07 in the fault-free run, C-61 in the
-faulted one). For a subject that delivers chunks, every request's end goes downstream, the
-victim's error included: one EOF as its last chunk, chunks numbered from 0 (C-43; C-61 in the
-faulted run), and none for a request that ends at this stage (C-42).
-
-A fault that escapes the worker (``execute_model``/``sample_tokens`` raising) fails the check:
-under vLLM's ``EngineCore`` such a step fails every request in it. A subject that does not
-declare containment is *not applicable*: many runtimes, upstream's included, leave step faults to
-the engine, and claiming they break C-61 here would be a verdict on something the gate does not
-drive.
-
-Positive controls: mutants ``pinned_fault_fails_whole_step`` (the runtime pins a fault on every
-request of the step instead of the one that causes it), ``error_cause_dropped`` (the failed
-request's error output carries no cause, for a subject that names its ``cause_field``),
-``error_output_replaces_step_outputs`` (the error output replaces the step's other outputs) and
-``error_output_drops_trace_headers`` (the error output carries no trace headers) and
-``failed_request_eof_discarded`` (a stage process drops the victim's error EOF).
+Not applicable to a subject that does not declare containment. The method:
+docs/design.md, "How the suite checks"; clauses and mutants: docs/contracts.md.
 """
 
 from __future__ import annotations
