@@ -1,52 +1,15 @@
 """Infection probes: where a survivor's mutated code would compute something other than the
-unmutated code, without running the mutant.
+unmutated code, found without running the mutant.
 
-A re-check through the reach (``campaign.Reach``) runs a survivor against every test that executes
-its mutated statement. For a statement on the hot path (the transfer adapter's step loop, the
-scheduler's request lifecycle) that is nearly the whole suite: about two hours per survivor under
-``thorough`` on 2 cores. Most of those tests execute the statement without the mutation making
-any difference there: ``x is None`` flipped to ``x is not None`` inside a condition whose other
-terms are false, an argument dropped whose default equals the value passed. A mutant's run draws
-the same examples as the unmutated run (the seed is pinned) and executes the same code, with the
-same state, until the first time the mutated code yields another value than the unmutated code
-would (its first *infection*). A test in which that never happens passes with the mutant exactly
-as it passes without it: it cannot kill the mutant, and need not run it.
-
-This module instruments the unmutated copy of a function (``x…__mutmut_orig`` in mutmut's
-``mutants/`` tree) with one probe per mutant of it. A probe computes, at the mutated spot, what
-the unmutated code computes (and returns that, so the run is the unmutated run) and what the
-mutant's code would compute there, and records an infection when they differ. One run of the
-suite under the re-check's profile then says, per mutant, in which tests it is ever infected;
-the re-check runs only those (``campaign.load_infection``). Probes, from the finest to the
-coarsest, chosen per mutant by ``plan_probe``:
-
-* ``truth``: the mutation is inside the condition of an ``if``, ``while``, ``assert``, a
-  conditional expression or a comprehension's filter, and the mutant's whole condition can be
-  evaluated without side effects. Infected when the two conditions' truth differs (or the
-  mutant's raises), whatever their terms do.
-* ``value``: the mutation replaces an expression by one without side effects (``None``, a
-  constant, a flipped comparison). Infected when the values differ: not the same object, and not
-  equal plain values (bool, int, float, str, bytes, None, and tuples, lists and dicts of them).
-* ``call``: the mutation changes a call's arguments (one dropped, one replaced). The call's
-  arguments are evaluated once, as unmutated; infected when the mutant's arguments bind
-  differently to the callee's signature (a dropped argument whose default is the value passed
-  binds the same).
-* ``statement``: anything else inside the body (a statement replaced, say ``continue`` by
-  ``break``). Infected whenever the statement executes: the reach's own criterion, per test.
-
-A probe may carry a guard: the triage ledger's ``[[guard]]`` entry for a survivor gives an
-expression, evaluated in the function's scope where the probe sees a difference, that is false
-where the difference provably cannot matter (a flipped branch whose body is a no-op in the state
-at hand, a value stored and overwritten before any read), with the reason. The infection run
-then checks the argument's premise under the re-check's profile instead of taking it on trust.
-
-A mutation in the signature (a default value) gets no probe: its survivor runs every reaching
-test, as before. "Without side effects" is judged from the syntax: names, constants, attribute
-reads, operators, displays and the calls ``isinstance``, ``callable``, ``len``, ``type``,
-``bool`` and ``hasattr``; attribute reads are taken not to change state, as the runtime's
-properties do not. Item reads are not in the list: a ``defaultdict`` adds the key it is asked
-for. The probe runtime and its pytest plugin are
-``mutation/infection_plugin.py``.
+A mutant's run draws the examples of the unmutated run (the seed is pinned) and executes the same
+code with the same state until its mutated code first yields another value (its *infection*); a
+test in which that never happens cannot kill it. This module owns the instrumentation: it copies
+the unmutated function of mutmut's ``mutants/`` tree (``x…__mutmut_orig``) and puts one probe
+per mutant in it (``plan_probe`` picks the kind: ``truth``, ``value``, ``call`` or
+``statement``), optionally with the triage ledger's guard. A probe returns what the unmutated code
+computes, so the run stays the unmutated run, and records where the mutant's code would differ.
+One suite run then tells, per mutant, the tests it is infected in (``mutation.infection_run``).
+The probes' runtime is ``mutation/infection_plugin.py``; the method: ``docs/mutation-score.md``.
 """
 
 from __future__ import annotations
@@ -88,7 +51,7 @@ Path = tuple[tuple[str, int | None], ...]  # (field, index in a list field or No
 
 @dataclasses.dataclass(frozen=True)
 class Probe:
-    """How one mutant's infection is observed: its kind (module docstring) and the path, from
+    """How one mutant's infection is observed: its kind (``plan_probe``) and the path, from
     the function definition, of the node the probe wraps (or the statement it precedes)."""
 
     mutant: str  # mutmut's mangled name, ``x…__mutmut_N``
@@ -105,7 +68,10 @@ def functions(tree: ast.AST) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef
 
 
 def pure(node: ast.AST) -> bool:
-    """Whether evaluating ``node`` (an expression) cannot change state, judged from its syntax."""
+    """Whether evaluating ``node`` (an expression) cannot change state, judged from its syntax:
+    names, constants, attribute reads, operators, displays and the calls of ``PURE_CALLS``.
+    Attribute reads are taken not to change state, as the runtime's properties do not; item
+    reads are left out, since a ``defaultdict`` adds the key it is asked for."""
     for n in ast.walk(node):
         if not isinstance(n, _PURE_NODES):
             return False
@@ -196,7 +162,20 @@ def plan_probe(
     name: str,
 ) -> Probe | None:
     """The finest probe that observes mutant ``name`` (``mutant``, mutmut's copy of ``orig``
-    with one mutation); None when the mutation is outside the body (the signature)."""
+    with one mutation); None when the mutation is outside the body (a default in the signature
+    is met wherever the function runs: its survivor runs every reaching test). Finest first:
+
+    * ``truth``: the mutation is inside the condition of an ``if``, ``while``, ``assert``, a
+      conditional expression or a comprehension's filter, and the mutant's whole condition is
+      ``pure``. Infected when the two conditions' truth differs (or the mutant's raises).
+    * ``value``: the mutation replaces an expression by a ``pure`` one (``None``, a constant, a
+      flipped comparison). Infected when the values differ: not the same object, and not equal
+      plain values (bool, int, float, str, bytes, None, and tuples, lists and dicts of them).
+    * ``call``: the mutation changes a call's arguments (one dropped, one replaced). They are
+      evaluated once, as unmutated; infected when the mutant's bind differently to the callee's
+      signature (a dropped argument whose default is the value passed binds the same).
+    * ``statement``: anything else in the body (``continue`` became ``break``, say). Infected
+      whenever the statement executes: the reach's own criterion, per test."""
     if ast.dump(orig.args) != ast.dump(mutant.args) or len(orig.body) != len(mutant.body):
         return None
     found: list[Path] = []
@@ -330,7 +309,9 @@ def instrument(
 ) -> ast.FunctionDef | ast.AsyncFunctionDef:
     """A copy of ``orig`` with every probe in place (each with its mutant's definition, and
     the mutant's guard from ``guards`` when it has one: an expression, in the function's scope
-    at the probe, false where the difference cannot matter)."""
+    at the probe, false where the difference cannot matter). A guard comes from the triage
+    ledger's ``[[guard]]`` entry for a survivor, with its reason: the infection run checks the
+    argument's premise under the re-check's profile instead of taking it on trust."""
     guards = guards or {}
 
     def guard(probe: Probe) -> list[ast.expr]:

@@ -1,4 +1,4 @@
-"""The mutation campaign (``mutation/campaign.py``): its CI slice, and its bookkeeping.
+"""The mutation campaign (the ``mutation`` package): its CI slice, and its bookkeeping.
 
 The slice runs six mutants of C-45's trimming against the chunk contracts under the ``ci``
 profile; all six must die. Two of them (rows blanked, start shifted) die only through the
@@ -11,7 +11,6 @@ state kept in the checkout that lets a campaign outlive its work folder.
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import subprocess
@@ -22,20 +21,21 @@ from typing import Any
 
 import pytest
 
+import mutation
+import mutation.cli
+import mutation.infection
+import mutation.infection_plugin
+import mutation.infection_run
+import mutation.ledger
+import mutation.mutmut_run
+import mutation.reach
+import mutation.recheck
+import mutation.report
+import mutation.results
+import mutation.state
+import mutation.targets
+
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "mutation" / "campaign.py"
-
-
-def _campaign():
-    spec = importlib.util.spec_from_file_location("mutation_campaign", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module by name
-    spec.loader.exec_module(module)
-    return module
-
-
-campaign = _campaign()
 
 
 @pytest.mark.slow
@@ -44,7 +44,8 @@ def test_ci_slice_kills_its_sample(tmp_path: Path) -> None:
     proc = subprocess.run(
         [
             sys.executable,
-            str(SCRIPT),
+            "-m",
+            "mutation",
             "run",
             "--slice",
             "ci",
@@ -61,6 +62,7 @@ def test_ci_slice_kills_its_sample(tmp_path: Path) -> None:
             "--min-score",
             "1.0",
         ],
+        cwd=ROOT,  # ``python -m mutation`` runs from the repository root
         capture_output=True,
         text=True,
         env=env,
@@ -71,7 +73,7 @@ def test_ci_slice_kills_its_sample(tmp_path: Path) -> None:
 
 
 def _mutant(status: str, change: tuple[str, ...] = (), n: int = 1):
-    m = campaign.Mutant(
+    m = mutation.results.Mutant(
         f"omni_runtime.payload.xǁStagePayloadǁnbytes__mutmut_{n}", "payload.py", status
     )
     m.change = change
@@ -79,11 +81,11 @@ def _mutant(status: str, change: tuple[str, ...] = (), n: int = 1):
 
 
 def test_statuses_and_verdicts() -> None:
-    assert campaign.status_of(1) == "killed"
-    assert campaign.status_of(0) == "survived"
-    assert campaign.status_of(33) == "no tests"
-    assert campaign.status_of(-24) == "timeout"
-    assert campaign.status_of(None) == "not run"
+    assert mutation.results.status_of(1) == "killed"
+    assert mutation.results.status_of(0) == "survived"
+    assert mutation.results.status_of(33) == "no tests"
+    assert mutation.results.status_of(-24) == "timeout"
+    assert mutation.results.status_of(None) == "not run"
     survived = _mutant("survived", ("-a", "+b"))
     assert survived.final == "survived"
     survived.recheck = "killed"
@@ -104,16 +106,16 @@ def test_ledger_matches_by_function_and_change_and_reports_stale_entries() -> No
         {"function": function, "change": ["-x = 1", "+x = 2"], "reason": "x is never read"},
         {"function": function, "change": ["-gone", "+gone"], "reason": "old"},
     ]
-    stale = campaign.apply_ledger(mutants, ledger)
+    stale = mutation.ledger.apply_ledger(mutants, ledger)
     assert mutants[0].final == "equivalent" and mutants[1].final == "survived"
     assert stale == [ledger[1]]
-    row = campaign.tally(mutants + [_mutant("killed", n=3), _mutant("killed", n=4)])
+    row = mutation.report.tally(mutants + [_mutant("killed", n=3), _mutant("killed", n=4)])
     assert row["mutants"] == 4 and row["killed"] == 2 and row["equivalent"] == 1
-    assert campaign.score(row) == pytest.approx(2 / 3)  # equivalents leave the denominator
-    text = campaign.render(mutants, stale, {"mutmut": "3.8.1", "profile": "smoke"})
+    assert mutation.report.score(row) == pytest.approx(2 / 3)  # equivalents leave the denominator
+    text = mutation.report.render(mutants, stale, {"mutmut": "3.8.1", "profile": "smoke"})
     assert "| total | 2 | 0 | 1 | 1 | 0 | 0 | 0 | 0 | 0.0% |" in text
-    not_run = campaign.tally([_mutant("not run", n=5), _mutant("killed", n=6)])
-    assert campaign.score(not_run) == 1.0  # a mutant the campaign never ran is not scored
+    not_run = mutation.report.tally([_mutant("not run", n=5), _mutant("killed", n=6)])
+    assert mutation.report.score(not_run) == 1.0  # a mutant the campaign never ran is not scored
     assert "Stale ledger entries" in text and "-gone / +gone" in text
 
 
@@ -121,21 +123,21 @@ def test_ledger_errors_name_the_file_and_entry(tmp_path: Path) -> None:
     bad = tmp_path / "triage.toml"
     bad.write_text('[[equivalent]]\nfunction = "f"\nchange = ["-a", "+b"]\n')
     with pytest.raises(
-        campaign.CampaignError, match=r"triage.toml: equivalent entry 1 has no 'reason'"
+        mutation.CampaignError, match=r"triage.toml: equivalent entry 1 has no 'reason'"
     ):
-        campaign.load_ledger(bad)
+        mutation.ledger.load_ledger(bad)
     bad.write_text("[[equivalent]\n")
-    with pytest.raises(campaign.CampaignError, match="triage.toml"):
-        campaign.load_ledger(bad)
-    shipped = campaign.load_ledger()  # parses, and every entry names a mutated function
+    with pytest.raises(mutation.CampaignError, match="triage.toml"):
+        mutation.ledger.load_ledger(bad)
+    shipped = mutation.ledger.load_ledger()  # parses, and every entry names a mutated function
     assert shipped and all(str(e["function"]).startswith("omni_runtime.") for e in shipped)
 
 
 def test_work_folder_inside_the_checkout_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
     # (a folder that does not exist: a broken check must not be able to delete anything)
-    assert campaign.main(["run", "--work", str(ROOT / "not-a-work-folder")]) == 2
+    assert mutation.cli.main(["run", "--work", str(ROOT / "not-a-work-folder")]) == 2
     assert "use a folder outside the repository" in capsys.readouterr().err
-    assert campaign.main(["report", "--work", str(ROOT / "no-such-campaign")]) == 2
+    assert mutation.cli.main(["report", "--work", str(ROOT / "no-such-campaign")]) == 2
 
 
 def test_resume_runs_only_the_mutants_without_a_verdict(
@@ -143,7 +145,7 @@ def test_resume_runs_only_the_mutants_without_a_verdict(
 ) -> None:
     # A campaign stopped after two of three mutants: mutmut re-runs whatever is named on its
     # command line, so resuming must name only the third, and keep the clock going.
-    chosen = campaign.SLICES["ci"]
+    chosen = mutation.targets.SLICES["ci"]
     target = chosen.targets[0]
     meta_file = tmp_path / "mutants" / f"{target.path}.meta"
     meta_file.parent.mkdir(parents=True)
@@ -152,11 +154,13 @@ def test_resume_runs_only_the_mutants_without_a_verdict(
     meta_file.write_text(json.dumps({"exit_code_by_key": codes}))
     ran: list[object] = []
     monkeypatch.setattr(
-        campaign, "run_mutmut", lambda work, targets, children, names=None: ran.append(names)
+        mutation.mutmut_run,
+        "run_mutmut",
+        lambda work, targets, children, names=None: ran.append(names),
     )
     meta: dict[str, object] = {"slice": "ci", "seconds": 120.0, "complete": False}
     meta_path = tmp_path / "campaign.json"
-    campaign.timed_mutmut(tmp_path, chosen, 1, meta, meta_path)
+    mutation.mutmut_run.timed_mutmut(tmp_path, chosen, 1, meta, meta_path)
     assert ran == [[names[2]]]
     saved = json.loads(meta_path.read_text())
     assert saved["complete"] is True and saved["seconds"] >= 120.0
@@ -164,11 +168,13 @@ def test_resume_runs_only_the_mutants_without_a_verdict(
     # Nothing left to run: mutmut is not started at all.
     codes[names[2]] = 1
     meta_file.write_text(json.dumps({"exit_code_by_key": codes}))
-    campaign.timed_mutmut(tmp_path, chosen, 1, saved, meta_path)
+    mutation.mutmut_run.timed_mutmut(tmp_path, chosen, 1, saved, meta_path)
     assert ran == [[names[2]]]
 
     # A fresh campaign (no time spent yet) names its mutants by glob, as ``run`` does.
-    campaign.timed_mutmut(tmp_path, chosen, 1, {"slice": "ci", "seconds": 0.0}, meta_path)
+    mutation.mutmut_run.timed_mutmut(
+        tmp_path, chosen, 1, {"slice": "ci", "seconds": 0.0}, meta_path
+    )
     assert ran[-1] is None
 
 
@@ -179,14 +185,14 @@ def test_verdicts_outlive_the_work_folder(tmp_path: Path) -> None:
     head = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
     ).stdout.strip()
-    chosen = campaign.SLICES["ci"]
+    chosen = mutation.targets.SLICES["ci"]
     state = tmp_path / "state"
     kept = state / "ci"
     kept.mkdir(parents=True)
     meta = {"slice": "ci", "rev": head, "profile": "ci", "seconds": 60.0, "complete": False}
     (kept / "campaign.json").write_text(json.dumps(meta))
-    campaign.restore(tmp_path / "one", chosen, None, state)  # nothing decided yet
-    assert {m.status for m in campaign.load_results(tmp_path / "one", chosen.targets)} == {
+    mutation.state.restore(tmp_path / "one", chosen, None, state)  # nothing decided yet
+    assert {m.status for m in mutation.results.load_results(tmp_path / "one", chosen.targets)} == {
         "not run"
     }
 
@@ -196,14 +202,16 @@ def test_verdicts_outlive_the_work_folder(tmp_path: Path) -> None:
     for name in names[:-1]:
         data["exit_code_by_key"][name] = 1
     meta_file.write_text(json.dumps(data))
-    campaign.save_state(tmp_path / "one", chosen, state)
+    mutation.state.save_state(tmp_path / "one", chosen, state)
 
-    campaign.restore(tmp_path / "two", chosen, None, state)
-    found = {m.name: m.status for m in campaign.load_results(tmp_path / "two", chosen.targets)}
+    mutation.state.restore(tmp_path / "two", chosen, None, state)
+    found = {
+        m.name: m.status for m in mutation.results.load_results(tmp_path / "two", chosen.targets)
+    }
     assert [found[n] for n in names] == ["killed"] * (len(names) - 1) + ["not run"]
     assert json.loads((tmp_path / "two" / "campaign.json").read_text())["seconds"] == 60.0
     # The mutants exist again, so the report can show what each one changed.
-    assert campaign.mutant_change(tmp_path / "two", names[0]) == chosen.expected[0][1]
+    assert mutation.results.mutant_change(tmp_path / "two", names[0]) == chosen.expected[0][1]
 
     # A campaign whose suite was refreshed is rebuilt with that suite, not its commit's: its
     # kept verdicts and reach were decided against it.
@@ -225,7 +233,7 @@ def test_verdicts_outlive_the_work_folder(tmp_path: Path) -> None:
         ).stdout
         assert then != (ROOT / "invariants" / "audits.py").read_text()
         (kept / "campaign.json").write_text(json.dumps(meta | {"suite_refreshed_from": older}))
-        campaign.restore(tmp_path / "four", chosen, None, state)
+        mutation.state.restore(tmp_path / "four", chosen, None, state)
         for copy in (tmp_path / "four", tmp_path / "four" / "mutants"):
             assert (copy / "invariants" / "audits.py").read_text() == then
         rebuilt = json.loads((tmp_path / "four" / "campaign.json").read_text())
@@ -234,15 +242,15 @@ def test_verdicts_outlive_the_work_folder(tmp_path: Path) -> None:
 
     # A campaign over a working tree cannot be rebuilt: the error says so and how to go on.
     (kept / "campaign.json").write_text(json.dumps(meta | {"rev": "abc + working tree"}))
-    with pytest.raises(campaign.CampaignError, match="pass --rev"):
-        campaign.restore(tmp_path / "three", chosen, None, state)
+    with pytest.raises(mutation.CampaignError, match="pass --rev"):
+        mutation.state.restore(tmp_path / "three", chosen, None, state)
 
 
 def test_two_work_folders_keep_each_others_kills(tmp_path: Path) -> None:
     """One campaign's state, two work folders (a long re-check in one, targeted re-checks in the
     other): saving either keeps the kills the other saved; a survival does not overwrite a kill,
     a later verdict otherwise replaces an earlier one."""
-    chosen = campaign.SLICES["ci"]
+    chosen = mutation.targets.SLICES["ci"]
     state = tmp_path / "state"
     long, quick = tmp_path / "long", tmp_path / "quick"
     for work in (long, quick):
@@ -250,13 +258,13 @@ def test_two_work_folders_keep_each_others_kills(tmp_path: Path) -> None:
         (work / "campaign.json").write_text("{}")
     (long / "recheck-thorough.json").write_text(json.dumps({"a": "survived"}))
     (long / "recheck-ci.json").write_text(json.dumps({"b": "survived", "c": "survived"}))
-    campaign.save_state(long, chosen, state)
+    mutation.state.save_state(long, chosen, state)
     (quick / "recheck-ci.json").write_text(json.dumps({"b": "killed", "d": "unreached"}))
-    campaign.save_state(quick, chosen, state)
+    mutation.state.save_state(quick, chosen, state)
     # The long re-check saves again after its next verdict, from its older copy.
     (long / "recheck-ci.json").write_text(json.dumps({"b": "survived", "c": "killed"}))
-    campaign.save_state(long, chosen, state)
-    kept = campaign.state_dir(state, chosen)
+    mutation.state.save_state(long, chosen, state)
+    kept = mutation.state.state_dir(state, chosen)
     assert json.loads((kept / "recheck-ci.json").read_text()) == {
         "b": "killed",
         "c": "killed",
@@ -265,24 +273,24 @@ def test_two_work_folders_keep_each_others_kills(tmp_path: Path) -> None:
     assert json.loads((kept / "recheck-thorough.json").read_text()) == {"a": "survived"}
     # A report over an existing work folder takes in what the state kept since.
     for cache in kept.glob("recheck-*.json"):
-        campaign.merge_verdicts(cache, long / cache.name)
-    assert campaign.recheck_kills(long) == {"b", "c"}
+        mutation.state.merge_verdicts(cache, long / cache.name)
+    assert mutation.recheck.recheck_kills(long) == {"b", "c"}
 
     # A targeted re-check with a state folder of its own: ``merge --from`` brings its kills in.
     other = tmp_path / "other-state"
-    campaign.state_dir(other, chosen).mkdir(parents=True)
-    (campaign.state_dir(other, chosen) / "recheck-ci.json").write_text(
+    mutation.state.state_dir(other, chosen).mkdir(parents=True)
+    (mutation.state.state_dir(other, chosen) / "recheck-ci.json").write_text(
         json.dumps({"d": "killed", "e": "survived"})
     )
     argv = ["merge", "--slice", "ci", "--state", str(state), "--work", str(tmp_path / "none")]
-    assert campaign.main([*argv, "--from", str(other)]) == 0
+    assert mutation.cli.main([*argv, "--from", str(other)]) == 0
     assert json.loads((kept / "recheck-ci.json").read_text()) == {
         "b": "killed",
         "c": "killed",
         "d": "killed",
         "e": "survived",
     }
-    assert campaign.main([*argv, "--from", str(tmp_path / "nothing")]) == 2
+    assert mutation.cli.main([*argv, "--from", str(tmp_path / "nothing")]) == 2
 
 
 def _numbered(*statuses: str) -> list:
@@ -290,7 +298,7 @@ def _numbered(*statuses: str) -> list:
     ``+b``, ``-c`` to ``+d``, and so on (their cache keys: ``m.f__mutmut_1 -a | +b``, ...)."""
     letters = "abcdefghij"
     return [
-        campaign.Mutant(
+        mutation.results.Mutant(
             f"m.f__mutmut_{i + 1}", "t", status, (f"-{letters[2 * i]}", f"+{letters[2 * i + 1]}")
         )
         for i, status in enumerate(statuses)
@@ -305,7 +313,7 @@ def test_a_kill_under_one_recheck_profile_counts_under_another(tmp_path: Path) -
     smoke = {"m.f__mutmut_1 -a | +b": "killed", "m.f__mutmut_2 -c | +d": "survived"}
     (tmp_path / "recheck-smoke.json").write_text(json.dumps(smoke))
     mutants = _numbered("survived", "survived", "killed")
-    campaign.recheck(tmp_path, mutants, "ci", 10.0)
+    mutation.recheck.recheck(tmp_path, mutants, "ci", 10.0)
     assert [m.final for m in mutants] == ["killed", "survived", "killed"]
     # Nothing was run under ``ci``: nothing calls these functions.
     assert not (tmp_path / "recheck-ci.json").exists()
@@ -318,7 +326,7 @@ def test_a_report_without_a_recheck_counts_the_kept_verdicts(tmp_path: Path) -> 
     thorough = {"m.f__mutmut_1 -a | +b": "survived", "m.f__mutmut_2 -c | +d": "unreached"}
     (tmp_path / "recheck-thorough.json").write_text(json.dumps(thorough))
     mutants = _numbered("survived", "survived", "no tests", "killed")
-    campaign.kept_verdicts(tmp_path, mutants)
+    mutation.recheck.kept_verdicts(tmp_path, mutants)
     assert [m.recheck for m in mutants] == ["killed", "unreached", None, None]
     assert [m.final for m in mutants] == ["killed", "survived", "no tests", "killed"]
 
@@ -335,15 +343,15 @@ def test_a_suite_failing_on_clean_code_stops_the_rerun(tmp_path: Path) -> None:
         "import pytest\n\n@pytest.mark.invariants\ndef test_sound():\n    assert True\n"
     )
     (tmp_path / "mutants" / "tests").mkdir()
-    (tmp_path / "mutants" / campaign.PROCESS_STAGE_TESTS).write_text("")
+    (tmp_path / "mutants" / mutation.targets.PROCESS_STAGE_TESTS).write_text("")
     # The harness's pytest plugin, as a work folder has its own copy (its options and markers).
-    (tmp_path / "mutants" / "conformance").symlink_to(campaign.REPO / "conformance")
+    (tmp_path / "mutants" / "conformance").symlink_to(mutation.REPO / "conformance")
     failing = r"no mutant active \(exit 1\)(.|\n)*test_broken.py::test_broken"
-    with pytest.raises(campaign.CampaignError, match=failing):
-        campaign.clean_run(tmp_path, "smoke")
-    campaign.clean_run(tmp_path, "smoke", ("invariants/test_sound.py::test_sound",))
-    with pytest.raises(campaign.CampaignError, match=failing):
-        campaign.clean_run(tmp_path, "smoke", ("invariants/test_broken.py::test_broken",))
+    with pytest.raises(mutation.CampaignError, match=failing):
+        mutation.recheck.clean_run(tmp_path, "smoke")
+    mutation.recheck.clean_run(tmp_path, "smoke", ("invariants/test_sound.py::test_sound",))
+    with pytest.raises(mutation.CampaignError, match=failing):
+        mutation.recheck.clean_run(tmp_path, "smoke", ("invariants/test_broken.py::test_broken",))
 
 
 # ---- reach: which test executes which mutated statement ---------------------------------------
@@ -410,7 +418,7 @@ def test_a_mutant_maps_to_the_statement_it_changes() -> None:
     unmutated function. A compound statement is its header only (its body is other statements);
     a multi-line one is all its lines, any of which coverage may record; a change outside the
     body (a default) stands for the whole function."""
-    lines = campaign.mutated_lines
+    lines = mutation.reach.mutated_lines
     assert lines(_MUTANTS_SOURCE, "x_f__mutmut_1") == (4,)
     assert lines(_MUTANTS_SOURCE, "x_f__mutmut_2") == (5,)
     assert lines(_MUTANTS_SOURCE, "x_f__mutmut_3") == (6, 7, 8, 9)
@@ -457,7 +465,7 @@ def _work_tree(tmp_path: Path, module: str, source: str, tests: str) -> None:
     (mutants / "invariants").mkdir()
     (mutants / "invariants" / f"test_{module}.py").write_text(tests)
     (mutants / "tests").mkdir()
-    (mutants / campaign.PROCESS_STAGE_TESTS).write_text("")
+    (mutants / mutation.targets.PROCESS_STAGE_TESTS).write_text("")
 
 
 _REACHING_TESTS = """
@@ -486,7 +494,7 @@ def test_the_reach_run_names_each_line_s_tests(tmp_path: Path) -> None:
     """One suite run under coverage.py labels every executed line with the test that executed
     it, in the test's process and in a process the test forked (the process stage's engine)."""
     _work_tree(tmp_path, "reached", _REACHED_MODULE, _REACHING_TESTS)
-    reach = campaign.measure_reach(tmp_path, "smoke", "abc")
+    reach = mutation.reach.measure_reach(tmp_path, "smoke", "abc")
 
     def tests_at(fn: str) -> set[str]:
         lines = _REACHED_MODULE.splitlines()
@@ -499,7 +507,7 @@ def test_the_reach_run_names_each_line_s_tests(tmp_path: Path) -> None:
     assert set(reach.durations) == {
         here + t for t in ("test_calls_in_process", "test_calls_in_a_child", "test_calls_nothing")
     }
-    kept = campaign.Reach.from_json(reach.to_json())
+    kept = mutation.reach.Reach.from_json(reach.to_json())
     assert kept == reach
 
 
@@ -517,31 +525,33 @@ def test_a_survivor_no_test_reaches_is_not_run(tmp_path: Path) -> None:
     """Under a reach, a survivor whose mutated statement no test executed is ``unreached``
     without a run, and stays a survivor; one that some test executed would run."""
     _recheck_tree(tmp_path)
-    reach = campaign.Reach(
+    reach = mutation.reach.Reach(
         "thorough", "abc", 1.0, ["t::a"], {"t::a": 1.0}, {"omni_runtime/m.py": {4: [0]}}
     )
-    survivor = campaign.Mutant("omni_runtime.m.x_f__mutmut_2", "m", "survived", ("-x", "+y"))
-    campaign.recheck(tmp_path, [survivor], "thorough", 10.0, reach=reach, workers=1)
+    survivor = mutation.results.Mutant(
+        "omni_runtime.m.x_f__mutmut_2", "m", "survived", ("-x", "+y")
+    )
+    mutation.recheck.recheck(tmp_path, [survivor], "thorough", 10.0, reach=reach, workers=1)
     assert survivor.recheck == "unreached" and survivor.final == "survived"
     cache = json.loads((tmp_path / "recheck-thorough.json").read_text())
     assert cache == {survivor.key: "unreached"}
-    assert UNREACHED_NOTE in campaign.render([survivor], [], {})
+    assert UNREACHED_NOTE in mutation.report.render([survivor], [], {})
 
     # Reached only by a test that fails with no mutant active: no verdict, neither way.
-    failing = campaign.Reach(
+    failing = mutation.reach.Reach(
         "thorough", "abc", 1.0, ["t::a"], {"t::a": 1.0}, {"omni_runtime/m.py": {6: [0]}}, ["t::a"]
     )
-    other = campaign.Mutant("omni_runtime.m.x_f__mutmut_3", "m", "survived", ("-x", "+z"))
-    campaign.recheck(tmp_path, [other], "ci", 10.0, reach=failing, workers=1)
+    other = mutation.results.Mutant("omni_runtime.m.x_f__mutmut_3", "m", "survived", ("-x", "+z"))
+    mutation.recheck.recheck(tmp_path, [other], "ci", 10.0, reach=failing, workers=1)
     assert other.recheck is None and other.key not in json.loads(
         (tmp_path / "recheck-ci.json").read_text()
         if (tmp_path / "recheck-ci.json").exists()
         else "{}"
     )
     # The report names such tests: every re-check runs without them.
-    text = campaign.render([other], [], {}, failing.failing)
+    text = mutation.report.render([other], [], {}, failing.failing)
     assert "Tests left out of the re-checks" in text and "- `t::a`" in text
-    assert "left out" not in campaign.render([other], [], {})
+    assert "left out" not in mutation.report.render([other], [], {})
 
 
 UNREACHED_NOTE = "no test executes the mutated statement"
@@ -558,11 +568,13 @@ def test_a_quick_recheck_runs_only_quick_reaching_tests_and_keeps_kills(
     durations = {"t::slow": 500.0, "t::quick": 5.0, "t::quicker": 1.0, "t::failing": 0.5}
     # Every test reaches every line of the function: lines 1..30 of the source.
     lines = {"omni_runtime/m.py": {n: [0, 1, 2, 3] for n in range(1, 31)}}
-    reach = campaign.Reach("ci", "abc", 1.0, tests, durations, lines, ["t::failing"])
-    killed = campaign.Mutant("omni_runtime.m.x_f__mutmut_1", "m", "survived", ("-a", "+b"))
-    spared = campaign.Mutant("omni_runtime.m.x_f__mutmut_2", "m", "survived", ("-c", "+d"))
-    before = campaign.Mutant("omni_runtime.m.x_f__mutmut_3", "m", "survived", ("-e", "+f"))
-    elsewhere = campaign.Mutant("omni_runtime.m.x_f__mutmut_4", "m", "survived", ("-g", "+h"))
+    reach = mutation.reach.Reach("ci", "abc", 1.0, tests, durations, lines, ["t::failing"])
+    killed = mutation.results.Mutant("omni_runtime.m.x_f__mutmut_1", "m", "survived", ("-a", "+b"))
+    spared = mutation.results.Mutant("omni_runtime.m.x_f__mutmut_2", "m", "survived", ("-c", "+d"))
+    before = mutation.results.Mutant("omni_runtime.m.x_f__mutmut_3", "m", "survived", ("-e", "+f"))
+    elsewhere = mutation.results.Mutant(
+        "omni_runtime.m.x_f__mutmut_4", "m", "survived", ("-g", "+h")
+    )
     cache = {
         killed.key: "survived",
         spared.key: "survived",
@@ -577,9 +589,9 @@ def test_a_quick_recheck_runs_only_quick_reaching_tests_and_keeps_kills(
         ran.append((mutant, list(tests)))
         return 1 if mutant == killed.name else 0
 
-    monkeypatch.setattr(campaign, "run_tests", run_tests)
+    monkeypatch.setattr(mutation.recheck, "run_tests", run_tests)
     kept: list[int] = []
-    campaign.recheck(
+    mutation.recheck.recheck(
         tmp_path,
         [killed, spared, before, elsewhere],
         "ci",
@@ -602,8 +614,8 @@ def test_a_quick_recheck_runs_only_quick_reaching_tests_and_keeps_kills(
     ]
     kept = json.loads((tmp_path / "recheck-ci.json").read_text())
     assert kept == cache | {killed.key: "killed"}
-    with pytest.raises(campaign.CampaignError, match="reach"):
-        campaign.recheck(tmp_path, [spared], "ci", 10.0, quick=10.0)
+    with pytest.raises(mutation.CampaignError, match="reach"):
+        mutation.recheck.recheck(tmp_path, [spared], "ci", 10.0, quick=10.0)
 
 
 def test_a_full_recheck_keeps_the_parts_it_passed(
@@ -614,15 +626,17 @@ def test_a_full_recheck_keeps_the_parts_it_passed(
     ended) goes on where it stopped; a part that fails is the verdict, and a verdict clears the
     parts. Parts kept against another suite count for nothing."""
     _recheck_tree(tmp_path)
-    monkeypatch.setattr(campaign, "PART_SECONDS", 100.0)
+    monkeypatch.setattr(mutation.recheck, "PART_SECONDS", 100.0)
     tests = ["t::a", "t::b", "t::c", "t::d"]
     # Quickest first, as a re-check orders them.
     durations = {"t::a": 10.0, "t::b": 80.0, "t::c": 150.0, "t::d": 160.0}
     lines = {"omni_runtime/m.py": {n: [0, 1, 2, 3] for n in range(1, 31)}}
-    reach = campaign.Reach("thorough", "abc", 1.0, tests, durations, lines)
-    assert campaign.split_parts(tests, durations) == [["t::a", "t::b"], ["t::c"], ["t::d"]]
-    survivor = campaign.Mutant("omni_runtime.m.x_f__mutmut_1", "m", "survived", ("-a", "+b"))
-    killed = campaign.Mutant("omni_runtime.m.x_f__mutmut_2", "m", "survived", ("-c", "+d"))
+    reach = mutation.reach.Reach("thorough", "abc", 1.0, tests, durations, lines)
+    assert mutation.recheck.split_parts(tests, durations) == [["t::a", "t::b"], ["t::c"], ["t::d"]]
+    survivor = mutation.results.Mutant(
+        "omni_runtime.m.x_f__mutmut_1", "m", "survived", ("-a", "+b")
+    )
+    killed = mutation.results.Mutant("omni_runtime.m.x_f__mutmut_2", "m", "survived", ("-c", "+d"))
     ran: list[tuple[str, list[str], float]] = []
 
     class SessionEnded(Exception):
@@ -634,10 +648,10 @@ def test_a_full_recheck_keeps_the_parts_it_passed(
             raise SessionEnded  # the session stops while the last part runs
         return 0
 
-    monkeypatch.setattr(campaign, "run_tests", cut_off)
+    monkeypatch.setattr(mutation.recheck, "run_tests", cut_off)
     kept: list[int] = []
     with pytest.raises(SessionEnded):
-        campaign.recheck(
+        mutation.recheck.recheck(
             tmp_path,
             [survivor],
             "thorough",
@@ -647,15 +661,15 @@ def test_a_full_recheck_keeps_the_parts_it_passed(
             keep=lambda: kept.append(1),
         )
     # Each part ran with three times its own unmutated time (and start-up) as its timeout.
-    start = campaign.STARTUP_SECONDS
+    start = mutation.recheck.STARTUP_SECONDS
     assert ran == [
         (survivor.name, ["t::a", "t::b"], 3 * (90.0 + start)),
         (survivor.name, ["t::c"], 3 * (150.0 + start)),
         (survivor.name, ["t::d"], 3 * (160.0 + start)),
     ]
     assert kept == [1, 1]  # the state was kept after each part that passed
-    parts = campaign.parts_path(tmp_path, "thorough")
-    assert campaign.passed_parts(parts, "abc") == {survivor.key: ["t::a", "t::b", "t::c"]}
+    parts = mutation.recheck.parts_path(tmp_path, "thorough")
+    assert mutation.recheck.passed_parts(parts, "abc") == {survivor.key: ["t::a", "t::b", "t::c"]}
     assert not (tmp_path / "recheck-thorough.json").exists()
 
     # The next session: only the part left runs, and the verdict replaces the parts.
@@ -665,23 +679,23 @@ def test_a_full_recheck_keeps_the_parts_it_passed(
         ran.append((mutant, list(tests), timeout))
         return 1 if mutant == killed.name and "t::c" in tests else 0
 
-    monkeypatch.setattr(campaign, "run_tests", finish)
-    campaign.recheck(tmp_path, [survivor, killed], "thorough", 10.0, reach=reach, workers=1)
+    monkeypatch.setattr(mutation.recheck, "run_tests", finish)
+    mutation.recheck.recheck(tmp_path, [survivor, killed], "thorough", 10.0, reach=reach, workers=1)
     assert [(m, t) for m, t, _ in ran] == [
         (survivor.name, ["t::d"]),
         (killed.name, ["t::a", "t::b"]),
         (killed.name, ["t::c"]),  # fails: the rest of its tests need not run
     ]
     assert (survivor.recheck, killed.recheck) == ("survived", "killed")
-    assert campaign.passed_parts(parts, "abc") == {}
+    assert mutation.recheck.passed_parts(parts, "abc") == {}
     assert json.loads((tmp_path / "recheck-thorough.json").read_text()) == {
         survivor.key: "survived",
         killed.key: "killed",
     }
 
     # Parts passed against another suite are not taken for this one's.
-    campaign.record_part(parts, "abc", "k", ["t::a"])
-    assert campaign.passed_parts(parts, "refreshed") == {}
+    mutation.recheck.record_part(parts, "abc", "k", ["t::a"])
+    assert mutation.recheck.passed_parts(parts, "refreshed") == {}
 
 
 # ---- infection: in which reaching test a mutant's code computes otherwise ----------------------
@@ -722,7 +736,10 @@ def _instrumented(
 ) -> tuple[dict[str, Any], dict[str, str | None], Path]:
     """``source`` instrumented for ``mutants``, run: its namespace, each mutant's probe kind,
     and the folder of ``tmp_path`` its probes' hits go to."""
-    text, plans = campaign.infection.instrument_source(source, mutants, guards)
+    text, plans = mutation.infection.instrument_source(source, mutants, guards)
+    # Instrumented code imports the probes' runtime by its bare name, as it is found at the root
+    # of the work folder's tree; here that name is the package's module.
+    monkeypatch.setitem(sys.modules, mutation.infection.PLUGIN_MODULE, mutation.infection_plugin)
     hits = tmp_path / "hits"
     hits.mkdir()
     monkeypatch.setenv("OMNI_INFECTION_DIR", str(hits))
@@ -747,7 +764,7 @@ def _probed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[dict[str, 
 
 
 def _hits(hits: Path) -> set[str]:
-    plugin = sys.modules[campaign.infection.PLUGIN_MODULE]
+    plugin = sys.modules[mutation.infection.PLUGIN_MODULE]
     plugin._seen.clear()  # the next call starts a fresh record, as a new test would
     found = {
         line.split("\t")[0] for f in hits.glob("hits.*.tsv") for line in f.read_text().split("\n")
@@ -895,8 +912,8 @@ def test_the_infection_run_names_the_tests_a_mutant_is_infected_in(tmp_path: Pat
     ]
     key = "omni_runtime.infected.x_scale__mutmut_1 -and | +or"
     names = {key: "omni_runtime.infected.x_scale__mutmut_1"}
-    found = campaign.infection_for(
-        tmp_path, "smoke", "abc", campaign.ProbePlan({key: tests}, names)
+    found = mutation.infection_run.infection_for(
+        tmp_path, "smoke", "abc", mutation.infection_run.ProbePlan({key: tests}, names)
     )
     assert found.mutants[key] == {
         "probe": "truth",
@@ -908,8 +925,10 @@ def test_the_infection_run_names_the_tests_a_mutant_is_infected_in(tmp_path: Pat
     # A test the run did not pass, or did not run, is never left out.
     assert found.narrow(key, [here + "test_new", *tests]) == [here + "test_new", *tests[1:]]
     # Kept per suite in the work folder: asked again, nothing runs.
-    kept = campaign.load_infection(tmp_path, "smoke", "abc")
-    assert kept == found and campaign.load_infection(tmp_path, "smoke", "other") is None
+    kept = mutation.infection_run.load_infection(tmp_path, "smoke", "abc")
+    assert (
+        kept == found and mutation.infection_run.load_infection(tmp_path, "smoke", "other") is None
+    )
     # The run leaves the work folder's own tree as it was.
     assert (mutants / "omni_runtime" / "infected.py").read_text() == _INFECTED_MODULE
 
@@ -920,20 +939,20 @@ def test_the_infection_run_names_the_tests_a_mutant_is_infected_in(tmp_path: Pat
     control = {f"{base}2 -2 | +3": f"{base}2"}
     missed = {f"{base}3 -10 | +11": f"{base}3"}
     plan = {key: tests}
-    measured = campaign.measure_infection(
+    measured = mutation.infection_run.measure_infection(
         tmp_path,
         "smoke",
         "abc",
-        campaign.ProbePlan(plan, names | control, dict.fromkeys(control, tests)),
+        mutation.infection_run.ProbePlan(plan, names | control, dict.fromkeys(control, tests)),
     )
     assert measured.mutants[f"{base}2 -2 | +3"]["infected"] == [tests[0]]
     assert measured.mutants[f"{base}2 -2 | +3"]["control"] is True
-    with pytest.raises(campaign.CampaignError, match="probes missed .*x_scale__mutmut_3"):
-        campaign.measure_infection(
+    with pytest.raises(mutation.CampaignError, match="probes missed .*x_scale__mutmut_3"):
+        mutation.infection_run.measure_infection(
             tmp_path,
             "smoke",
             "abc",
-            campaign.ProbePlan(plan, names | missed, dict.fromkeys(missed, tests)),
+            mutation.infection_run.ProbePlan(plan, names | missed, dict.fromkeys(missed, tests)),
         )
 
 
@@ -947,13 +966,13 @@ def test_a_full_recheck_runs_only_the_tests_a_survivor_is_infected_in(
     tests = ["t::a", "t::b", "t::c"]
     durations = {"t::a": 1.0, "t::b": 2.0, "t::c": 3.0}
     lines = {"omni_runtime/m.py": {n: [0, 1, 2] for n in range(1, 31)}}
-    reach = campaign.Reach("thorough", "abc", 1.0, tests, durations, lines)
+    reach = mutation.reach.Reach("thorough", "abc", 1.0, tests, durations, lines)
     m = [
-        campaign.Mutant(f"omni_runtime.m.x_f__mutmut_{n}", "m", "survived", (f"-{n}", "+n"))
+        mutation.results.Mutant(f"omni_runtime.m.x_f__mutmut_{n}", "m", "survived", (f"-{n}", "+n"))
         for n in (1, 2, 3, 4)
     ]
     record = {"probe": "value", "passed": tests}
-    kept = campaign.Infection(
+    kept = mutation.infection_run.Infection(
         "thorough",
         "abc",
         5.0,
@@ -965,23 +984,25 @@ def test_a_full_recheck_runs_only_the_tests_a_survivor_is_infected_in(
             m[3].key: record | {"probe": None, "infected": []},
         },
     )
-    campaign.infection_path(tmp_path, "thorough").write_text(json.dumps(dataclasses.asdict(kept)))
+    mutation.infection_run.infection_path(tmp_path, "thorough").write_text(
+        json.dumps(dataclasses.asdict(kept))
+    )
     ran: list[tuple[str, list[str]]] = []
 
     def run_tests(work: Path, mutant: str, profile: str, tests: list[str], timeout: float):
         ran.append((mutant, list(tests)))
         return 0
 
-    monkeypatch.setattr(campaign, "run_tests", run_tests)
-    campaign.recheck(tmp_path, m, "thorough", 10.0, reach=reach, workers=1, infect=True)
+    monkeypatch.setattr(mutation.recheck, "run_tests", run_tests)
+    mutation.recheck.recheck(tmp_path, m, "thorough", 10.0, reach=reach, workers=1, infect=True)
     assert sorted(ran) == [(m[0].name, ["t::b"]), (m[2].name, tests), (m[3].name, tests)]
     assert [x.recheck for x in m] == ["survived", "uninfected", "survived", "survived"]
     assert m[1].final == "survived"
-    assert "computes anything otherwise" in campaign.render(m, [], {})
+    assert "computes anything otherwise" in mutation.report.render(m, [], {})
     # Without ``infect`` every reaching test runs, as before.
     ran.clear()
     (tmp_path / "recheck-thorough.json").unlink()
-    campaign.recheck(tmp_path, m[:1], "thorough", 10.0, reach=reach, workers=1)
+    mutation.recheck.recheck(tmp_path, m[:1], "thorough", 10.0, reach=reach, workers=1)
     assert ran == [(m[0].name, tests)]
 
 
@@ -992,12 +1013,14 @@ def test_one_survivor_s_parts_share_the_workers(
     other; a failing part is its verdict, whatever the parts still running do, and no part of
     a killed survivor is kept."""
     _recheck_tree(tmp_path)
-    monkeypatch.setattr(campaign, "PART_SECONDS", 100.0)
+    monkeypatch.setattr(mutation.recheck, "PART_SECONDS", 100.0)
     tests = ["t::a", "t::b", "t::c"]
     durations = {"t::a": 90.0, "t::b": 95.0, "t::c": 99.0}
     lines = {"omni_runtime/m.py": {n: [0, 1, 2] for n in range(1, 31)}}
-    reach = campaign.Reach("thorough", "abc", 1.0, tests, durations, lines)
-    survivor = campaign.Mutant("omni_runtime.m.x_f__mutmut_1", "m", "survived", ("-a", "+b"))
+    reach = mutation.reach.Reach("thorough", "abc", 1.0, tests, durations, lines)
+    survivor = mutation.results.Mutant(
+        "omni_runtime.m.x_f__mutmut_1", "m", "survived", ("-a", "+b")
+    )
     together = threading.Barrier(2, timeout=30)
     ran: list[list[str]] = []
 
@@ -1008,11 +1031,14 @@ def test_one_survivor_s_parts_share_the_workers(
             return 1 if tests == ["t::a"] else 0
         return 0
 
-    monkeypatch.setattr(campaign, "run_tests", run_tests)
-    campaign.recheck(tmp_path, [survivor], "thorough", 10.0, reach=reach, workers=2)
+    monkeypatch.setattr(mutation.recheck, "run_tests", run_tests)
+    mutation.recheck.recheck(tmp_path, [survivor], "thorough", 10.0, reach=reach, workers=2)
     assert survivor.recheck == "killed"
     assert sorted(ran)[:2] == [["t::a"], ["t::b"]]
-    assert campaign.passed_parts(campaign.parts_path(tmp_path, "thorough"), "abc") == {}
+    assert (
+        mutation.recheck.passed_parts(mutation.recheck.parts_path(tmp_path, "thorough"), "abc")
+        == {}
+    )
 
 
 def test_guards_match_by_function_and_change_and_bad_ones_are_refused(tmp_path: Path) -> None:
@@ -1027,12 +1053,12 @@ def test_guards_match_by_function_and_change_and_bad_ones_are_refused(tmp_path: 
         'when = "x is None"\n'
         'reason = "why"\n'
     )
-    hit = campaign.Mutant("omni_runtime.m.x_f__mutmut_1", "m", "survived", ("-a", "+b"))
-    other = campaign.Mutant("omni_runtime.m.x_f__mutmut_2", "m", "survived", ("-a", "+c"))
-    assert campaign.load_guards([hit, other], ledger) == {hit.key: "x is None"}
+    hit = mutation.results.Mutant("omni_runtime.m.x_f__mutmut_1", "m", "survived", ("-a", "+b"))
+    other = mutation.results.Mutant("omni_runtime.m.x_f__mutmut_2", "m", "survived", ("-a", "+c"))
+    assert mutation.ledger.load_guards([hit, other], ledger) == {hit.key: "x is None"}
     ledger.write_text('[[guard]]\nfunction = "f"\nchange = ["-a"]\nreason = "why"\n')
-    with pytest.raises(campaign.CampaignError, match="triage.toml: guard entry 1 has no 'when'"):
-        campaign.load_guards([hit], ledger)
+    with pytest.raises(mutation.CampaignError, match="triage.toml: guard entry 1 has no 'when'"):
+        mutation.ledger.load_guards([hit], ledger)
     ledger.write_text('[[guard]]\nfunction = "f"\nchange = ["-a"]\nwhen = "x is"\nreason = "why"\n')
-    with pytest.raises(campaign.CampaignError, match="guard entry 1: 'when' is no expression"):
-        campaign.load_guards([hit], ledger)
+    with pytest.raises(mutation.CampaignError, match="guard entry 1: 'when' is no expression"):
+        mutation.ledger.load_guards([hit], ledger)
