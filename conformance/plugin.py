@@ -1,29 +1,11 @@
-"""The pytest plugin (entry point ``pytest11: omni_conformance``): markers, options, fixtures,
-hypothesis profiles and the upstream-compat report.
-
-* markers: ``invariants`` (the CI gate's suite) and ``clauses("C-01", ...)`` (what a test covers;
-  an id that ``conformance._core.clauses`` does not define fails collection);
-* options, each backing the ``omni-conformance check`` option of the same last word:
-  ``--conformance-subject`` (name, entry point or ``module:attr``; default
-  ``$OMNI_CONFORMANCE_SUBJECT`` or ``omni``), ``--conformance-report-dir DIR`` (write the report
-  there; default: no report), ``--conformance-failures-dir DIR`` (failure traces; default
-  ``$OMNI_CONFORMANCE_FAILURES`` or ``./conformance-failures``), ``--conformance-profile``
-  (``ci``, ``dev`` or ``thorough``; default ``$OMNI_CONFORMANCE_PROFILE`` or ``ci``; hypothesis's
-  own ``--hypothesis-profile``, when given, wins);
-* hypothesis profiles ``ci`` (derandomized, bounded), ``dev`` and ``thorough`` (10x ci examples);
-* fixtures: ``conformance_subject`` (raises ``SubjectLoadError`` when the subject cannot be
-  loaded), ``conformance`` (a ``ConformanceRecorder`` that builds lock-step sessions for the
-  chosen subject and records what they compared), ``paired_schedulers`` and ``paired_drivers``
-  (an upstream and a subject scheduler/driver built from one config).
-
-The run's state is a ``ConformanceSession`` registered with pytest's plugin manager (as
-``omni_conformance_session``); its hooks collect per-test results and write the report. Counters
-travel from xdist workers to the controller in ``user_properties``; only the controller writes
-the report. A skipped test is recorded as *not applicable* with pytest's skip reason; a failure's
-message leads with its cause, recognised by type where the harness raised it (a subject that
-cannot be loaded, a lock-step difference), else the exception's type and message. Loading a
-subject that patches vLLM (``conformance._core.pristine``) moves the oracle into its own process
-(``conformance._core.oracle_process``); each test records where it ran, and so does the report.
+"""The pytest plugin (entry point ``pytest11: omni_conformance``): the ``invariants`` and
+``clauses(...)`` markers, the ``--conformance-*`` options behind ``omni-conformance check``'s
+options of the same last word, the hypothesis profiles (``ci``, ``dev``, ``thorough``), the
+fixtures a property uses (``conformance_subject``, ``conformance``, ``paired_schedulers``,
+``paired_drivers``), and the run's ``ConformanceSession``, which collects each test's result
+(from xdist workers through ``user_properties``) and writes the upstream-compat report on the
+controller. A skipped test is recorded as *not applicable* with its reason. Options, profiles and
+the report's fields: docs/adopting-the-gate.md and docs/design.md.
 """
 
 from __future__ import annotations
