@@ -193,7 +193,7 @@ def run_workload(
     ``FINISHED_ABORTED``), at one of ``ABORT_POINTS``, if it is still held there.
     ``second_client``: the request that comes from engine client 1 (the others from 0)."""
     cause_field = "omni_error"
-    containment = getattr(subject, "fault_containment", lambda: None)()
+    containment = subject.fault_containment()
     if containment is not None:
         cause_field = getattr(containment, "cause_field", None) or cause_field
     scheduler = subject.build_scheduler(cfg)
@@ -234,7 +234,7 @@ def run_workload(
     # victim's after its neighbours' whenever one of them is scheduled first, and a request
     # failed on its terminal delivery must be found in whichever container holds it (C-07,
     # C-61).
-    two_clients = not getattr(subject, "single_engine_client", False)
+    two_clients = not subject.single_engine_client
     for i, (rid, prompt) in enumerate(prompts.items()):
         op = AddRequest(
             rid,
@@ -372,9 +372,7 @@ def outcome_problems(
             assert ends == ["error"], (
                 f"C-61: {fault} ({rid}), yet it ended {ends[0]!r}, not with an error ({where})"
             )
-            field_name = getattr(
-                getattr(subject, "fault_containment", lambda: None)(), "cause_field", None
-            )
+            field_name = getattr(subject.fault_containment(), "cause_field", None)
             if field_name:
                 cause = got.causes.get(rid, "")
                 assert "planted send-path fault" in cause, (

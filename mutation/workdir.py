@@ -156,7 +156,7 @@ def resolve(rev: str) -> str:
 SUITE_PATHS = (
     "invariants",
     "conformance",
-    "omni_runtime/conformance_subject.py",
+    "omni_runtime/conformance_subject",
     # The bundled models the properties' workers run: not mutated, but what a property reaches
     # through them (a model hook such as ``omni_output_producers``) is part of the suite.
     "omni_runtime/models",

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from conformance._core.differences import Difference
+from conformance.api import Difference
 
 
 def _stage(ctx: Mapping[str, Any]) -> Mapping[str, Any]:

@@ -19,7 +19,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, overload, runtime_checkable
+
+if TYPE_CHECKING:
+    from conformance._core.subjects import Subject
 
 # The capability hooks of ``conformance._core.subjects.BaseSubject``: each returns None when the subject
 # does not provide that capability.
@@ -86,7 +89,7 @@ class Feature:
 OFF = Feature("off")
 
 
-def features_of(subject: Any, *, worker: bool | None = None) -> list[Feature]:
+def features_of(subject: Subject, *, worker: bool | None = None) -> list[Feature]:
     """``off`` followed by the subject's declared features (only worker ones, or only
     token-source ones, when ``worker`` says so); worker features need ``has_worker()``."""
     found = [OFF] + [Feature.from_config(n, c) for n, c in subject.feature_configs().items()]
@@ -415,11 +418,11 @@ class FaultContainment(Protocol):
 
 
 def cause_naming_problem(
-    subject: Any, additional_config: Mapping[str, Any], cause: str, fault: BaseException
+    subject: Subject, additional_config: Mapping[str, Any], cause: str, fault: BaseException
 ) -> str | None:
     """What a failure cause leaves out of what the subject's ``FaultContainment.stage_name``
     promises (the stage, the fault's type); None when it keeps the promise or makes none."""
-    containment = getattr(subject, "fault_containment", lambda: None)()
+    containment = subject.fault_containment()
     stage_name = getattr(containment, "stage_name", None)
     stage = stage_name(additional_config) if stage_name is not None else None
     if not stage:
@@ -476,17 +479,57 @@ class ProcessBoundary(Protocol):
         finish leaves nothing of its request behind."""
 
 
-def require(subject: Any, hook: str, what: str) -> Any:
+# Each capability hook, called through the typed protocol (``require`` names hooks as strings so
+# that a test's needs can be read from the suite's source: ``tests/test_subject_truth.py``).
+_HOOK_CALLS: dict[str, Callable[[Subject], object]] = {
+    "declared_attributes": lambda s: s.declared_attributes(),
+    "chunk_delivery": lambda s: s.chunk_delivery(),
+    "source_layout": lambda s: s.source_layout(),
+    "input_adapter": lambda s: s.input_adapter(),
+    "runner_probes": lambda s: s.runner_probes(),
+    "model_reference": lambda s: s.model_reference(),
+    "difference_witnesses": lambda s: s.difference_witnesses(),
+    "fault_containment": lambda s: s.fault_containment(),
+    "process_boundary": lambda s: s.process_boundary(),
+}
+assert tuple(_HOOK_CALLS) == CAPABILITY_HOOKS
+
+
+@overload
+def require(
+    subject: Subject, hook: Literal["declared_attributes"], what: str
+) -> DeclaredAttributes: ...
+@overload
+def require(subject: Subject, hook: Literal["chunk_delivery"], what: str) -> ChunkDelivery: ...
+@overload
+def require(subject: Subject, hook: Literal["source_layout"], what: str) -> SourceLayout: ...
+@overload
+def require(subject: Subject, hook: Literal["input_adapter"], what: str) -> InputAdapterProbe: ...
+@overload
+def require(subject: Subject, hook: Literal["runner_probes"], what: str) -> RunnerProbes: ...
+@overload
+def require(subject: Subject, hook: Literal["model_reference"], what: str) -> ModelReference: ...
+@overload
+def require(
+    subject: Subject, hook: Literal["difference_witnesses"], what: str
+) -> Sequence[DifferenceWitness]: ...
+@overload
+def require(
+    subject: Subject, hook: Literal["fault_containment"], what: str
+) -> FaultContainment: ...
+@overload
+def require(subject: Subject, hook: Literal["process_boundary"], what: str) -> ProcessBoundary: ...
+def require(subject: Subject, hook: str, what: str) -> object:
     """The subject's ``hook()`` result, or ``NotApplicable`` naming what is missing."""
-    fn = getattr(subject, hook, None)
-    value = fn() if fn is not None else None
+    call = _HOOK_CALLS.get(hook)
+    if call is None:
+        raise ValueError(f"{hook!r} is not a capability hook; those are {CAPABILITY_HOOKS}")
+    value = call(subject)
     if value is None:
-        raise NotApplicable(f"subject {getattr(subject, 'name', subject)!r} provides no {what}")
+        raise NotApplicable(f"subject {subject.name!r} provides no {what}")
     return value
 
 
-def require_worker(subject: Any) -> None:
+def require_worker(subject: Subject) -> None:
     if not subject.has_worker():
-        raise NotApplicable(
-            f"subject {getattr(subject, 'name', subject)!r} provides no real worker"
-        )
+        raise NotApplicable(f"subject {subject.name!r} provides no real worker")

@@ -114,7 +114,7 @@ class Lockstep:
         if (
             isinstance(op, AddRequest)
             and op.client_index
-            and getattr(self.subject, "single_engine_client", False)
+            and self.subject.single_engine_client
         ):
             # The subject's engine has one client: both sides get the request from it, and the
             # trace records the request as it ran.

@@ -1,33 +1,13 @@
 """Subjects: the runtimes the harness compares with upstream vLLM, and where they come from.
 
-A subject is anything with the ``Subject`` protocol: it builds its sync and async schedulers
-from a ``HarnessConfig``, builds requests, names its documented differences from upstream, and
-may expose extra per-request facts, an audit of the per-request state it keeps outside vLLM's
-structures, a downstream outbox to drain and a real worker. ``BaseSubject`` implements every
-hook the way upstream vLLM behaves, so a new runtime overrides only what it changes (see
-``docs/adopting-the-gate.md``).
-
-What a subject can be checked for beyond lock-step parity it declares through the capability
-hooks (``declared_attributes``, ``chunk_delivery``, ``source_layout``, ``input_adapter``,
-``runner_probes``, ``model_reference``, ``difference_witnesses``, ``fault_containment``,
-``process_boundary``; the vocabulary is ``conformance._core.capabilities``). Each returns None in
-``BaseSubject``: not provided, so the tests that need it are not applicable.
-
-Two hooks say how the runtime's engine talks to its scheduler, for a runtime whose scheduler
-does not sit right behind the caller (a stage in a process of its own): ``admit`` hands a
-request to the scheduler as the engine does (the harness never calls ``add_request`` itself),
-and ``receive_outputs`` turns a step's outputs into what the engine's caller receives (the
-harness compares and reads what it returns). ``admit_request`` and ``received_outputs`` call
-them, falling back to upstream's behaviour for a subject that does not subclass ``BaseSubject``.
-
-Subjects are found, in this order, by:
-* a ``module:attr`` spec (the attribute is a ``Subject``, a ``Subject`` class or a factory);
-* the entry-point group ``omni_conformance.subjects`` (same three shapes; this repository's own
-  runtime registers ``omni`` and ``omni-scheduler`` there, like any other runtime);
-* the built-in ``upstream`` (vLLM itself, the oracle).
-Loading a subject may change vLLM (some published runtimes patch vLLM's classes when imported):
-``conformance._core.pristine`` notices, and the oracle then runs in a process the subject never
-entered (``conformance._core.oracle_process``). The harness imports no runtime.
+Owns the ``Subject`` protocol (every member the gate calls, the optional hooks and the
+capability hooks included), ``BaseSubject`` (each member as upstream vLLM behaves, capabilities
+None: not provided), the built-in ``upstream`` subject, ``make_sampling_params``,
+``scheduler_holdings`` and the loader: a ``module:attr`` spec, then the entry-point group
+``omni_conformance.subjects``, then the built-ins. Loading runs under the pristine guard
+(``conformance._core.pristine``), since some runtimes patch vLLM when imported. The harness
+imports no runtime. Adopters import all of this from ``conformance.api``; the hooks and what
+each enables are in ``docs/adopting-the-gate.md``.
 """
 
 from __future__ import annotations
@@ -36,8 +16,9 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from importlib.metadata import entry_points
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from conformance._core.capabilities import (
     ChunkDelivery,
@@ -52,7 +33,16 @@ from conformance._core.capabilities import (
     SourceLayout,
 )
 from conformance._core.config import HarnessConfig, block_hasher, build_scheduler
+from conformance._core.vllm_compat.state import (
+    block_pool,
+    live_request_ids,
+    num_free_blocks,
+    scheduler_queues,
+)
 from conformance._core.workload import AddRequest
+
+if TYPE_CHECKING:
+    from vllm.sampling_params import SamplingParams
 
 ENTRY_POINT_GROUP = "omni_conformance.subjects"
 
@@ -91,7 +81,16 @@ class DifferenceEntry(Protocol):
 
 @runtime_checkable
 class Subject(Protocol):
+    """What the gate calls on a runtime. ``BaseSubject`` implements every member the way
+    upstream vLLM behaves; the members after ``feature_configs`` are optional in that sense (a
+    subclass overrides them only to change them), and the capability hooks return None for
+    "not provided" (``conformance._core.capabilities``)."""
+
     name: str
+    # The engine serves one client only (a stage process, whose one client is its parent): the
+    # harness then sends it every request as client 0, where it otherwise draws some from a
+    # second client, as several API server processes in front of one vLLM engine send them.
+    single_engine_client: bool
 
     def scheduler_class(self, cfg: HarnessConfig) -> type: ...
 
@@ -119,13 +118,44 @@ class Subject(Protocol):
 
     def feature_configs(self) -> dict[str, dict[str, Any]]: ...
 
-    # Optional: ``single_engine_client = True`` for a subject whose engine serves one client
-    # only (a stage process, whose one client is its parent): the harness then sends it every
-    # request as client 0, where it otherwise draws some from a second client, as several API
-    # server processes in front of one vLLM engine send them.
+    def admit(self, scheduler: Any, request: Any) -> None: ...
+
+    def receive_outputs(self, scheduler: Any, outputs: Any) -> Any: ...
+
+    def declared_attributes(self) -> DeclaredAttributes | None: ...
+
+    def chunk_delivery(self) -> ChunkDelivery | None: ...
+
+    def source_layout(self) -> SourceLayout | None: ...
+
+    def input_adapter(self) -> InputAdapterProbe | None: ...
+
+    def runner_probes(self) -> RunnerProbes | None: ...
+
+    def model_reference(self) -> ModelReference | None: ...
+
+    def difference_witnesses(self) -> Sequence[DifferenceWitness] | None: ...
+
+    def fault_containment(self) -> FaultContainment | None: ...
+
+    def process_boundary(self) -> ProcessBoundary | None: ...
 
 
-def make_sampling_params(op: AddRequest, cfg: HarnessConfig) -> Any:
+# Every member of ``Subject``, in declaration order.
+SUBJECT_MEMBERS: tuple[str, ...] = (
+    *Subject.__annotations__,
+    *(n for n, v in vars(Subject).items() if callable(v) and not n.startswith("_")),
+)
+
+
+def missing_members(obj: object) -> list[str]:
+    """The ``Subject`` members ``obj`` lacks (none for a ``BaseSubject``)."""
+    return [name for name in SUBJECT_MEMBERS if not hasattr(obj, name)]
+
+
+def make_sampling_params(op: AddRequest, cfg: HarnessConfig) -> SamplingParams:
+    """The sampling parameters upstream's engine gives ``op`` (greedy, its stop ids and
+    length), with the model's generation config applied as the engine's input processor does."""
     from vllm.sampling_params import SamplingParams
 
     sp = SamplingParams(
@@ -139,6 +169,34 @@ def make_sampling_params(op: AddRequest, cfg: HarnessConfig) -> Any:
     return sp
 
 
+@dataclass(frozen=True)
+class SchedulerHoldings:
+    """What an upstream-based scheduler holds, read through the gate's vLLM accessors (the
+    reads its comparisons make, so they follow each vLLM release the gate supports)."""
+
+    # Every request the scheduler holds, sorted.
+    request_ids: tuple[str, ...]
+    # The running and waiting queues, in queue order.
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    # Finished since the last ``schedule()``, not yet reported to the worker; sorted.
+    finished_unsent: tuple[str, ...]
+    free_blocks: int
+
+
+def scheduler_holdings(scheduler: Any) -> SchedulerHoldings:
+    """``scheduler``'s requests, queues and free KV-cache blocks, as the gate reads them (for a
+    subject that checks what its runtime reports about a scheduler against the scheduler)."""
+    queues = scheduler_queues(scheduler)
+    return SchedulerHoldings(
+        request_ids=tuple(sorted(live_request_ids(scheduler))),
+        running=tuple(queues["running"]),
+        waiting=tuple(queues["waiting"]),
+        finished_unsent=tuple(queues["finished_pending"]),
+        free_blocks=num_free_blocks(block_pool(scheduler)),
+    )
+
+
 class BaseSubject:
     """Upstream behaviour for every hook; subclass and override what your runtime changes."""
 
@@ -147,7 +205,7 @@ class BaseSubject:
     async_scheduler: str | type = "vllm.v1.core.sched.async_scheduler.AsyncScheduler"
     # A vLLM WorkerBase subclass (qualname or class) for the harness's real-worker mode.
     worker_cls: str | type | None = None
-    # The subject's engine serves one client only (``Subject``'s optional attribute).
+    # The subject's engine serves one client only (see ``Subject``).
     single_engine_client = False
 
     def scheduler_class(self, cfg: HarnessConfig) -> type:
@@ -287,19 +345,14 @@ class UpstreamSubject(BaseSubject):
         return DeclaredAttributes()
 
 
-def admit_request(subject: Any, scheduler: Any, request: Any) -> None:
-    """``subject.admit(scheduler, request)``; ``add_request`` for a subject without the hook."""
-    admit = getattr(subject, "admit", None)
-    if admit is None:
-        scheduler.add_request(request)
-    else:
-        admit(scheduler, request)
+def admit_request(subject: Subject, scheduler: Any, request: Any) -> None:
+    """``subject.admit(scheduler, request)``: how the harness admits every request."""
+    subject.admit(scheduler, request)
 
 
-def received_outputs(subject: Any, scheduler: Any, outputs: Any) -> Any:
-    """``subject.receive_outputs(scheduler, outputs)``; the outputs themselves without it."""
-    receive = getattr(subject, "receive_outputs", None)
-    return outputs if receive is None else receive(scheduler, outputs)
+def received_outputs(subject: Subject, scheduler: Any, outputs: Any) -> Any:
+    """``subject.receive_outputs(scheduler, outputs)``: what the engine's caller receives."""
+    return subject.receive_outputs(scheduler, outputs)
 
 
 def upstream_subject() -> Subject:
@@ -336,7 +389,11 @@ def _instantiate(obj: Any, label: str) -> Subject:
     elif callable(obj) and not isinstance(obj, Subject):
         obj = obj()
     if not isinstance(obj, Subject):
-        raise TypeError(f"subject {label!r}: {obj!r} does not implement conformance.Subject")
+        raise TypeError(
+            f"subject {label!r}: {obj!r} does not implement conformance.api.Subject (missing "
+            f"{', '.join(missing_members(obj))}; subclass conformance.api.BaseSubject, which "
+            "implements every member as upstream vLLM behaves)"
+        )
     return obj
 
 

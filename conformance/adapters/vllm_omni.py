@@ -45,21 +45,19 @@ from collections.abc import Mapping, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
-from conformance._core.config import (
+from conformance.api import (
+    AddRequest,
+    BaseSubject,
+    Difference,
+    DifferenceEntry,
     HarnessConfig,
+    SubjectUnsupported,
     block_hasher,
     build_kv_cache_config,
     build_vllm_config,
-)
-from conformance._core.differences import Difference
-from conformance._core.subjects import (
-    BaseSubject,
-    DifferenceEntry,
-    SubjectUnsupported,
     make_sampling_params,
+    release,
 )
-from conformance._core.vllm_compat.versions import release
-from conformance._core.workload import AddRequest
 
 DISTRIBUTION = "vllm-omni"
 PACKAGE = "vllm_omni"

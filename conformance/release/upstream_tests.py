@@ -899,7 +899,7 @@ def cmd_upstream_tests(args: argparse.Namespace) -> int:
     subject, problem = load_subject_quietly(args.subject)
     if problem is not None:
         return fail_environment(problem)
-    name = str(getattr(subject, "name", args.subject))
+    name = str(subject.name)
     extra = ["-k", args.keyword] if args.keyword else []
     common = {"timeout_s": args.timeout_s, "workers": args.workers, "quiet": args.quiet}
     # A subject whose classes are upstream's own (``upstream``) is its own baseline: one run.
