@@ -18,6 +18,7 @@ import subprocess
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
+from conformance._core import hash_seed
 from mutation import REPO, CampaignError
 from mutation.targets import PROCESS_STAGE_TESTS, Slice, Target, pytest_args
 
@@ -131,9 +132,10 @@ def git_head() -> str:
 
 def campaign_env(work: Path) -> dict[str, str]:
     env = dict(os.environ)
+    # The gate's seed whatever the caller's shell has: the campaign's verdicts must not depend on it.
+    env[hash_seed.VARIABLE] = hash_seed.SEED
     env.update(
         HF_HUB_OFFLINE="1",
-        PYTHONHASHSEED="0",
         # A kill needs no shrunk trace; shrinking costs up to a minute per killed mutant.
         OMNI_CONFORMANCE_SHRINK_SECONDS="0",
         OMNI_CONFORMANCE_FAILURES=str(work / "failures"),

@@ -29,6 +29,12 @@ def hashes_at_random() -> bool:
     return bool(sys.flags.hash_randomization) and seed in ("", "random", SEED)
 
 
+def this_process_uses_seed() -> bool:
+    """Whether this interpreter hashes strings with ``SEED`` (read from the interpreter: the
+    variable may have been set for children after it started)."""
+    return sys.flags.hash_randomization == 0
+
+
 def pinned(env: Mapping[str, str] | None = None) -> dict[str, str]:
     """``env`` (default: this process's) with the seed fixed, unless the caller chose one."""
     out = dict(os.environ if env is None else env)

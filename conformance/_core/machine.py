@@ -17,13 +17,13 @@ with; ``PREFIXES``, the shared prompt prefixes; ``STOP_IDS``, the stop tokens re
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from conformance._core import hash_seed
 from conformance._core.config import HarnessConfig
 from conformance._core.workload import Abort, AddRequest, DeliverChunks, ResetPrefixCache, Step
 
@@ -74,7 +74,7 @@ TIGHT = HarnessConfig(num_blocks=14, max_num_batched_tokens=48, max_num_seqs=6, 
 # workers it starts (the root conftest does), so ``pytest -m invariants`` without ``-n`` ran
 # multi-id aborts in a random set order, and step counts changed from run to run. Any other seed
 # splits the aborts (below), which is the same on every run.
-PINNED_HASH_SEED = sys.flags.hash_randomization == 0
+PINNED_HASH_SEED = hash_seed.this_process_uses_seed()
 
 
 class LockstepMachine(RuleBasedStateMachine):
