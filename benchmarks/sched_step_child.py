@@ -2,18 +2,14 @@
 
 ``test_bench_scheduler.py`` starts one ``StepChild`` per side (upstream ``Scheduler`` with vLLM
 ``Request`` objects, ``OmniARScheduler`` with the requests of its mode) and asks them for timed
-steps in turn. Each child builds its scheduler itself and only ever runs that one scheduler over
-one request type, as a production process does; the module docstring of the test says why.
+steps in turn; each child builds and runs only its one scheduler over one request type, as a
+production process does. Children are forked from a ``forkserver`` that has imported vLLM, torch
+and the runtime but never built a scheduler. ``StepChild.profile`` runs cProfile over steps
+inside a child.
 
-Children come from a ``forkserver`` that has imported vLLM, torch and the runtime once: a fresh
-interpreter per child would spend ~9 s of the 2 shared cores importing them, twelve times per
-run. The forkserver itself never builds or steps a scheduler, so what a child inherits is
-imported code only, no interpreter state specialised for either side.
-
-Not collected by pytest (no ``test_`` prefix). The test imports it by name from ``benchmarks/``,
-which pytest put on ``sys.path``; each child gets the parent's ``sys.path`` when it starts and
-imports it from there. ``StepChild.profile`` runs cProfile over steps inside a child, for
-looking at one side's cost without the other in the process.
+Not collected by pytest (no ``test_`` prefix); the test imports it from ``benchmarks/``, which
+pytest puts on ``sys.path``, and each child inherits that path. Why a process per side:
+docs/design.md, "How the benchmarks measure".
 """
 
 from __future__ import annotations

@@ -1,38 +1,14 @@
 """The scheduler step's cost in instructions, counted by valgrind's callgrind.
 
-Wall-clock step ratios on this shared 2-core machine move by 10-30 points between fresh pairs of
-processes (``test_bench_scheduler.py``): one figure cannot show a 5% target met or missed.
-Instruction counts do not move: the same program over the same requests executes the same
-instructions, whichever process runs it and whatever else the machine does. They leave out what
-instructions do not show (cache misses, branch mispredictions), so they complement the
-wall-clock figure, they do not replace it.
-
-How: one child per side runs this module under ``valgrind --tool=callgrind`` with
-instrumentation off (``--instr-atstart=no``), so importing vLLM and torch and building the
-scheduler run at valgrind's uninstrumented speed. The child then switches instrumentation on
-with ``callgrind_control -i on`` (asked from a helper process while the child keeps running
-Python, since callgrind answers only while its guest executes), and runs the counted steps
-inside ``operator.call``, one call per step: ``--toggle-collect=_operator_call`` counts exactly
-the instructions executed inside those calls (nothing in a scheduler step calls
-``operator.call`` itself), and ``--dump-after=_operator_call`` writes each step's count to a file
-of its own. The figure per side is the median step, as in the wall-clock benchmark (with chunk
-transfer on, every 8th step also streams a codec chunk for every request, which the median
-leaves out and the mean, reported beside it, does not).
-
-Measured (16 counted steps after 16 warm-up steps; ``test_step_instructions_vs_upstream``):
-
-    mode, running requests     upstream's median step     median ratio   mean ratio
-    omni off, 64                   7,250,006 instructions       1.0003       1.0004
-    omni off, 1,024              115,055,260 instructions       1.0003       1.0002
-    chunk transfer, 64             7,253,716 instructions       1.0195       1.0916
-    chunk transfer, 1,024        115,071,106 instructions       1.0179       1.0908
-
-With chunk transfer on, an ordinary decode step costs the runtime ~2% over upstream's; the
-steps that stream a codec chunk for every request (one in 8) cost ~60% more than upstream's
-step (n=64: 11.8 and 13.2 million instructions against 7.25), which is the 9% of the mean.
+Instruction counts do not move between runs the way wall-clock ratios on a shared machine do,
+so they complement ``test_bench_scheduler.py``. One child per side runs this module under
+``valgrind --tool=callgrind`` with instrumentation off until set-up is done, then counts each
+step inside ``operator.call`` (``--toggle-collect`` / ``--dump-after=_operator_call``), one
+count per step; the figure per side is the median step, with the mean beside it.
 
 Run as ``python benchmarks/step_instructions.py KIND N OMNI STEPS`` under valgrind (what
-``count_step_instructions`` does); not collected by pytest.
+``count_step_instructions`` does); not collected by pytest. The method in full and the measured
+counts: docs/design.md, "How the benchmarks measure".
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
 """In-process vs multiprocess vs Ray stage engines: what a stage outside the caller costs or gains.
 
-Two workloads, each under sync and async scheduling:
+Two workloads, 8 and 32 concurrent requests, sync and async scheduling: ``thinker`` (one thinker
+stage with hidden rows on, driven as the orchestrator drives it: ``StageEngine`` against
+``MPStageEngine``) and ``pipeline`` (thinker -> talker -> code2wav with every AR stage on each
+backend, ``OmniPipeline(backend=...)``, run in turn within each round). Reported per backend:
+seconds per wave, requests/s, the median time to first audio chunk, and ratios to in-process
+from the same round. Engine and Ray start-up are outside the timed region.
 
-* ``thinker`` — 8 and 32 concurrent requests (32 new tokens each, mixed prompt lengths, hidden
-  rows on, so every step ships a payload chunk) through one thinker stage, driven the way the
-  orchestrator drives it (``add`` all, then ``step`` until idle, chunks drained each step).
-  In-process is ``StageEngine``; multiprocess is ``MPStageEngine`` (vLLM's ``SyncMPClient``,
-  chunks through shared memory).
-* ``pipeline`` — 8 and 32 concurrent requests through thinker -> talker -> code2wav with every
-  AR stage on each backend (``OmniPipeline(backend=...)``); the three pipelines are built
-  first and then run in turn within each round, so the machine's drift hits all of them.
-  Reported per backend: seconds per wave, requests/s, the median time to first audio chunk,
-  and both as ratios to in-process measured in the same round.
-
-Engine start-up is outside the timed region. Seconds per run (median of the rounds) and
-requests/s go to ``benchmark.extra_info`` and stdout; the multiprocess/in-process ratio is the
-number that picks ``EngineOptions.backend``'s default. Ray actors are ``RayStageEngine`` on a
-local Ray instance started by the first Ray engine (outside the timed region).
-
-Run: ``OMP_NUM_THREADS=1 pytest benchmarks/test_bench_backends.py -o addopts="" --benchmark-enable -p no:cacheprovider -s``
+The results and what they decided: docs/design.md, "A stage in its own process, or on another
+machine". Run: ``OMP_NUM_THREADS=1 pytest benchmarks/test_bench_backends.py -o addopts=""
+--benchmark-enable -p no:cacheprovider -s``
 """
 
 from __future__ import annotations

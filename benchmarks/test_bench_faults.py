@@ -1,33 +1,15 @@
 """Fault campaign with figures: one table row per fault case (C-61, C-62).
 
-Each row says what the case did to the pipeline and what was left of it:
-
     case | requests | affected | expected | exactly one outcome | blocks in use | omni leftovers | s
 
-*affected* is how many requests did not complete (``error`` or ``abort``), *expected* how many
-should not have (the faulted or aborted ones); the sets themselves are compared, not only their
-sizes. *exactly one outcome* counts requests with exactly one terminal outcome (it must equal
-*requests*); *blocks in use* (summed over the LM stages) and *omni leftovers* (non-empty entries
-of ``OmniPipeline.leftovers()``: scheduler, runner and queue entries, transfer progress,
-processor buffers, decoder state, connector backlog) are read after the run and must be 0.
+The long cases are ``kv-exhaustion`` (``OMNI_FAULT_KV_REQUESTS`` requests into stages of
+``KV_BLOCKS`` blocks: nothing may fail) and ``abort-storm`` (``OMNI_FAULT_STORM_REQUESTS``
+requests, up to ``STORM_IN_FLIGHT`` at a time in ``STORM_BLOCKS`` blocks, half aborted at random
+steps, the states hit in ``extra_info``). The quick cases are the tests of
+``tests/test_fault_campaign.py``, run once more by ``test_bench_fault_campaign_quick_cases``.
 
-The long cases:
-
-* ``kv-exhaustion``: ``OMNI_FAULT_KV_REQUESTS`` (300) requests submitted at once into stages of
-  ``KV_BLOCKS`` (8) KV blocks each, 16 tokens a block: vLLM preempts and resumes all the way
-  through. Nothing should fail (expected 0), and every request must equal a run of its prompt
-  alone on the same pipeline.
-* ``abort-storm``: ``OMNI_FAULT_STORM_REQUESTS`` (1,000) requests, up to ``STORM_IN_FLIGHT`` at
-  a time, stages of ``STORM_BLOCKS`` blocks (so some are waiting and some preempted); half of
-  them, chosen up front, are aborted at a random step after admission (a tenth before any step)
-  in whatever state they are in then: admitted and never stepped, waiting, running, preempted,
-  in the talker, with audio already streamed; a victim that finishes first is not aborted. The
-  requests the abort calls returned are the expected affected set; every other request must
-  complete equal to its prompt's reference. The states hit are in ``extra_info``.
-
-The quick cases (processor, connector, relay child, builder, decoder faults) are the tests of
-``tests/test_fault_campaign.py``; ``test_bench_fault_campaign_quick_cases`` runs them here once
-more to put their figures in the same table. Run::
+What each column means and what each case expects: docs/design.md, "How the benchmarks
+measure"; the faults themselves: docs/design.md, "Faults and signals". Run::
 
     pytest benchmarks/test_bench_faults.py -o addopts="" --benchmark-enable -p no:cacheprovider -s
 """

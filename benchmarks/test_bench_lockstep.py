@@ -1,22 +1,14 @@
 """Cost of one lock-step step against one upstream step alone, on the same workload.
 
-A lock-step step runs the step on both sides (upstream and the subject), snapshots both
-(request state, queues, block pool, SchedulerOutput, outputs) and compares them against the
-registry. The harness is only usable as a CI gate if that stays within a small factor of the
-step itself: the target is <= 4x. Both are measured in the same run, on identical state (8
-decoding requests), timed in turn step by step, and the ratio goes into
-``benchmark.extra_info["overhead_ratio"]``.
+A lock-step step runs the step on both sides, checks them against each other (building and
+comparing snapshots only when the in-place check cannot show them equal) and against the
+registry. On identical state (8 decoding requests), timed in turn step by step:
+``extra_info["overhead_ratio"]`` is lock step over one upstream step (target <= 4x), and
+``extra_info["harness_overhead_over_floor"]`` is lock step / (upstream + subject) - 1, the two
+schedulers timed alone in the same interleaving (target <= 0.15).
 
-The harness's own share is reported against the floor of running both schedulers, each timed
-alone in the same interleaving: ``extra_info["harness_overhead_over_floor"]`` is lock-step /
-(upstream + subject) - 1 (target <= 0.15); the figure over two upstream steps is kept too.
-It was 31% (three runs: 31.2, 30.8, 30.7%) while every operation built both snapshots and
-compared them; with the snapshots built only when an in-place check of both sides cannot show
-them equal (``conformance._core.observe.same_state``) it is 13% (13.8, 12.7, 13.1%), measured in turn
-on the same machine. What is left is that check itself, which reads every block of both pools.
-
-Run: ``pytest benchmarks/test_bench_lockstep.py --benchmark-enable`` (benchmarks are skipped by
-default through ``--benchmark-skip`` in the project's addopts).
+The measured figures: docs/design.md, "The gate". Run: ``pytest benchmarks/test_bench_lockstep.py
+--benchmark-enable`` (benchmarks are skipped by default through ``--benchmark-skip``).
 """
 
 from __future__ import annotations

@@ -1,60 +1,18 @@
 """Scheduler step cost: omni vs upstream, each in its own process, measured in the same run.
 
 One step is ``schedule()`` + ``update_from_output()`` with N running decode requests (8, 64 and
-1,024). Upstream's ``Scheduler`` (vLLM ``Request`` objects) and ``OmniARScheduler`` (plain
-requests with omni features off; the input adapter's ``OmniRequest`` objects with chunk transfer
-on) each run in a child process of their own, built there as before (``sched_step_child``). The
-parent interleaves them round by round, one timed step of each, the one going first alternating,
-so drift on the machine hits both equally; each child times its step alone with ``perf_counter``
-(the pipe round trip is not in the figure), and also reads its thread's CPU time, printed beside
-it: on the 2 cores shared with other work, wall-clock medians at n=1,024 swing by 10% and more
-when a child is preempted mid-step, CPU time does not. Each figure takes three fresh pairs of
-children (``PAIRS``); the reported ratio is the median of the pairs' ratios of medians, with the
-pairs' range beside it (targets: <= 1.10x with omni features off, <= 1.05x with chunk transfer
-on, at 64 and 1,024 running requests; at 8 the omni pass's fixed cost per step, a few
-microseconds, is most of the difference). The pytest-benchmark table itself times the omni step
-as a round trip from the parent (child step plus the pipe both ways) in a fresh omni child, so
-it reads higher than ``omni_median_us``.
+1,024): upstream's ``Scheduler`` against ``OmniARScheduler`` with omni features off or chunk
+transfer on, each in a child of its own (``sched_step_child``), one timed step of each in turn.
+A child's figure excludes the pipe round trip, with its thread's CPU time printed beside it;
+the reported ratio is the median over ``PAIRS`` fresh pairs of children (targets: <= 1.10x omni
+off, <= 1.05x chunk transfer, at 64 and 1,024). The pytest-benchmark table itself times the omni
+step as a round trip from the parent, so it reads higher than ``omni_median_us``.
+``test_step_instructions_vs_upstream`` counts the same steps in instructions
+(``step_instructions.py``).
 
-Why a process per scheduler: with both in one process, vLLM's own ``update_from_output`` runs
-over two request types (``Request`` and its subclass ``OmniRequest``) through the same code, and
-CPython 3.11's specialising interpreter keeps re-specialising its attribute loads between them.
-Both sides slow down and the omni side more; a production process hosts one scheduler kind and
-one request type, so none of that is the runtime's cost. Measured at n=64, chunk transfer, six
-alternating pairs on the 2 shared cores: both schedulers in one process, the omni side's update
-ran 29-49 us above upstream's (median 46, of which ~25 us is the transfer pass below) and the
-step ratio was 1.04-1.08 (median 1.07); each in its own process 1.01-1.11 (median 1.05). Two
-upstream children against each other give 0.98-1.03 (8 pairs), which is the noise floor of one
-figure here; omni-off stays ~1.00 either way, since both sides then carry the same request type.
-
-What remains with chunk transfer on is the transfer pass itself, run for every request of every
-step. A steady decode step (one output per scheduled request, in order; none finished, freed,
-dropped or carrying a payload; every request already known to the adapter) is taken whole
-(``ChunkTransferAdapter.on_aligned_steps``): the ids and checks are gathered in C-level passes
-and the codec streamer gets one batch call. Any other step goes through the per-request loop
-(``on_steps``). Section timings in the omni child at n=64: the stale-drop scan before upstream's
-pass ~3 us, pairing outputs with requests ~4-5 us, the transfer pass ~8-10 us (~12.5 us through
-the per-request loop with the batch call, ~18 us before the batch call); at n=1,024 ~50, ~40
-and ~115 us.
-
-Two costs are outside the transfer pass. Every 8th step streams a codec chunk for every request
-at once (a tensor, a ``StageChunk`` and an omni output each, ~5 us per request), and those steps
-sitting above the median move the omni median up by 0-2 points. And the requests' place in
-memory: upstream's ``schedule()`` ran 1-3% slower in the omni child while its requests were
-built with a fresh input adapter each and a slot drafted twice, whose discarded objects lay
-between each request's own. The child now holds one adapter for the stage, as a stage engine
-does, and the adapter builds each slot once and shares one empty mapping for requests without
-additional information. Each side now admits its requests as its engine does (upstream from an
-``EngineCoreRequest``, as vLLM's ``EngineCore`` does; omni from a ``StageInput``), so both
-leave a message object behind per request. What is left is process to process: the same
-upstream ``schedule()`` code runs up to ~10% apart in two fresh children (single runs at
-n=1,024, GC off), which is why a figure takes the median over three pairs.
-
-Last measured on a quiet machine (2026-12-02), chunk transfer on: 1.037x at n=64 (pairs
-1.036-1.040), 1.028x at n=1,024 (pairs 1.015-1.040). ``test_step_instructions_vs_upstream``
-counts the same steps in instructions (``step_instructions.py``), which do not move between runs.
-
-Run with ``pytest benchmarks -o addopts="" --benchmark-enable -p no:cacheprovider``.
+Why a process per scheduler, where the remaining cost goes, and the last figures:
+docs/design.md, "How the benchmarks measure". Run with ``pytest benchmarks -o addopts=""
+--benchmark-enable -p no:cacheprovider``.
 """
 
 from __future__ import annotations

@@ -1,23 +1,15 @@
 """Soak: thousands of requests through thinker -> talker -> code2wav, with random aborts.
 
-A long run finds what short tests cannot: state that grows by a little per request (a dict
-entry never popped, a thread per stream, a file descriptor per connector, a block never freed).
-``N_REQUESTS`` prompts of mixed lengths enter a pipeline, at most ``IN_FLIGHT`` at a time; at
-random steps a random live request is aborted (about a fifth of all requests, in every stage).
-Every ``SAMPLE_EVERY`` finished requests the run samples the process's resident memory, open file
-descriptors, threads, and each stage's free KV blocks.
+A long run finds what short tests cannot: state that grows a little per request. ``N_REQUESTS``
+prompts of mixed lengths (``OMNI_SOAK_REQUESTS``), at most ``IN_FLIGHT`` at a time, with random
+aborts; every ``SAMPLE_EVERY`` finished requests it samples resident memory, file descriptors,
+threads and each stage's free KV blocks. It fails when a request lacks exactly one terminal
+outcome (C-62), a stage is not empty with its initial free blocks at the end (C-06), descriptors
+or threads do not end where they started, or memory grows over the second half (slope per
+finished request above ``MAX_RSS_SLOPE``).
 
-What it checks (failures are findings, not timings):
-
-* every request has exactly one terminal outcome, ``ok``, ``abort`` or nothing else (C-62);
-* at the end every stage is empty and holds its initial free blocks (C-06);
-* open file descriptors and threads end where they started;
-* resident memory is flat over the second half of the run: its least-squares slope, in bytes per
-  finished request, stays under ``MAX_RSS_SLOPE`` (the first half is warm-up: allocator pools,
-  torch caches and the prefix cache fill).
-
-The figures (slopes, first and last samples, requests per second, outcomes) go to
-``benchmark.extra_info`` and stdout. Run::
+The figures go to ``benchmark.extra_info`` and stdout; the checks in full: docs/design.md, "How
+the benchmarks measure". Run::
 
     pytest benchmarks/test_bench_soak.py -o addopts="" --benchmark-enable -p no:cacheprovider -s
 """

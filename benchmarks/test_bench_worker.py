@@ -1,19 +1,16 @@
 """Worker / runner benchmarks: decode throughput and the payload critical path.
 
-* ``test_decode_throughput[N]`` — thinker decode tokens/s with N = 1, 8, 32 running requests;
-  one round is a full step: ``schedule()`` + ``execute_model`` + ``sample_tokens`` +
-  ``update_from_output`` (vLLM's real scheduler, our runner). ``extra_info["tokens_per_s"]``.
-* ``test_payload_critical_path[model]`` — time ``execute_model`` + ``sample_tokens`` spend
-  before returning (the critical path) on a 512-token prefill step with payloads, background
-  vs inline materialization, alternating rounds; ``extra_info["ratio"]`` is
-  background / inline (target <= 0.5 with a heavy payload). ``heavy``: a wide model
-  (hidden 256, vocab 8192) whose stage delivers hidden rows plus full-vocabulary logits rows
-  per token; ``thinker``: the thinker delivering hidden rows only.
-* ``test_bytes_per_token[mode]`` — bytes crossing the stage boundary (payload tensors + token
-  ids) per generated token through the omni scheduler's outbox, token-only vs include-hidden.
+* ``test_decode_throughput[N]`` — thinker decode tokens/s with N = 1, 8, 32 running requests,
+  one full step per round (vLLM's scheduler, our runner); ``extra_info["tokens_per_s"]``.
+* ``test_payload_critical_path[model]`` — the critical path (``execute_model`` +
+  ``sample_tokens``) of a 512-token prefill with payloads, background over inline
+  (``extra_info["ratio"]``, target <= 0.5 with the ``heavy`` model; ``thinker``: hidden rows
+  only).
+* ``test_bytes_per_token[mode]`` — bytes crossing the stage boundary per generated token,
+  token-only vs include-hidden.
 
-Run: ``pytest benchmarks/test_bench_worker.py -p no:cacheprovider --benchmark-enable
---benchmark-only -o addopts=""``.
+See docs/design.md, "How the benchmarks measure". Run: ``pytest benchmarks/test_bench_worker.py
+-p no:cacheprovider --benchmark-enable --benchmark-only -o addopts=""``.
 """
 
 from __future__ import annotations
