@@ -1,64 +1,17 @@
 """C-61, C-62 and C-43 under a send-path fault: a chunk processor that raises fails its request
 alone.
 
-A stage hands each request's work downstream through its chunk processor (``ChunkDelivery``).
-The check plants the fault itself: a generated processor (``invariants.strategies``, any
-declaration, signature and return policy) raises ``PlantedSendFault`` on one call it gets for
-one request, the *victim*: its first call, a middle one or its final call, each position in a
-run of its own (``FAULT_CALLS``; a call past the victim's last plants nothing, and the run must
-then equal the fault-free one). The
-subject's own scheduler runs the workload twice from scratch with the harness's deterministic
-tokens and payload-carrying steps (``PayloadTokenSource``), stepped as vLLM's ``EngineCore``
-steps it, sync and async: once fault-free, once with the fault. Every request has a downstream
-consumer; the victim comes from a second engine client (for a subject whose engine serves more
-than one), so a step's outputs come back in two containers, its own after its neighbours' when
-one of them is scheduled first. What the engine's caller receives (``Subject.receive_outputs``) is what is read.
+The check plants the fault itself, on one request, the victim: a generated processor
+(``invariants.strategies``) raises ``PlantedSendFault`` on its first, a middle or its final call
+(``FAULT_CALLS``); ``test_a_connector_fault_stays_with_its_request`` makes the connector
+(``ChunkDelivery.install_sink``) refuse one of its chunks; and
+``test_an_abort_that_meets_a_send_fault_stays_an_abort`` fails the EOF of a request the client
+just aborted. The subject's scheduler runs each workload fault-free and faulted, stepped as
+``EngineCore`` steps it, sync and async; the victim ends with one error (or stays aborted),
+gets one EOF numbered without a gap, and every other request ends as in the fault-free run.
 
-With the fault planted:
-
-* the victim ends with exactly one terminal output, with upstream's ``FinishReason.ERROR``; for
-  a subject naming its ``FaultContainment.cause_field``, that output's cause carries the planted
-  fault (C-61). Its processor calls are the fault-free run's up to the one that raised, then at
-  most one more, the final call its EOF needs (none if the final call raised), and it gets
-  exactly one EOF chunk, its chunks numbered ``0..n-1`` (C-43);
-* every EOF that carries a finish reason (each must, for a subject whose ``ChunkDelivery``
-  declares ``eof_reasons``) says what its request's terminal output says: ``error`` for the
-  victim, even when its terminal delivery was the call that raised (C-43);
-* every other request ends exactly as in the fault-free run, with the same tokens, no cause,
-  and its processor sees the same ids and one final call, as in the fault-free run (C-61: "the
-  other requests complete with the outputs of a clean run"). Chunk boundaries and the positions
-  that carry rows are not compared: a request that ends early frees its blocks, and the others
-  may then be scheduled in other step sizes and meet other prefix-cache hits;
-* for a subject whose ``ChunkDelivery`` declares ``releases_on_final_fault``, the processor's
-  ``release`` is called once for the victim when its final call raised, and never otherwise;
-* once drained, every block is free and no omni state is left (C-06, C-04).
-
-The connector that carries the chunks (``ChunkDelivery.install_sink``) is the send path's other
-half: ``test_a_connector_fault_stays_with_its_request`` makes it refuse one chunk of the victim
-(its first, a middle one or its EOF, each position in a run of its own). The victim ends with
-an error carrying the fault, every other request as in the fault-free run; the victim's chunks
-are numbered without a gap (a refused chunk reached nobody, so the next takes its number), and
-its EOF arrives once, last, unless the connector refused the EOF itself. Not applicable where
-the subject's sink only sees chunks after they crossed (``sink_is_connector`` False).
-
-The send path can also fail on a request the client has just aborted between steps (before its
-first step, or mid-stream): ``test_an_abort_that_meets_a_send_fault_stays_an_abort`` makes the
-processor's final call (the abort's own EOF delivery) raise, or the connector refuse that EOF.
-The request stays aborted: no terminal output and no cause (the client has gone), an EOF that
-went out says ``abort`` (none, for a subject whose caller ends aborted requests downstream,
-``abort_eof`` False), the processor is asked to release it when its final call raised, every
-other request ends as in the run without the fault, and when the abort returns the subject
-holds nothing of the request (C-04): the failure is the abort's to settle, not a later step's.
-
-Not applicable to a subject without ``chunk_delivery`` or without a ``processor_feature``.
-Positive controls: mutants ``send_fault_fails_neighbours`` (a fault on one request of a step
-also fails the other requests of that step), ``fault_restarts_chunk_numbering`` (the EOF after a
-fault is numbered from 0 again) and ``final_fault_not_released`` (a processor whose final call
-raised is never asked to release the request), ``connector_fault_swallowed`` (a chunk the
-connector refuses is dropped and its request goes on), ``ended_request_missed_in_second_container``
-(a request failed on its terminal delivery is looked for only up to the first container that
-does not hold it), ``abort_fault_left_pending`` (the failure
-of an abort's EOF is left for a later step to take).
+Not applicable without ``chunk_delivery`` or a ``processor_feature``. What is compared, and
+what is not: C-61 in docs/contracts.md and docs/design.md, "How the suite checks".
 """
 
 from __future__ import annotations
