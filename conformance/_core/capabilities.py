@@ -22,7 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, overload, runtime_checkable
 
 if TYPE_CHECKING:
+    import torch
+    from vllm.sampling_params import SamplingParams
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.request import Request
+
     from conformance._core.subjects import Subject
+    from conformance._core.workload import Op
 
 # The capability hooks of ``conformance._core.subjects.BaseSubject``: each returns None when the subject
 # does not provide that capability.
@@ -126,8 +132,8 @@ class PayloadView:
     request_id: str
     start: int
     num_tokens: int
-    hidden: Any = None  # tensor [rows, width] or None
-    conditioning: Any = None  # tensor or None
+    hidden: torch.Tensor | None = None  # [rows, width]
+    conditioning: torch.Tensor | None = None
     multimodal: Mapping[str, Any] = field(default_factory=dict)
     has_tensors: bool = False
 
@@ -184,7 +190,9 @@ class ChunkDelivery(Protocol):
         """Install ``processor``, called ``processor(request_id, payload, is_final[,
         new_token_ids])``; it declares ``requires_token_updates`` as an attribute or not."""
 
-    def with_payloads(self, output: Any, rows: Sequence[tuple[int, Any] | None]) -> Any:
+    def with_payloads(
+        self, output: ModelRunnerOutput, rows: Sequence[tuple[int, torch.Tensor] | None]
+    ) -> ModelRunnerOutput:
         """``output`` (a ``ModelRunnerOutput``) carrying, per request, hidden ``rows`` starting
         at a position, in the subject's own payload type."""
 
@@ -258,7 +266,9 @@ class InputAdapterProbe(Protocol):
     def scheduler(self) -> Any:
         """A live scheduler of the adapter's stage (requests it accepts may be added to it)."""
 
-    def build(self, scheduler: Any, request_id: str, sampling_params: Any, **fields: Any) -> Any:
+    def build(
+        self, scheduler: Any, request_id: str, sampling_params: SamplingParams, **fields: Any
+    ) -> Request:
         """A request for ``scheduler`` from stage-input ``fields`` (``prompt_token_ids``,
         ``prompt_embeds``, ``conditioning``, ``additional_information``, ``final_stage_id``)."""
 
@@ -365,7 +375,7 @@ class ModelReference(Protocol):
 
     def greedy(self, model_path: str, prompt: Sequence[int], n: int) -> list[int]: ...
 
-    def hidden_rows(self, model_path: str, tokens: Sequence[int]) -> Any:
+    def hidden_rows(self, model_path: str, tokens: Sequence[int]) -> torch.Tensor:
         """Final hidden rows of ``tokens`` by full recompute (no paging, no cache)."""
 
 
@@ -383,7 +393,7 @@ class DifferenceWitness:
 
     entry: str
     feature: Feature
-    ops: tuple[Any, ...]
+    ops: tuple[Op, ...]
     mode: str = "sync"
 
 
@@ -401,7 +411,7 @@ class FaultContainment(Protocol):
         """A real-worker feature (``use_worker``) with ``materialization`` ("inline" or
         "background") payloads, or the subject's only mode when it has none."""
 
-    def embedding(self, worker: Any) -> Any:
+    def embedding(self, worker: Any) -> torch.nn.Module:
         """The ``torch.nn.Module`` the worker's forward calls with the step's token ids (vLLM
         models name it ``get_input_embeddings()``)."""
 

@@ -43,6 +43,8 @@ from conformance._core.workload import AddRequest
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.request import Request
 
 ENTRY_POINT_GROUP = "omni_conformance.subjects"
 
@@ -100,9 +102,9 @@ class Subject(Protocol):
 
     def make_request(
         self, op: AddRequest, prompt: list[int], cfg: HarnessConfig, scheduler: Any, arrival: float
-    ) -> Any: ...
+    ) -> Request: ...
 
-    def request_facts(self, request: Any) -> dict[str, Any]: ...
+    def request_facts(self, request: Request) -> dict[str, Any]: ...
 
     def scheduler_facts(self, scheduler: Any) -> dict[str, dict[str, Any]]: ...
 
@@ -118,9 +120,11 @@ class Subject(Protocol):
 
     def feature_configs(self) -> dict[str, dict[str, Any]]: ...
 
-    def admit(self, scheduler: Any, request: Any) -> None: ...
+    def admit(self, scheduler: Any, request: Request) -> None: ...
 
-    def receive_outputs(self, scheduler: Any, outputs: Any) -> Any: ...
+    def receive_outputs(
+        self, scheduler: Any, outputs: dict[int, EngineCoreOutputs] | None
+    ) -> dict[int, EngineCoreOutputs] | None: ...
 
     def declared_attributes(self) -> DeclaredAttributes | None: ...
 
@@ -220,7 +224,7 @@ class BaseSubject:
 
     def make_request(
         self, op: AddRequest, prompt: list[int], cfg: HarnessConfig, scheduler: Any, arrival: float
-    ) -> Any:
+    ) -> Request:
         from vllm.v1.request import Request
 
         return Request(
@@ -237,7 +241,7 @@ class BaseSubject:
             client_index=op.client_index,
         )
 
-    def admit(self, scheduler: Any, request: Any) -> None:
+    def admit(self, scheduler: Any, request: Request) -> None:
         """Hand ``request`` (from ``make_request``) to ``scheduler`` as the runtime's engine does.
 
         The harness admits every request through here. Upstream's engine calls
@@ -247,14 +251,16 @@ class BaseSubject:
         """
         scheduler.add_request(request)
 
-    def receive_outputs(self, scheduler: Any, outputs: Any) -> Any:
+    def receive_outputs(
+        self, scheduler: Any, outputs: dict[int, EngineCoreOutputs] | None
+    ) -> dict[int, EngineCoreOutputs] | None:
         """A step's outputs (``update_from_output``'s result) as the engine's caller receives
         them; the harness compares and reads what this returns. Upstream's caller gets the
         objects themselves; a runtime whose outputs cross a process boundary returns them as
         decoded on the other side (and may read what rides on them, e.g. chunks)."""
         return outputs
 
-    def request_facts(self, request: Any) -> dict[str, Any]:
+    def request_facts(self, request: Request) -> dict[str, Any]:
         return {}
 
     def scheduler_facts(self, scheduler: Any) -> dict[str, dict[str, Any]]:
@@ -345,12 +351,14 @@ class UpstreamSubject(BaseSubject):
         return DeclaredAttributes()
 
 
-def admit_request(subject: Subject, scheduler: Any, request: Any) -> None:
+def admit_request(subject: Subject, scheduler: Any, request: Request) -> None:
     """``subject.admit(scheduler, request)``: how the harness admits every request."""
     subject.admit(scheduler, request)
 
 
-def received_outputs(subject: Subject, scheduler: Any, outputs: Any) -> Any:
+def received_outputs(
+    subject: Subject, scheduler: Any, outputs: dict[int, EngineCoreOutputs] | None
+) -> dict[int, EngineCoreOutputs] | None:
     """``subject.receive_outputs(scheduler, outputs)``: what the engine's caller receives."""
     return subject.receive_outputs(scheduler, outputs)
 
