@@ -1,41 +1,13 @@
 """vllm-omni's autoregressive schedulers as a conformance subject (``--subject vllm-omni``).
 
-vllm-omni (PyPI ``vllm-omni``) publishes one release per even vLLM minor, 0.14 to 0.30, each
-targeting the vLLM release of the same number. Its autoregressive (AR) stages run
-``OmniARScheduler`` (sync scheduling) or ``OmniARAsyncScheduler`` (async scheduling), both in
-``vllm_omni.core.sched.omni_ar_scheduler`` and both subclasses of vLLM's ``Scheduler`` /
-``AsyncScheduler``; ``vllm_omni.config.stage_config._resolve_scheduler`` picks one from the
-stage's ``async_scheduling``. This subject checks exactly those two classes, with the harness's
-token source (no worker, no connector).
-
-How they are built here, following vllm-omni's engine for a plain AR text stage:
-
-* configuration: the harness's ``VllmConfig`` (identical to the oracle's) whose ``ModelConfig``
-  becomes vllm-omni's ``OmniModelConfig`` through ``OmniModelConfig.from_vllm_model_config``,
-  which is what ``OmniEngineArgs.create_model_config`` does. The stage fields are those of a
-  single, final, turn-based AR text stage: stage 0, ``model_stage="thinker"``, worker type
-  ``"ar"``, text output, no async chunk, no KV transfer to a next stage, vLLM's v1 model runner.
-  Only fields the installed release defines are passed (0.28 has no ``final_output``,
-  ``use_v2_model_runner`` or ``supports_native_mrv2_data_plane``).
-* requests: ``vllm_omni.request.OmniRequest``, as vllm-omni's ``EngineCore`` builds every
-  request (``Request.from_engine_core_request``, with ``Request`` rebound to ``OmniRequest``),
-  for a text prompt: no prompt embeddings, no additional information, no intermediate buffer,
-  the client's id as ``external_req_id``.
-
-Loading. Importing any module under ``vllm_omni`` first runs ``vllm_omni/__init__.py``, which
-imports ``vllm_omni.patch``: it adds ``WAITING_FOR_CHUNK`` and ``WAITING_FOR_INPUT`` to vLLM's
-``RequestStatus`` and rebinds ``Request``, ``EngineCoreOutput(s)``, ``EngineCoreRequest``,
-``StreamingUpdate``, ``TokensPrompt`` and ``MRotaryEmbedding`` in every loaded ``vllm`` module
-(among them vLLM's scheduler, request, KV-cache and engine modules) to vllm-omni's subclasses.
-The AR scheduler depends on both (it uses the added statuses, and builds its outputs with the
-rebound ``EngineCoreOutput``), and vllm-omni runs it nowhere without them. The factory therefore
-imports the scheduler module itself, as vLLM does when it resolves a stage's ``scheduler_cls``,
-inside the harness's pristine guard, which sees those changes (``conformance._core.pristine``): the
-gate then runs upstream vLLM in a process vllm-omni never entered
-(``conformance._core.oracle_process``), since an oracle in this process would be vLLM as vllm-omni
-patched it. Nothing
-in this module imports ``vllm_omni`` when the module itself is imported, so the matrix can ask
-``vllm_omni_subject.environment_requirements`` where vllm-omni is not installed.
+Checks ``OmniARScheduler`` / ``OmniARAsyncScheduler`` (``vllm_omni.core.sched.omni_ar_scheduler``)
+with the harness's token source: the harness's ``VllmConfig`` turned into vllm-omni's
+``OmniModelConfig`` for one final AR text stage, and requests built as vllm-omni's ``OmniRequest``,
+as its engine builds them. Importing vllm-omni patches vLLM, so the factory imports the scheduler
+module inside the harness's pristine guard and the oracle then runs in a process of its own.
+Nothing here imports vLLM or vllm-omni at import time (the release matrix asks
+``environment_requirements`` where vllm-omni is absent), and of the gate only ``conformance.api``
+is imported. What is built and why, release by release: ``docs/vllm-omni.md``.
 """
 
 from __future__ import annotations
