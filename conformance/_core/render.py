@@ -2,7 +2,7 @@
 XML writer.
 
 * ``environment()``: the jinja2 environment over ``conformance/templates`` (autoescape on for
-  ``*.html``; Markdown templates escape through the ``md`` and ``md_code`` filters).
+  ``*.html.j2``; Markdown templates escape through the ``md`` and ``md_code`` filters).
 * ``md(text)`` / ``md_code(text)``: a value as one line of Markdown text, or as one code span,
   that shows exactly the value inside a GitHub table cell or a list item.
 * ``Suite`` / ``Case`` / ``junit_xml`` / ``write_junit``: JUnit XML through ``ElementTree``; a
@@ -61,7 +61,7 @@ def md_code(value: Any) -> str:
 def environment() -> jinja2.Environment:
     env = jinja2.Environment(
         loader=jinja2.FileSystemLoader(TEMPLATES),
-        autoescape=jinja2.select_autoescape(["html"]),
+        autoescape=jinja2.select_autoescape(["html", "html.j2"]),
         undefined=jinja2.StrictUndefined,  # a misspelt name fails the render, not the reader
         trim_blocks=True,
         lstrip_blocks=True,

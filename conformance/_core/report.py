@@ -23,6 +23,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
 from conformance._core import clauses as clause_table
 from conformance._core import schemas
 from conformance._core.render import Case, Suite, junit_xml, render
@@ -375,7 +376,9 @@ def render_junit(report: Mapping[str, Any]) -> str:
         )
     return junit_xml(
         [
-            Suite(f"omni-conformance[{subject}]", [_clause_case(report, c) for c in report["clauses"]]),
+            Suite(
+                f"omni-conformance[{subject}]", [_clause_case(report, c) for c in report["clauses"]]
+            ),
             Suite(f"omni-conformance[{subject}] tests", tests),
         ]
     )

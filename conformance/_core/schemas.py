@@ -48,6 +48,13 @@ class Problem:
     field: str | None  # dotted path of the field at fault; None: the document itself
     text: str
 
+    def __str__(self) -> str:
+        """``field 'modes' is missing``, ``field 'status': 'passed' is not one of ...``."""
+        if self.field is None:
+            return self.text
+        glue = " " if self.text.startswith(("is ", "should ", "must ")) else ": "
+        return f"field {self.field!r}{glue}{self.text}"
+
 
 def problem(name: str, data: Any) -> Problem | None:
     """Why ``data`` does not match schema ``name``, or None when it does."""
@@ -100,7 +107,9 @@ def describe(error: ValidationError) -> Problem:
         return Problem(_dotted([*path, extra[0]]) if extra else _dotted(path), "is not allowed")
     where = _dotted(path) or None
     if kind == "type":
-        words = " or ".join(_TYPE_WORDS.get(t, t) for t in ([rule] if isinstance(rule, str) else rule))
+        words = " or ".join(
+            _TYPE_WORDS.get(t, t) for t in ([rule] if isinstance(rule, str) else rule)
+        )
         text = f"should be {words}, got {_json_type(value)}"
     elif kind == "enum":
         text = f"{value!r} is not one of {', '.join(map(str, rule))}"

@@ -2,7 +2,8 @@
 
 This module owns the comparison of two recordings (``conformance.release.record``) of the same corpus
 made on two releases, the grouping of first differences into behaviour changes, the shortest
-workload that shows each change (written as a trace), and the report (Markdown and JSON).
+workload that shows each change (written as a trace), and the report (JSON, and Markdown from the
+template ``conformance/templates/release-diff.md.j2``).
 
 * **Same corpus or nothing.** Both headers must agree on the corpus (seed, size, saved traces,
   digest of every workload's operations), the harness configuration, the modes, the drain bound
@@ -45,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from conformance._core.render import render
 from conformance.release.record import MODES, Recording, RecordingError, open_recording
 
 REPORT_SCHEMA = "omni-conformance-release-diff/1"
@@ -499,95 +501,7 @@ def build_report(result: DiffResult) -> dict[str, Any]:
 
 
 def render_markdown(report: Mapping[str, Any]) -> str:
-    a, b = report["a"], report["b"]
-    corpus = report["corpus"]
-    lines = [
-        f"# release-diff: vLLM {a['vllm']} → vLLM {b['vllm']}",
-        "",
-        f"Corpus: seed {corpus['seed']}, {corpus['size']} generated workloads"
-        + (f" + {len(corpus['traces'])} saved traces" if corpus["traces"] else "")
-        + f", modes {', '.join(report['modes'])} (digest `{corpus['digest'][:12]}`).",
-        f"Recordings: A `{a['file']}` (vLLM {a['vllm']}, torch {a['torch']}, recorded in "
-        f"{a['seconds']} s), B `{b['file']}` (vLLM {b['vllm']}, torch {b['torch']}, recorded in "
-        f"{b['seconds']} s).",
-        "",
-    ]
-    if report["status"] == "identical":
-        lines.append(f"**Identical on {report['workloads']} workloads** ({report['runs']} runs).")
-    else:
-        lines.append(
-            f"**{report['workloads'] - report['identical_workloads']} of {report['workloads']} "
-            f"workloads differ** ({report['runs'] - report['identical_runs']} of "
-            f"{report['runs']} runs), in {len(report['changes'])} behaviour change(s)."
-        )
-    nc = report["not_compared"]
-    if nc["only_in_a"] or nc["only_in_b"]:
-        lines += [
-            "",
-            "Not compared (a field only one release has): "
-            + "; ".join(
-                f"only {label}: " + ", ".join(f"`{f}`" for f in fields)
-                for label, fields in (("A", nc["only_in_a"]), ("B", nc["only_in_b"]))
-                if fields
-            )
-            + ".",
-        ]
-    if report["changes"]:
-        lines += [
-            "",
-            "## Behaviour changes",
-            "",
-            "| change | after | first differing field | workloads | runs | modes "
-            "| shortest (ops) | A | B | trace |",
-            "|---|---|---|---|---|---|---|---|---|---|",
-        ]
-        for c in report["changes"]:
-            s = c["shortest"]
-            lines.append(
-                f"| {c['id']} | {c['op_kind']} | `{c['pattern']}` | {len(c['workloads'])} "
-                f"| {c['runs']} | {'/'.join(c['modes'])} | {s['length']} ({s['workload']} "
-                f"{s['mode']}, step {s['step']}) | `{_md(_short(s['a'], 60))}` "
-                f"| `{_md(_short(s['b'], 60))}` | {c['trace'] or '-'} |"
-            )
-        for c in report["changes"]:
-            s = c["shortest"]
-            lines += [
-                "",
-                f"**{c['id']}** `{c['pattern']}` after {c['op_kind']}: first at `{s['path']}` "
-                f"in {s['workload']} ({s['mode']}), operation {s['step']} `{_md(s['op'])}`: "
-                f"A `{_md(_short(s['a'], 200))}`, B `{_md(_short(s['b'], 200))}`.",
-            ]
-            if s.get("also"):
-                lines.append(
-                    "Also differing after that operation: "
-                    + ", ".join(f"`{p}`" for p in s["also"])
-                    + "."
-                )
-            variants = ", ".join(f"{k} x{v}" for k, v in sorted(c.get("variants", {}).items()))
-            lines.append(f"Configuration variants of these workloads: {variants}.")
-            lines.append(f"Workloads: {', '.join(c['workloads'])}.")
-        lines += [
-            "",
-            "Each trace is the shortest workload of its change, cut after the operation where "
-            "the two releases first differ; it runs on either release. To see the change alone: "
-            "`omni-conformance record --size 0 --traces TRACES_DIR --out X.jsonl` on each "
-            "release, then `omni-conformance release-diff A.jsonl B.jsonl`.",
-            "",
-            "## First difference of each differing run",
-            "",
-            "| workload | mode | step | operation | field | A | B |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for d in report["first_differences"]:
-            lines.append(
-                f"| {d['workload']} | {d['mode']} | {d['step']} | {_md(_short(d['op'], 50))} "
-                f"| `{d['path']}` | `{_md(_short(d['a'], 50))}` | `{_md(_short(d['b'], 50))}` |"
-            )
-    return "\n".join(lines) + "\n"
-
-
-def _md(text: str) -> str:
-    return " ".join(text.split()).replace("|", "\\|").replace("`", "'")
+    return render("release-diff.md.j2", report=report, short=_short)
 
 
 def summary_entry(report: Mapping[str, Any], where: str | None = None) -> dict[str, Any]:
