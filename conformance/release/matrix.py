@@ -214,8 +214,14 @@ def _child_env() -> dict[str, str]:
 
 
 def _write_cell(cell_dir: Path, data: dict[str, Any]) -> None:
+    """Write ``cell.json`` atomically, after checking it against its schema: a cell the merge
+    would refuse is a bug here, and ``CellError`` names the field now rather than at merge time."""
+    from conformance.release.matrix_cells import check_cell
+
+    text = json.dumps(data, indent=2, default=str)
+    check_cell(json.loads(text), cell_dir / "cell.json")
     tmp = cell_dir / "cell.json.tmp"
-    tmp.write_text(json.dumps(data, indent=2, default=str))
+    tmp.write_text(text)
     tmp.replace(cell_dir / "cell.json")  # atomic: a reader never sees half a cell
 
 
