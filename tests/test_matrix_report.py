@@ -18,7 +18,9 @@ from typing import Any
 import jsonschema
 import pytest
 
+from conformance._core import schemas
 from conformance._core.report import ReportBuilder, TestRecord, write_report
+from conformance._core.report import validate as validate_compat_report
 from conformance.cli import main
 from conformance.release.matrix_report import (
     CELL_SCHEMA_ID,
@@ -86,6 +88,7 @@ def _compat_report(cell_dir: Path, subject: str, vllm: str, kind: str, trace: st
         b.add(TestRecord("inv/test_sched.py::test_parity", "passed", ["C-01", "C-02"], examples=2))
     report = b.build()
     assert report["status"] == kind
+    validate_compat_report(report)  # every file the package writes matches its schema
     write_report(report, cell_dir)
 
 
@@ -126,6 +129,7 @@ def _cell(
         "upstream_tests": upstream_tests,
         **overrides,
     }
+    schemas.validate("matrix-cell", data)
     (d / "cell.json").write_text(json.dumps(data, indent=2))
     return d
 
@@ -375,7 +379,20 @@ def test_a_compat_report_the_merge_cannot_read_is_a_note(tmp_path: Path) -> None
     validate(report)
     cell = _cell_of(report, "omni", "0.33.0")
     assert cell["status"] == "incomplete" and "not one this merge can read" in cell["notes"][0]
+    assert "does not match its schema: field 'schema' is missing" in cell["notes"][0]
     assert "not one this merge can read" in render_markdown(report)
+
+
+def test_the_matrix_does_not_write_a_cell_the_merge_would_refuse(tmp_path: Path) -> None:
+    from conformance.release.matrix import _write_cell
+    from conformance.release.matrix_report import CellError
+
+    good = {"schema": CELL_SCHEMA_ID, "subject": "omni", "vllm": "0.33.0", "status": "pass"}
+    with pytest.raises(CellError, match="field 'status': 'passed' is not one of"):
+        _write_cell(tmp_path, {**good, "status": "passed"})
+    assert not (tmp_path / "cell.json").exists()
+    _write_cell(tmp_path, good)
+    assert len(load_cells([tmp_path]).cells) == 1
 
 
 # ---- the merge command ----------------------------------------------------------------------

@@ -37,10 +37,14 @@ def _line(value: Any) -> str:
 
 
 def md(value: Any) -> str:
-    """``value`` as Markdown text on one line: a pipe does not end a table cell, ``<cp311>`` is
-    not taken for an HTML tag, and an entity or a backslash in the value shows as written."""
+    """``value`` as Markdown text on one line that shows as written: a pipe does not end a table
+    cell, ``<cp311>`` is not taken for an HTML tag, a backtick does not open code, and an entity
+    or a backslash in the value stays literal. Emphasis marks are left as they are: the reports
+    are also read raw (``omni-conformance report`` prints one), and names like ``not_applicable``
+    stay readable."""
     text = _SPACE.sub(" ", str(value)).strip()
-    text = text.replace("\\", "\\\\").replace("&", "&amp;").replace("<", "&lt;")
+    for char, escaped in (("\\", "\\\\"), ("`", "\\`"), ("&", "&amp;"), ("<", "&lt;")):
+        text = text.replace(char, escaped)
     return text.replace("|", "\\|")
 
 
@@ -49,11 +53,12 @@ def md_code(value: Any) -> str:
     stays as it is; a backtick in it is kept by fencing with a longer run of backticks than any
     in the text (CommonMark), not replaced by a lookalike."""
     text = _line(value)
+    if not text:
+        return "` `"
     longest = max((len(run) for run in _TICKS.findall(text)), default=0)
     fence = "`" * (longest + 1)
-    # A space on each side is stripped by the renderer; it keeps an edge backtick off the fence
-    # and makes an empty value a code span at all.
-    pad = " " if not text or text[0] == "`" or text[-1] == "`" else ""
+    # A space on each side is stripped by the renderer; it keeps an edge backtick off the fence.
+    pad = " " if text[0] == "`" or text[-1] == "`" else ""
     return f"{fence}{pad}{text}{pad}{fence}"
 
 
