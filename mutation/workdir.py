@@ -166,6 +166,17 @@ SUITE_PATHS = (
 )
 
 
+# Suite paths that had another form in earlier commits: the subject's declaration was one module
+# before it became a package. A campaign refreshed from such a commit (its kept
+# ``suite_refreshed_from``) is rebuilt with that commit's form, and neither form may be left
+# beside the other (a package shadows a module of its name).
+FORMER_FORMS = {"omni_runtime/conformance_subject": "omni_runtime/conformance_subject.py"}
+
+
+def _forms(rel: str) -> tuple[str, ...]:
+    return (rel, FORMER_FORMS[rel]) if rel in FORMER_FORMS else (rel,)
+
+
 def refresh_suite(work: Path, rev: str | None = None) -> None:
     """Copy the checkout's suite and harness (or those of commit ``rev``) over the work folder's,
     so survivors are re-checked against the suite as it is now (the triage loop: add a property,
@@ -175,8 +186,25 @@ def refresh_suite(work: Path, rev: str | None = None) -> None:
         source = work / "suite-of-refresh"
         shutil.rmtree(source, ignore_errors=True)
         source.mkdir(parents=True)
+        listed = subprocess.run(
+            [
+                "git",
+                "ls-tree",
+                "--name-only",
+                rev,
+                "--",
+                *(f for r in SUITE_PATHS for f in _forms(r)),
+            ],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+        )
+        present = set(listed.stdout.split())
+        # Each path in the form the commit has; one it lacks in every form is asked for as it is
+        # spelled now, so git names what is missing.
+        wanted = [next((f for f in _forms(r) if f in present), r) for r in SUITE_PATHS]
         archive = subprocess.run(
-            ["git", "archive", "--format=tar", rev, *SUITE_PATHS], cwd=REPO, capture_output=True
+            ["git", "archive", "--format=tar", rev, *wanted], cwd=REPO, capture_output=True
         )
         if archive.returncode != 0:
             raise CampaignError(f"the suite of {rev}: {archive.stderr.decode().strip()}")
@@ -184,8 +212,16 @@ def refresh_suite(work: Path, rev: str | None = None) -> None:
     # Both copies: mutmut copies the work folder's ``conformance`` and ``invariants`` over its
     # own on every run (``rerun``), and the tests run from its own.
     for rel in SUITE_PATHS:
-        for dest in (work / rel, work / "mutants" / rel):
-            src = source / rel
+        forms = _forms(rel)
+        found = next((f for f in forms if (source / f).exists()), rel)
+        for copy in (work, work / "mutants"):
+            for gone in (copy / f for f in forms if f != found):
+                # The other form, from the work folder's own commit, goes.
+                if gone.is_dir():
+                    shutil.rmtree(gone)
+                elif gone.exists():
+                    gone.unlink()
+            src, dest = source / found, copy / found
             if src.is_dir():
                 shutil.rmtree(dest, ignore_errors=True)
                 shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))

@@ -34,6 +34,7 @@ import mutation.report
 import mutation.results
 import mutation.state
 import mutation.targets
+import mutation.workdir
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -244,6 +245,33 @@ def test_verdicts_outlive_the_work_folder(tmp_path: Path) -> None:
     (kept / "campaign.json").write_text(json.dumps(meta | {"rev": "abc + working tree"}))
     with pytest.raises(mutation.CampaignError, match="pass --rev"):
         mutation.state.restore(tmp_path / "three", chosen, None, state)
+
+
+def test_a_refreshed_suite_keeps_one_form_of_the_subject(tmp_path: Path) -> None:
+    # The subject's declaration was a module before it became a package: a campaign refreshed
+    # from a commit of either form is rebuilt with that form alone (a package left beside the
+    # module would shadow it, and a commit lacking the current form must still be readable).
+    package, module = next(iter(mutation.workdir.FORMER_FORMS.items()))
+    work = tmp_path / "work"
+    for copy in (work, work / "mutants"):
+        (copy / "tests").mkdir(parents=True)
+        (copy / module).parent.mkdir(parents=True)
+        (copy / module).write_text("# the module form, left by the campaign's own commit\n")
+    mutation.workdir.refresh_suite(work)  # the checkout's suite: the package
+    for copy in (work, work / "mutants"):
+        assert (copy / package / "__init__.py").is_file() and not (copy / module).exists()
+    deleted = subprocess.run(
+        ["git", "log", "--diff-filter=D", "--format=%H", "-1", "--", module],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    if deleted:  # else a shallow clone: no commit with the module form to rebuild from
+        mutation.workdir.refresh_suite(work, f"{deleted}~1")
+        for copy in (work, work / "mutants"):
+            assert (copy / module).is_file() and not (copy / package).exists()
+        assert not (work / "suite-of-refresh").exists()
 
 
 def test_two_work_folders_keep_each_others_kills(tmp_path: Path) -> None:
