@@ -24,7 +24,7 @@ import pytest
 from conformance._core import clauses
 from conformance._core.report import CLAUSES as REPORT_CLAUSES
 from conformance._core.report import INVARIANTS as REPORT_INVARIANTS
-from conformance.cli import _plugin_installed
+from conformance.cli.check import _plugin_installed
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACTS = ROOT / "docs" / "contracts.md"

@@ -27,7 +27,8 @@ from conformance._core.report import (
     validate,
     write_report,
 )
-from conformance.cli import _plugin_installed, _summary, main
+from conformance.cli import main
+from conformance.cli.check import _plugin_installed, _summary
 from conformance.plugin import _first_line, _skip_reason
 
 pytestmark = pytest.mark.clauses("C-03")
@@ -161,6 +162,14 @@ def test_markdown_has_a_not_applicable_table_and_counts():
         "| `inv/test_workers.py::test_executes_assigned` | no worker \\| none at all |",
     ]
     assert "| C-20 | AR-INV-003 | ➖ not applicable |" in md
+    # a reason that looks like a tag stays visible, and a multi-line failure stays one list item
+    report = _build(
+        _na("a::na", ["C-20"], "needs <worker>"),
+        TestRecord("a::broke", "failed", ["C-01"], message="boom\nFalsifying example: ..."),
+    )
+    md = render_markdown(report)
+    assert "| `a::na` | needs &lt;worker> |" in md
+    assert "- `a::broke` (C-01): boom Falsifying example: ..." in md.splitlines()
     assert "AR-INV-003 Workers execute assigned work | ➖ not applicable" in md
 
 
@@ -193,6 +202,7 @@ def test_cli_summary_and_rerender_show_the_counts(tmp_path, capsys):
     assert "2 tests: 1 ran (1 passed, 0 failed, 0 errors), 1 not applicable" in text
     assert f"not applicable a::na: {NO_WORKER}" in text
     paths = write_report(report, tmp_path)
+    validate(json.loads(paths["json"].read_text()))  # the file written matches its schema
     assert main(["report", str(paths["json"]), "--out", str(tmp_path / "again")]) == 0
     assert "### Not applicable" in capsys.readouterr().out
 

@@ -210,7 +210,7 @@ def test_a_check_interrupted_before_pytest_wrote_anything_still_leaves_a_report(
     report, marked incomplete, valid against the schema."""
     from argparse import Namespace
 
-    from conformance.cli import _write_incomplete
+    from conformance.cli.check import _write_incomplete
 
     report_json = tmp_path / "compat-report.json"
     _write_incomplete(

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from conformance._core import processes
 from conformance.cli import main
 from conformance.release import upstream_tests as ut
 from conformance.release.upstream_swap import Swapper, release_modules
@@ -339,7 +340,7 @@ def test_a_timed_out_child_loses_its_whole_process_group():
     )
     assert proc.stdout is not None
     grandchild = int(proc.stdout.readline())
-    ut._kill_group(proc)
+    processes.stop_group(proc)
     assert proc.poll() is not None
     deadline = time.monotonic() + 5
     while not _gone(grandchild) and time.monotonic() < deadline:

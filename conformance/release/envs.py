@@ -22,7 +22,6 @@ import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +29,7 @@ from dataclasses import dataclass, field
 from importlib.metadata import Distribution, PackageNotFoundError, distribution, distributions
 from pathlib import Path
 
+from conformance._core import processes
 from conformance._core.vllm_compat.versions import ByRelease, Change
 
 DISTRIBUTION = "omni-conformance"
@@ -194,19 +194,18 @@ def env_python(path: Path) -> Path:
 def installed_vllm(python: Path) -> str | None:
     code = "from importlib.metadata import version; print(version('vllm'))"
     try:
-        out = subprocess.run(
-            [str(python), "-c", code], capture_output=True, text=True, timeout=120, check=False
-        )
-    except (OSError, subprocess.TimeoutExpired):
+        out = processes.run([str(python), "-c", code], capture=True, timeout_s=120)
+    except OSError:
+        return None
+    if out.timed_out:
         return None
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
 def _run(cmd: Sequence[str], env: dict[str, str], log: Callable[[str], None], step: str) -> None:
     log(f"$ {' '.join(cmd)}")
-    proc = subprocess.run(
-        list(cmd), env=env, capture_output=True, text=True, check=False, start_new_session=True
-    )
+    # No time bound: a first install downloads gigabytes; an interrupt stops the group.
+    proc = processes.run(cmd, env=env, capture=True)
     for line in (proc.stdout + proc.stderr).splitlines():
         log(line)
     if proc.returncode != 0:

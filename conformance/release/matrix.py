@@ -1,50 +1,32 @@
-"""``omni-conformance matrix``: the gate over several vLLM releases and subjects, one cell each.
+"""The compatibility matrix's cells (``omni-conformance matrix``, whose command is
+``conformance.cli.matrix``): the gate over several vLLM releases and subjects, one cell each.
 
-For every (subject, vLLM release) cell the matrix builds or reuses an isolated environment for
-that release (``conformance.release.envs``), runs ``omni-conformance check`` in it, then (unless told
-not to) ``omni-conformance upstream-tests``, and writes the cell's folder
-``<out>/cells/<subject>--vllm-<release>/``: the check's compat report, the captured log and
-``cell.json`` (what ``conformance.release.matrix_report`` merges). Cells are written one at a time and
-atomically, so an interrupted matrix keeps every finished cell and its merged report covers
-them; ``--resume`` skips cells already finished in ``<out>``.
-
-A subject names the extra packages its environment needs either through an
-``environment_requirements(vllm_version) -> list[str]`` attribute on what its entry point
-loads, or on the command line with ``--with SUBJECT=REQUIREMENT`` (``{vllm}`` in the requirement
-is replaced by the cell's vLLM release). A subject that does not support a release says so by
-raising ``conformance._core.subjects.SubjectUnsupported`` (from that hook or when it loads); the cell
-is then "unsupported", which is a statement of the subject's support, not a failure.
-
-``--release-diff`` also records upstream's own schedulers on a fixed corpus in every release's
-environment (``omni-conformance record``, into ``<out>/release-diff/recordings/``) and diffs
-consecutive releases (``conformance.release.release_diff``, one folder per pair under
-``<out>/release-diff/``); ``--release-diff only`` does that without the gate's cells. The pairs'
-changes (or "identical on N workloads") are ``<out>/release-diff/release-diff.json``, which the
-merged report shows as "upstream changes between releases".
-
-Cell status: the check's report status (pass, fail, not_applicable, incomplete); "unsupported"
-(check exit 4, or the requirements hook refused); "error" (the environment could not be built,
-the check could not start, or it ended without a report), with one line saying why.
+For every (subject, vLLM release) cell: an isolated environment for that release
+(``conformance.release.envs``, built or reused), ``omni-conformance check`` in it, then (unless
+told not to) ``omni-conformance upstream-tests``, each a child run through
+``conformance._core.processes``; then the cell's folder ``<out>/cells/<subject>--vllm-<release>/``
+(compat report, log, ``cell.json``), written atomically one cell at a time, so an interrupted
+matrix keeps every finished cell. A subject's extra packages come from its
+``environment_requirements(vllm)`` hook or ``--with SUBJECT=REQ``; its refusal
+(``SubjectUnsupported``) makes the cell "unsupported". ``--release-diff`` records upstream's own
+schedulers in every release's environment and diffs consecutive releases. Cell statuses, the
+folder layout and the merged report: docs/compat-matrix.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 import json
 import os
 import re
-import signal
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
+from conformance._core import processes
 from conformance._core.vllm_compat.versions import SUPPORTED_VLLM, release
 from conformance.release.envs import (
     EnvBuildError,
@@ -52,8 +34,6 @@ from conformance.release.envs import (
     EnvSpec,
     build_environment,
     current_environment,
-    default_envs_dir,
-    disk_usage,
 )
 
 CELL_SCHEMA = "omni-conformance-matrix-cell/1"
@@ -140,54 +120,17 @@ def plan_cells(
     return cells
 
 
-class Interrupted(Exception):
-    pass
-
-
-@contextmanager
-def _terminate_as_interrupt() -> Iterator[None]:
-    """SIGTERM (a CI job being cancelled) ends the matrix like Ctrl-C: finished cells stay."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def _run_logged(cmd: list[str], log_path: Path, env: dict[str, str], timeout_s: float) -> int:
-    """Run ``cmd`` in its own process group, output appended to ``log_path``; kill the group
-    on interrupt or timeout so no child outlives the matrix."""
+    """Run ``cmd`` in its own process group, output appended to ``log_path``; the group is
+    stopped on interrupt or timeout (-9 then), so no child outlives the matrix."""
     with open(log_path, "a") as log:
         log.write(f"$ {' '.join(cmd)}\n")
         log.flush()
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
-        try:
-            return proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            _kill_group(proc)
+        done = processes.run(cmd, env=env, timeout_s=timeout_s, output=log)
+        if done.timed_out:
             log.write(f"\n[matrix] killed after {timeout_s:.0f} s\n")
             return -9
-        except BaseException:
-            _kill_group(proc)
-            raise
-
-
-def _kill_group(proc: subprocess.Popen[bytes]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=15)
-    except (ProcessLookupError, subprocess.TimeoutExpired):
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait()
+        return done.returncode
 
 
 def _last_error_line(log_path: Path) -> str:
@@ -261,7 +204,7 @@ def run_cell(
         "extras": list(cell.extras),
         "environment": {},
         "status": "error",
-        "untested_vllm": not _supported(cell.vllm),
+        "untested_vllm": not supported(cell.vllm),
         "exit_code": None,
         "duration_s": 0.0,
         "started_at": _now(),
@@ -292,7 +235,7 @@ def run_cell(
     return CellResult(cell, data["status"], data["duration_s"], data)
 
 
-def _supported(vllm: str) -> bool:
+def supported(vllm: str) -> bool:
     return release(vllm)[:2] in {release(v)[:2] for v in SUPPORTED_VLLM}
 
 
@@ -320,7 +263,7 @@ def _check_cell(
         str(opts.workers),
         "-q",
     ]
-    if opts.allow_untested or not _supported(cell.vllm):
+    if opts.allow_untested or not supported(cell.vllm):
         cmd.append("--allow-untested-vllm")
     rc = _run_logged(cmd, log_path, child_env, opts.timeout_s)
     data["exit_code"] = rc
@@ -383,7 +326,7 @@ def _existing(cell_dir: Path) -> dict[str, Any] | None:
     return data if data.get("status") in FINAL else None
 
 
-def _fmt(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
     return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.1f} min"
 
 
@@ -410,7 +353,7 @@ def _environment_for(
             error = f"environment {spec.name}: {exc}"
             say(f"    {error} (log: {build_log})")
             return None, error
-    how = "reused" if env.reused else f"built in {_fmt(env.build_s)}"
+    how = "reused" if env.reused else f"built in {duration_text(env.build_s)}"
     say(f"    environment {env.path}: {how} ({env.installer})")
     return env, None
 
@@ -444,8 +387,10 @@ def run_matrix(cells: Sequence[Cell], opts: MatrixOptions, say: Callable[[str], 
             result = run_cell(c, env, env_error, opts)
             done.append(result)
             detail = f" ({result.data['error']})" if result.data.get("error") else ""
-            say(f"[{i}/{total}] {c.label}: {result.status} in {_fmt(result.duration_s)}{detail}")
-    say(f"matrix: {len(done)} cell(s) run in {_fmt(time.monotonic() - t0)}")
+            say(
+                f"[{i}/{total}] {c.label}: {result.status} in {duration_text(result.duration_s)}{detail}"
+            )
+    say(f"matrix: {len(done)} cell(s) run in {duration_text(time.monotonic() - t0)}")
     return len(done)
 
 
@@ -490,7 +435,7 @@ def run_release_diff(
             say(f"    vLLM {v}: {problems[v]}")
             continue
         made[v] = target
-        say(f"    vLLM {v}: recorded in {_fmt(time.monotonic() - started)}")
+        say(f"    vLLM {v}: recorded in {duration_text(time.monotonic() - started)}")
     pairs: list[dict[str, Any]] = []
     for a, b in zip(ordered, ordered[1:], strict=False):
         if a not in made or b not in made:
@@ -546,164 +491,3 @@ def merge_into(out: Path, say: Callable[[str], None]) -> int:
     say(summary_text(report))
     say("report: " + ", ".join(str(p) for p in paths.values()))
     return exit_code(report)
-
-
-def cmd_matrix(args: argparse.Namespace) -> int:
-    def say(line: str) -> None:
-        print(line, flush=True)
-
-    try:
-        with_ = parse_with(args.with_ or [])
-        for v in args.vllm:
-            release(v)
-    except ValueError as exc:
-        print(f"omni-conformance: error: {exc}", file=sys.stderr)
-        return 2
-    unsupported = [v for v in args.vllm if not _supported(v)]
-    if unsupported and not args.allow_untested_vllm:
-        print(
-            f"omni-conformance: error: vLLM {', '.join(unsupported)} not supported by the harness "
-            f"(supported: {', '.join(SUPPORTED_VLLM)}); --allow-untested-vllm runs it anyway",
-            file=sys.stderr,
-        )
-        return 2
-    opts = MatrixOptions(
-        out=Path(args.out),
-        envs_dir=Path(args.envs_dir) if args.envs_dir else default_envs_dir(),
-        installer=args.installer,
-        profile=args.profile,
-        workers=args.workers,
-        allow_untested=args.allow_untested_vllm,
-        upstream_tests=not args.no_upstream_tests,
-        resume=args.resume,
-        reuse_current=not args.no_reuse_current,
-        timeout_s=args.cell_timeout,
-        python=args.python,
-        release_diff=args.release_diff,
-        corpus_seed=args.corpus_seed,
-        corpus_size=args.corpus_size,
-        corpus_traces=args.corpus_traces,
-    )
-    if args.corpus_size < 0:
-        print(
-            f"omni-conformance: error: --corpus-size {args.corpus_size}: must be 0 or more",
-            file=sys.stderr,
-        )
-        return 2
-    if args.corpus_traces is not None and not Path(args.corpus_traces).is_dir():
-        print(
-            f"omni-conformance: error: --corpus-traces {args.corpus_traces}: not a folder",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        opts.out.mkdir(parents=True, exist_ok=True)
-        probe = opts.out / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        print(f"omni-conformance: error: cannot write to --out {opts.out}: {exc}", file=sys.stderr)
-        return 2
-    cells = [] if opts.release_diff == "only" else plan_cells(args.subject, args.vllm, with_)
-    say(
-        f"omni-conformance matrix: {len(cells)} cell(s): subjects {', '.join(args.subject)} x "
-        f"vLLM {', '.join(sorted(args.vllm, key=release))}; environments in {opts.envs_dir}"
-        + (f"; release-diff of {len(args.vllm)} releases" if opts.release_diff else "")
-    )
-    interrupted = False
-    started = time.monotonic()
-    with _terminate_as_interrupt():
-        try:
-            run_matrix(cells, opts, say)
-            if opts.release_diff:
-                run_release_diff(args.vllm, opts, say)
-        except KeyboardInterrupt:
-            interrupted = True
-            say("matrix interrupted: merging the cells finished so far")
-    envs = sorted({p for p in opts.envs_dir.glob("vllm-*") if p.is_dir()})
-    if envs:
-        gib = disk_usage(envs) / 2**30
-        say(f"environments: {len(envs)} in {opts.envs_dir}, {gib:.1f} GiB on disk")
-    say(f"matrix wall time: {_fmt(time.monotonic() - started)}")
-    if (opts.out / "cells").is_dir():
-        rc = merge_into(opts.out, say)
-    elif opts.release_diff == "only":
-        # No cells to merge: the release-diff alone, which succeeded if every pair was compared
-        # (a behaviour change between releases is a finding, not a failure of the matrix).
-        pairs = release_changes_of(opts.out)
-        rc = 0 if pairs and all("report" in p for p in pairs) else 1
-        say(f"release-diff: {opts.out / RELEASE_DIFF_DIR / RELEASE_DIFF_FILE}")
-    else:
-        rc = 1
-    return 130 if interrupted else rc
-
-
-def add_parser(sub: Any) -> None:
-    m = sub.add_parser(
-        "matrix",
-        help="run the gate per vLLM release x subject, each in its own environment",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    m.add_argument(
-        "--vllm", nargs="+", default=list(SUPPORTED_VLLM), help="vLLM releases (columns)"
-    )
-    m.add_argument("--subject", nargs="+", default=["upstream"], help="subjects (rows)")
-    m.add_argument(
-        "--with",
-        dest="with_",
-        action="append",
-        metavar="SUBJECT=REQ",
-        help="an extra requirement for SUBJECT's environments; {vllm} becomes the release",
-    )
-    m.add_argument("--out", default="matrix-report", help="cells and the merged report go here")
-    m.add_argument(
-        "--envs-dir",
-        default=None,
-        help=f"where environments are kept (default: ${'OMNI_CONFORMANCE_ENVS'} or "
-        "~/.cache/omni-conformance/envs)",
-    )
-    m.add_argument(
-        "--installer", choices=("auto", "uv", "pip"), default="auto", help="uv when available"
-    )
-    m.add_argument("--python", default=None, help="base interpreter (default: this one)")
-    m.add_argument(
-        "--profile",
-        choices=("ci", "dev", "thorough", "smoke"),
-        default="ci",
-        help="hypothesis profile of every cell's check",
-    )
-    m.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers per cell")
-    m.add_argument(
-        "--allow-untested-vllm",
-        action="store_true",
-        help="accept releases outside the supported range; their cells say 'untested vLLM'",
-    )
-    m.add_argument(
-        "--no-upstream-tests",
-        action="store_true",
-        help="skip vLLM's own scheduler tests with the subject's classes in each cell",
-    )
-    m.add_argument("--resume", action="store_true", help="keep cells already finished in --out")
-    m.add_argument(
-        "--no-reuse-current",
-        action="store_true",
-        help="build an environment even for the release this interpreter already has",
-    )
-    m.add_argument(
-        "--cell-timeout", type=float, default=3600.0, help="seconds per check / upstream-tests"
-    )
-    m.add_argument(
-        "--release-diff",
-        nargs="?",
-        const="also",
-        choices=("also", "only"),
-        default=None,
-        help="record upstream's schedulers on a corpus in each release's environment and diff "
-        "consecutive releases (after the cells; 'only': without the cells)",
-    )
-    m.add_argument("--corpus-seed", type=int, default=0, help="release-diff corpus seed")
-    m.add_argument("--corpus-size", type=int, default=200, help="release-diff generated workloads")
-    m.add_argument(
-        "--corpus-traces", default=None, help="release-diff: saved traces added to the corpus"
-    )
-    m.set_defaults(func=cmd_matrix)

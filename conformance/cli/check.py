@@ -1,0 +1,280 @@
+"""``omni-conformance check``: the invariant suite against the installed vLLM and a subject.
+
+Loads the subject (one that patches vLLM gets an oracle in its own process,
+``conformance._core.pristine``), runs ``pytest -m invariants`` on the installed suite with the
+plugin, prints a summary (counts, a table per invariant, each violation's first difference) and
+writes the compat report (JSON, Markdown, JUnit) into ``--report-dir``. Exit 0 when every test
+that ran passed; 1 on a violation, a promised check that could not run, or no test run at all;
+2 for an environment problem or a suite that could not start; 4 when the subject declares it does
+not support this environment; 128 + the signal's number when interrupted (130 SIGINT, 143
+SIGTERM, 129 SIGHUP). pytest, its xdist workers and oracle processes share one process group
+(``conformance._core.processes``): on an interrupt the group gets one SIGINT, the report of the
+tests that finished is written marked incomplete (``"complete": false``), one line says so, and
+pytest's temporary folder is removed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+from conformance._core import processes
+from conformance._core.preflight import (
+    check_environment,
+    fail_environment,
+    folder_problem,
+    load_subject_quietly,
+)
+from conformance._core.vllm_compat.versions import ALLOW_UNTESTED_ENV
+from conformance.cli._options import ORACLE_CHOICES, PROFILES, place_oracle
+
+
+def _plugin_installed() -> bool:
+    return any(ep.value == "conformance.plugin" for ep in entry_points(group="pytest11"))
+
+
+def _has_xdist() -> bool:
+    try:
+        import xdist  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def pytest_command(args: argparse.Namespace) -> list[str]:
+    cmd = [sys.executable, "-m", "pytest", "-m", "invariants", "-p", "no:cacheprovider"]
+    if not _plugin_installed():
+        cmd += ["-p", "conformance.plugin"]
+    # Each check option backs the plugin option of the same last word.
+    cmd += ["--conformance-subject", args.subject, "--conformance-profile", args.profile]
+    cmd += ["--conformance-report-dir", str(args.report_dir)]
+    cmd += ["--conformance-failures-dir", str(args.failures_dir)]
+    cmd += ["--conformance-oracle", args.oracle]
+    cmd += ["-o", "addopts=", "-rfE", "-v" if not args.quiet else "-q"]
+    if args.workers and args.workers > 1 and _has_xdist():
+        cmd += ["-n", str(args.workers)]
+    cmd += list(args.tests) if args.tests else ["--pyargs", "invariants"]
+    cmd += list(args.pytest_args or ())
+    return cmd
+
+
+def _summary(report: dict[str, Any]) -> str:
+    from conformance._core.report import counts_line
+
+    lines = [
+        f"omni-conformance check: {report['status'].upper()}  subject={report['subject']}  "
+        f"profile={report['profile']}  seed={report['seed']}  "
+        f"vLLM {report['environment'].get('vllm')}  torch {report['environment'].get('torch')}  "
+        f"Python {report['environment'].get('python')}  "
+        f"hypothesis {report['environment'].get('hypothesis', 'unknown')}"
+        + ("  (untested vLLM)" if report["environment"].get("vllm_support") == "untested" else ""),
+        f"oracle: {report['environment'].get('oracle', 'in-process')}",
+        counts_line(report["summary"]),
+        f"{'invariant':<12} {'status':<14} {'examples':>9} {'steps':>9}  tolerated differences",
+    ]
+    for inv in report["invariants"]:
+        tol = ", ".join(f"{k} x{v}" for k, v in sorted(inv["tolerated"].items())) or "-"
+        lines.append(
+            f"{inv['id']:<12} {inv['status']:<14} {inv['examples']:>9} "
+            f"{inv['steps_compared']:>9}  {tol}"
+        )
+    ran = [c for c in report["clauses"] if c["status"] != "not_run"]
+    if ran:
+        lines.append("clauses: " + "  ".join(f"{c['id']}={c['status']}" for c in ran))
+    for f in report["failures"]:
+        lines.append(f"VIOLATION {f['test']}: {f['message']}")
+        diff = f.get("first_difference")
+        if diff:
+            lines.append(
+                f"  first difference: step {diff['step']} ({diff['op']}) {diff['path']}: "
+                f"upstream={json.dumps(diff['upstream'])[:120]} "
+                f"subject={json.dumps(diff['subject'])[:120]}"
+            )
+        if f.get("trace"):
+            lines.append(f"  replay: omni-conformance replay {f['trace']}")
+    for n in report.get("not_applicable", ()):
+        lines.append(f"not applicable {n['test']}: {n['reason']}")
+    for n in report.get("not_run", ()):
+        lines.append(f"COULD NOT RUN {n['test']}: {n['reason']}")
+    return "\n".join(lines)
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    allow_untested = bool(getattr(args, "allow_untested_vllm", False))
+    problem = check_environment(args.subject, allow_untested)
+    if problem:
+        return fail_environment(problem)
+    if allow_untested:
+        # The pytest child checks the version again; the opt-in reaches it this way.
+        os.environ[ALLOW_UNTESTED_ENV] = "1"
+    _, problem = load_subject_quietly(
+        args.subject
+    )  # here, so a broken subject is one line, not a run
+    if problem:
+        return fail_environment(problem)
+    place_oracle(args.oracle)
+    for option, folder in (
+        ("--report-dir", args.report_dir),
+        ("--failures-dir", args.failures_dir),
+    ):
+        problem = folder_problem(folder)
+        if problem:
+            return fail_environment(f"{option} {folder}: {problem}")
+    report_dir = Path(args.report_dir)
+    report_json = report_dir / "compat-report.json"
+    if report_json.exists():
+        report_json.unlink()  # never mistake a stale report for this run's
+    env = dict(os.environ)
+    env.setdefault("PYTHONHASHSEED", "0")  # multi-id aborts free blocks in set order
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    cmd = pytest_command(args)
+    print(
+        f"omni-conformance check: subject={args.subject} profile={args.profile} "
+        f"report-dir={report_dir}",
+        flush=True,
+    )
+    # pytest's temporary folder (the suite's tmp_path) is the check's own, removed at the end.
+    basetemp = None
+    if not any(str(a).startswith("--basetemp") for a in args.pytest_args or ()):
+        basetemp = tempfile.mkdtemp(prefix="omni-conformance-pytest-")
+        cmd += ["--basetemp", basetemp]
+    try:
+        # On SIGINT, SIGTERM or SIGHUP the group gets one SIGINT: pytest then ends its session
+        # and writes the report of what finished.
+        done = processes.run(cmd, env=env, relay=True, stop_signal=signal.SIGINT)
+    finally:
+        if basetemp is not None:
+            shutil.rmtree(basetemp, ignore_errors=True)
+    rc = done.returncode
+    if done.interrupted_by is not None:
+        return _interrupted(args, report_json, done.interrupted_by)
+    if not report_json.exists():
+        # check's exit codes are its own (pytest's 4 is a usage error, not "unsupported").
+        return fail_environment(
+            f"the suite did not run: pytest exited {rc} without writing a report"
+        )
+    report = json.loads(report_json.read_text())
+    print(_summary(report))
+    print(f"report: {report_json} (+ compat-report.md, compat-report.junit.xml)")
+    if report["status"] == "fail":
+        return rc or 1
+    if report.get("not_run"):
+        first = report["not_run"][0]
+        more = len(report["not_run"]) - 1
+        print(
+            f"omni-conformance check: a promised check could not run here: {first['test']}: "
+            f"{first['reason']}" + (f" (+{more} more)" if more else ""),
+            file=sys.stderr,
+        )
+        return rc or 1
+    if report["summary"]["ran"] == 0:
+        print("omni-conformance check: no test ran; nothing was checked", file=sys.stderr)
+        return rc or 1
+    return rc if rc not in (5,) else 1  # 5: no tests collected is a broken gate, not a pass
+
+
+def _interrupted(args: argparse.Namespace, report_json: Path, signum: int) -> int:
+    """Write the report of what finished, marked incomplete, and say so in one line."""
+    name = signal.Signals(signum).name
+    # Later signals wait: the partial report is short work and must not be cut in half.
+    main_thread = threading.current_thread() is threading.main_thread()
+    held = processes.RELAYED if main_thread else ()
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in held}
+    try:
+        _write_incomplete(args, report_json, f"interrupted by {name}")
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+    print(
+        f"omni-conformance check: interrupted by {name}; partial report marked incomplete: "
+        f"{report_json} (exit {128 + signum})",
+        file=sys.stderr,
+    )
+    return 128 + signum
+
+
+def _write_incomplete(args: argparse.Namespace, report_json: Path, reason: str) -> None:
+    """The report pytest wrote for the tests that finished (or an empty one), marked
+    incomplete, as JSON, Markdown and JUnit."""
+    from conformance._core.report import ReportBuilder, mark_incomplete, write_report
+
+    report: dict[str, Any] | None = None
+    if report_json.exists():
+        try:
+            report = json.loads(report_json.read_text())
+        except (OSError, ValueError):
+            report = None  # pytest was killed while writing it
+    if report is None:
+        from conformance._core.vllm_compat import environment_versions
+
+        report = ReportBuilder(
+            subject=str(args.subject),
+            profile=args.profile,
+            seed=None,
+            environment=environment_versions(),
+        ).build()
+    write_report(mark_incomplete(report, reason), report_json.parent)
+
+
+def register(sub: Any) -> None:
+    c = sub.add_parser(
+        "check",
+        help="run the invariant suite and write the compat report",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    c.add_argument(
+        "--subject",
+        default=os.environ.get("OMNI_CONFORMANCE_SUBJECT", "omni"),
+        help="subject runtime: a registered name (see 'subjects') or module:attr; "
+        "$OMNI_CONFORMANCE_SUBJECT sets the default",
+    )
+    c.add_argument(
+        "--profile",
+        choices=PROFILES,
+        default=os.environ.get("OMNI_CONFORMANCE_PROFILE", "ci"),
+        help="hypothesis profile: ci (derandomized, bounded), dev, thorough (10x ci "
+        "examples) or smoke (a fifth of ci's, for the gate's plumbing); "
+        "$OMNI_CONFORMANCE_PROFILE sets the default",
+    )
+    c.add_argument(
+        "--report-dir",
+        default="compat-report",
+        help="folder for the compat report (JSON, Markdown, JUnit XML)",
+    )
+    c.add_argument(
+        "--failures-dir",
+        default=os.environ.get("OMNI_CONFORMANCE_FAILURES", "conformance-failures"),
+        help="folder for shrunk failure traces (omni-conformance replay re-runs them); "
+        "$OMNI_CONFORMANCE_FAILURES sets the default",
+    )
+    c.add_argument(
+        "--allow-untested-vllm",
+        action="store_true",
+        help="run on a vLLM release outside the supported range; the report says 'untested vLLM'",
+    )
+    c.add_argument(
+        "--oracle",
+        choices=ORACLE_CHOICES,
+        default="auto",
+        help="where upstream vLLM runs: auto (in this process, or in its own process when "
+        "loading the subject patched vLLM), or process (always its own process)",
+    )
+    c.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers (2 cores)")
+    c.add_argument("-q", "--quiet", action="store_true", help="pytest's quiet progress")
+    c.add_argument(
+        "--tests",
+        nargs="*",
+        default=[],
+        help="test paths instead of the installed suite (empty: the installed suite)",
+    )
+    c.add_argument("pytest_args", nargs="*", default=[], help="extra pytest arguments (after --)")
+    c.set_defaults(func=cmd_check)

@@ -1,0 +1,114 @@
+"""``omni-conformance replay TRACE``: re-runs a saved failure trace and says what happened.
+
+Exit 1 when it reproduces: the first difference is printed, and when it is not the recorded one
+both are ("reproduces with a DIFFERENT first difference"); 3 when it does not reproduce (no
+difference on this subject and vLLM: a trace is saved only for a failure, so this is never a
+success); 2 when the trace file is unreadable or for an environment problem. A one-line note
+comes first when the subject or the vLLM version differ from the ones the trace recorded. An
+audit trace (a run-time audit failed, not a lock-step difference) is re-run by the suite function
+its ``meta.replay`` names.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from conformance._core.preflight import (
+    EXIT_NOT_REPRODUCED,
+    EXIT_REPRODUCED,
+    check_environment,
+    fail_environment,
+    load_subject_quietly,
+    subject_problem,
+)
+from conformance.cli._options import ORACLE_CHOICES, place_oracle
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    problem = check_environment(args.subject)
+    if problem:
+        return fail_environment(problem)
+    if not Path(args.trace).is_file():
+        return fail_environment(f"no such trace: {args.trace}")
+    from conformance._core.replay import TraceError, load_trace, replay_trace
+
+    try:
+        trace = load_trace(args.trace)
+    except TraceError as exc:
+        return fail_environment(str(exc))
+    spec = args.subject or trace.meta.get("subject")
+    if not isinstance(spec, str) or not spec:
+        return fail_environment(f"{args.trace} records no subject; pass --subject")
+    problem = subject_problem(spec)
+    if problem:
+        return fail_environment(problem)
+    subject, problem = load_subject_quietly(spec)
+    if problem:
+        return fail_environment(problem)
+    place_oracle(args.oracle)
+    if trace.meta.get("kind") == "audit":
+        return _replay_audit(trace, subject, spec)
+    outcome = replay_trace(trace, subject, spec)
+    note = outcome.context_note()
+    if note:
+        print(note)
+    if outcome.difference is None:
+        print(f"does not reproduce: no difference on subject {spec!r}, vLLM {outcome.vllm}")
+        return EXIT_NOT_REPRODUCED
+    recorded = outcome.recorded_difference
+    if recorded is not None and not outcome.same_as_recorded:
+        print("reproduces with a DIFFERENT first difference:")
+        print(f"  recorded: {recorded.headline()}")
+        print(f"  now:      {outcome.difference.headline()}")
+        return EXIT_REPRODUCED
+    print(outcome.difference.headline())
+    return EXIT_REPRODUCED
+
+
+def _replay_audit(trace: Any, subject: Any, spec: str) -> int:
+    """An audit trace (a run-time audit of the suite failed, not a lock-step difference): its
+    ``meta.replay`` names the suite function that re-runs it with the same audits."""
+    import importlib
+
+    from conformance._core.replay import ReplayOutcome
+    from conformance._core.vllm_compat import environment_versions
+
+    vllm = environment_versions().get("vllm", "missing")
+
+    module, _, attr = str(trace.meta.get("replay", "")).partition(":")
+    try:
+        rerun = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError):
+        return fail_environment(
+            f"audit trace names no replay function it can import: {module}:{attr}"
+        )
+    note = ReplayOutcome(trace, spec, vllm, None, dict(trace.meta)).context_note()
+    if note:
+        print(note)
+    problems = rerun(trace, subject)
+    if not problems:
+        print(f"does not reproduce: audits hold on subject {spec!r}, vLLM {vllm}")
+        return EXIT_NOT_REPRODUCED
+    recorded = str(trace.meta.get("problem", ""))
+    if recorded and problems[0].split(":", 1)[0] != recorded.split(":", 1)[0]:
+        print("reproduces with a DIFFERENT problem:")
+        print(f"  recorded: {recorded}")
+        print(f"  now:      {problems[0]}")
+        return EXIT_REPRODUCED
+    print(problems[0])
+    return EXIT_REPRODUCED
+
+
+def register(sub: Any) -> None:
+    r = sub.add_parser("replay", help="re-run a saved failure trace")
+    r.add_argument("trace")
+    r.add_argument("--subject", default=None, help="override the subject recorded in the trace")
+    r.add_argument(
+        "--oracle",
+        choices=ORACLE_CHOICES,
+        default="auto",
+        help="where upstream vLLM runs (as for check)",
+    )
+    r.set_defaults(func=cmd_replay)
