@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from conformance._core import schemas
 from conformance._core.machine import PREFIXES, TIGHT
 from conformance._core.workload import AddRequest, Step, Trace
 from conformance.cli import main
@@ -67,6 +68,8 @@ def test_record_writes_both_modes_of_every_workload(corpus: dict[str, Path]) -> 
     from conformance._core import vllm_compat as vc
 
     lines = _lines(corpus["first"])
+    for line in lines:  # every record the writer wrote matches the recording schema
+        schemas.validate("recording", line)
     header = lines[0]
     assert header["schema"] == SCHEMA
     assert header["vllm"] == vc.vllm_version()

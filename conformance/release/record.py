@@ -1,51 +1,17 @@
 """Recordings of upstream vLLM's own schedulers on a fixed corpus (``omni-conformance record``).
 
-A recording is what one vLLM release's ``Scheduler`` (sync) and ``AsyncScheduler`` (async) do on
-a corpus of workloads, observation by observation, written so that a recording made on another
-release can be compared with it (``conformance.release.release_diff``). This module owns the corpus, the
-recording schema and the writer/reader.
-
-**Corpus.** ``generate_corpus(seed, size)`` draws ``size`` workloads from ``random.Random`` seeded
-with a string (Python hashes a string seed with SHA-512, so the corpus depends neither on
-``PYTHONHASHSEED`` nor on the vLLM release). Each workload uses the operation mix of the
-invariant suite's state machine (``conformance._core.machine``: requests with or without a shared
-prefix, stop ids and EOS, bursts of 1-4 steps, aborts of 1-3 known ids whatever their state, the
-three forms of ``reset_prefix_cache``) on its tight configuration (``machine.TIGHT``), where
-preemption and eviction happen, or on one of a few variants of it (``VARIANTS``: no prefix
-cache, no chunked prefill, a long-prefill cap, two sequences, a roomy cache). Saved traces (``--traces DIR``: every ``*.json`` trace in the
-folder, sorted by name) join the corpus as they are. Every workload runs in both modes (sync,
-then async scheduling), and after its operations is drained: steps until the scheduler holds
-nothing and has no step in flight (at most ``MAX_DRAIN`` steps); the drain steps are part of the
-recorded run.
-
-**Schema** (``SCHEMA``, JSON lines; every line is checked on reading against
-``conformance/schemas/recording.schema.json``). Line 1 is the header::
-
-    {"schema": "omni-conformance-recording/1", "vllm", "torch", "python", "pythonhashseed",
-     "corpus": {"seed", "size", "traces": [{"name", "sha256"}], "digest"},
-     "config": HarnessConfig.to_dict() (the base), "variants": {name: changes}, "modes":
-     ["sync", "async"], "max_drain",
-     "absent_fields": [...], "seconds", "mode_seconds": {...}, "recorded_at"}
-
-then one line per workload::
-
-    {"workload": NAME, "source": "generated" | "trace:FILE", "variant": NAME (generated only),
-     "trace": Trace.to_dict() without its meta,
-     "modes": {"sync": {"ops": [op descriptions as executed], "drain": N,
-                         "steps": [snapshot after op 0, after op 1, ...]}, "async": {...}}}
-
-A snapshot is ``conformance._core.observe``'s (field paths ``requests.<id>.status``,
-``queues.running``, ``block_pool.free_order``, ``sched_out.*``, ``outputs.<id>.*`` ...) made
-plain JSON. **A field the release lacks is a missing key** and is named in the header's
-``absent_fields`` (today: the admission queues other releases have, e.g. ``skipped_waiting``
-before 0.31 and ``kv_holding_waiting`` / ``deferred_waiting`` from 0.31); it is never an error.
-
-**What is not recorded**, because it changes between two runs of one release or between
-releases without a change of behaviour: block hashes (they chain from vLLM's per-process
-``NONE_HASH`` and depend on the release's hash serialisation) are replaced by labels ``#0``,
-``#1``... numbered in order of first appearance in the run, which keeps which blocks share a
-hash; memory addresses in exception texts become ``0x?``; no wall time is read. Recording one
-corpus twice on one release gives byte-identical workload lines (only the header's times differ).
+A recording is what one release's ``Scheduler`` (sync) and ``AsyncScheduler`` (async) do on a
+corpus of workloads, observation by observation, so that a recording made on another release can
+be compared with it (``conformance.release.release_diff``). This module owns the corpus (drawn
+from a string seed, so it depends neither on ``PYTHONHASHSEED`` nor on the release; the invariant
+suite's operation mix on its tight configuration or a variant, plus saved traces), running each
+workload in both modes and draining it, and the writer and reader. The format is JSON lines, a
+header then one line per workload, each line described by
+``conformance/schemas/recording.schema.json`` and checked against it on reading. A field the
+release lacks is a missing key named in the header's ``absent_fields``; block hashes become
+first-seen labels and memory addresses ``0x?``, so recording one corpus twice on one release gives
+byte-identical workload lines. docs/compat-matrix.md ("Upstream changes between releases") has
+the details.
 """
 
 from __future__ import annotations

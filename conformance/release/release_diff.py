@@ -1,37 +1,17 @@
 """``omni-conformance release-diff A B``: how two vLLM releases schedule one corpus differently.
 
-This module owns the comparison of two recordings (``conformance.release.record``) of the same corpus
+This module owns the comparison of two recordings (``conformance.release.record``) of one corpus
 made on two releases, the grouping of first differences into behaviour changes, the shortest
-workload that shows each change (written as a trace), and the report (JSON, and Markdown from the
-template ``conformance/templates/release-diff.md.j2``).
+workload that shows each change (written as a trace that runs on either release), and the report
+(JSON, and Markdown from the template ``conformance/templates/release-diff.md.j2``).
 
-* **Same corpus or nothing.** Both headers must agree on the corpus (seed, size, saved traces,
-  digest of every workload's operations), the harness configuration, the modes, the drain bound
-  and ``PYTHONHASHSEED``; each workload's trace must be the same in both. Otherwise the diff
-  refuses with one line naming the file and the field (``CorpusMismatch``, exit 2).
-* **First difference per workload and mode**: the first recorded observation (operation index,
-  counting the drain steps) at which the two runs differ, and in it the first field, walked in a
-  fixed order (``SECTION_ORDER``, ``FIELD_ORDER``: what was scheduled, then what the client got, then request
-  state, queues, block pool), request ids in natural order. A field one release does not have
-  (named in that recording's ``absent_fields``) is not compared; the report lists those fields.
-  A field that one release has and whose value is missing in the other (a request one release
-  still holds) is a difference, shown as ``<absent>``. A run that ends earlier on one release
-  differs at ``__end__``.
-* **Behaviour changes**: first differences grouped by the field path with request ids replaced
-  by ``*`` (``requests.*.status``) and the kind of operation the observation followed (``step``,
-  ``abort``, ``add``, ``reset_prefix_cache``); sync and async runs group together. For each
-  change, the run whose first difference comes earliest is its shortest workload: its operations
-  up to and including the differing one, written as a trace (``traces/`` next to the report)
-  that ``conformance._core.workload.Trace.load`` / ``omni-conformance replay`` tooling reads and that
-  runs on either release (it is a workload, not a diff): ``omni-conformance replay TRACE
-  --subject NAME`` checks a subject against upstream on exactly that workload, and recording the
-  folder on each release (``omni-conformance record --size 0 --traces DIR``) and diffing shows
-  the change alone.
-
-Both recordings are read a workload at a time (``diff_streams``), and only the workloads that
-differ are kept, so a large corpus costs time, not memory.
-
-Exit codes of the command: 0 every run identical, 1 differences found, 2 bad input.
+Both recordings must be of the same corpus (``IDENTITY``, and each workload's trace), else
+``CorpusMismatch`` names the file and the field. Per workload and mode the first difference is
+the first observation at which the runs differ, and in it the first field in a fixed walk order
+(``SECTION_ORDER``, ``FIELD_ORDER``); fields one release lacks are not compared. Differences
+grouped by field pattern and operation kind are the behaviour changes. Recordings are read a
+workload at a time (``diff_streams``). Exit codes: 0 identical, 1 different, 2 bad input.
+docs/compat-matrix.md ("Upstream changes between releases") has the details.
 """
 
 from __future__ import annotations
