@@ -162,6 +162,7 @@ def test_markdown_has_a_not_applicable_table_and_counts():
         "| `inv/test_workers.py::test_executes_assigned` | no worker \\| none at all |",
     ]
     assert "| C-20 | AR-INV-003 | ➖ not applicable |" in md
+    assert "AR-INV-003 Workers execute assigned work | ➖ not applicable" in md
     # a reason that looks like a tag stays visible, and a multi-line failure stays one list item
     report = _build(
         _na("a::na", ["C-20"], "needs <worker>"),
@@ -170,7 +171,6 @@ def test_markdown_has_a_not_applicable_table_and_counts():
     md = render_markdown(report)
     assert "| `a::na` | needs &lt;worker> |" in md
     assert "- `a::broke` (C-01): boom Falsifying example: ..." in md.splitlines()
-    assert "AR-INV-003 Workers execute assigned work | ➖ not applicable" in md
 
 
 def test_junit_marks_not_applicable_skipped_with_the_reason():
