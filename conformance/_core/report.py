@@ -26,7 +26,7 @@ from typing import Any
 
 from conformance._core import clauses as clause_table
 from conformance._core import schemas
-from conformance._core.render import Case, Suite, junit_xml, render
+from conformance._core.render import Case, Suite, junit_xml, render, write_junit
 
 SCHEMA_ID = "omni-conformance-compat-report/2"
 SCHEMA_PATH = schemas.SCHEMA_DIR / "compat-report.schema.json"
@@ -364,7 +364,7 @@ def _test_case(t: Mapping[str, Any]) -> Case:
     return case
 
 
-def render_junit(report: Mapping[str, Any]) -> str:
+def junit_suites(report: Mapping[str, Any]) -> list[Suite]:
     """Two suites: one test case per clause (the contract view), then one per test."""
     subject = report["subject"]
     tests = [_test_case(t) for t in report["tests"]]
@@ -374,14 +374,15 @@ def render_junit(report: Mapping[str, Any]) -> str:
         tests.append(
             Case("omni-conformance", "run complete", "error", message=f"INCOMPLETE: {reason}")
         )
-    return junit_xml(
-        [
-            Suite(
-                f"omni-conformance[{subject}]", [_clause_case(report, c) for c in report["clauses"]]
-            ),
-            Suite(f"omni-conformance[{subject}] tests", tests),
-        ]
-    )
+    clauses = [_clause_case(report, c) for c in report["clauses"]]
+    return [
+        Suite(f"omni-conformance[{subject}]", clauses),
+        Suite(f"omni-conformance[{subject}] tests", tests),
+    ]
+
+
+def render_junit(report: Mapping[str, Any]) -> str:
+    return junit_xml(junit_suites(report))
 
 
 def write_report(report: Mapping[str, Any], out_dir: str | Path) -> dict[str, Path]:
@@ -394,7 +395,7 @@ def write_report(report: Mapping[str, Any], out_dir: str | Path) -> dict[str, Pa
     }
     paths["json"].write_text(json.dumps(report, indent=2, default=str))
     paths["markdown"].write_text(render_markdown(report))
-    paths["junit"].write_text(render_junit(report))
+    write_junit(paths["junit"], junit_suites(report))
     return paths
 
 

@@ -29,7 +29,7 @@ from typing import Any
 from markupsafe import Markup, escape
 
 from conformance._core import schemas
-from conformance._core.render import Case, Suite, junit_xml, md, md_code, render
+from conformance._core.render import Case, Suite, junit_xml, md, md_code, render, write_junit
 
 # Also named here by the merge's callers (the matrix, the tests).
 from conformance.release.matrix_cells import CELL_FILE as CELL_FILE
@@ -49,6 +49,7 @@ from conformance.release.matrix_cells import (
 SCHEMA_ID = "omni-conformance-matrix-report/1"
 SCHEMA_PATH = schemas.SCHEMA_DIR / "matrix-report.schema.json"
 DEFAULT_OUT = "matrix-report"
+JUNIT_NAME = "omni-conformance matrix"
 FILES = {
     "json": "matrix-report.json",
     "markdown": "matrix-report.md",
@@ -657,11 +658,14 @@ def _junit_suite(e: Mapping[str, Any] | None, pending: Mapping[str, Any] | None 
     return suite
 
 
-def render_junit(report: Mapping[str, Any]) -> str:
-    """One suite per cell (and one per unfinished cell folder); the totals are the suites' sums."""
+def junit_suites(report: Mapping[str, Any]) -> list[Suite]:
+    """One suite per cell (and one per unfinished cell folder)."""
     suites = [_junit_suite(e) for e in report["cells"]]
-    suites += [_junit_suite(None, u) for u in report["unfinished"]]
-    return junit_xml(suites, name="omni-conformance matrix")
+    return suites + [_junit_suite(None, u) for u in report["unfinished"]]
+
+
+def render_junit(report: Mapping[str, Any]) -> str:
+    return junit_xml(junit_suites(report), name=JUNIT_NAME)
 
 
 # ---- writing, validating --------------------------------------------------------------------
@@ -678,7 +682,7 @@ def write_matrix_report(report: Mapping[str, Any], out_dir: str | Path) -> dict[
     paths = {kind: d / name for kind, name in FILES.items()}
     paths["json"].write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
     paths["markdown"].write_text(render_markdown(report), encoding="utf-8")
-    paths["junit"].write_text(render_junit(report), encoding="utf-8")
+    write_junit(paths["junit"], junit_suites(report), name=JUNIT_NAME)
     paths["html"].write_text(render_html(report), encoding="utf-8")
     return paths
 

@@ -404,7 +404,8 @@ def _checked_lines(
 
 
 def load_recording(path: str | Path) -> Recording:
-    """A whole recording, checked field by field (``open_recording`` reads it lazily)."""
+    """A whole recording, every line checked against its schema (``open_recording`` reads it
+    lazily)."""
     rec, lines = open_recording(path)
     for line in lines:
         rec.workloads[line["workload"]] = line
