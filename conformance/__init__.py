@@ -15,7 +15,9 @@ from typing import Any
 
 _API = "conformance.api"
 # The public names, as ``conformance.api.__all__`` lists them (a test keeps the two equal;
-# reading that list here would import the API eagerly).
+# reading that list here would import the API eagerly), less ``release``: here that name is the
+# release tooling's subpackage (``conformance.release``), so the version helper is reached as
+# ``conformance.api.release`` only.
 __all__ = sorted(
     [
         "Abort",
@@ -60,7 +62,6 @@ __all__ = sorted(
         "build_vllm_config",
         "load_subject",
         "make_sampling_params",
-        "release",
         "replay",
         "run_trace",
         "scheduler_holdings",
