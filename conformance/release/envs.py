@@ -6,14 +6,12 @@ vLLM (``--no-deps``, then the harness's own requirements minus vLLM). Environmen
 ``--envs-dir`` (default ``$OMNI_CONFORMANCE_ENVS`` or ``~/.cache/omni-conformance/envs``), are
 named after their contents, and are reused when their recorded contents match.
 
-uv builds them when it is available: it resolves from the package index directly and keeps one
-cache whose files are hard-linked into every environment, so the five releases that pin the
-same torch share its files on disk. pip (``python -m venv`` + pip) is the fallback and gives the
-same environments, slower and without the sharing. Either way the installer runs with the
-user's pip configuration set aside (``PIP_CONFIG_FILE`` = the null device, no ``PIP_FIND_LINKS``):
-a local find-links folder or index override meant for the host Python can otherwise pull a torch
-build that does not match the torchvision/torchaudio vLLM pins next to it, and the environment
-then fails at ``import vllm``.
+uv builds them when available (resolving from the index, one cache hard-linked into every
+environment, so releases that pin the same torch share its files); ``python -m venv`` + pip is
+the fallback, slower and without the sharing. Either way the installer runs with the user's pip
+configuration set aside (``PIP_CONFIG_FILE`` = the null device, no ``PIP_FIND_LINKS``): a local
+find-links folder or index override meant for the host Python can pull a torch build that does
+not match the torchvision/torchaudio vLLM pins, and ``import vllm`` then fails.
 """
 
 from __future__ import annotations

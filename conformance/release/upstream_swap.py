@@ -1,23 +1,17 @@
 """The pytest plugin that runs vLLM's own scheduler tests against a subject's scheduler classes.
 
-``omni-conformance upstream-tests`` loads it into a child pytest (``-p conformance.release.upstream_swap``)
-over the test files of an installed vLLM release. With ``--upstream-swap-subject SPEC`` it loads
-that subject in the child and, before every test, rebinds the names in the release's test modules
-(``tests.*`` files under the run's rootdir) that refer to vLLM's ``Scheduler`` or
-``AsyncScheduler`` to the subject's sync and async classes. vLLM's own modules are never touched:
-the tests' helpers (``create_scheduler`` in ``tests/v1/core/utils.py``, ``Scheduler(...)`` and
-``object.__new__(Scheduler)`` in the test bodies) read those module globals when they run, so
-rebinding the globals is enough and the oracle stays pristine. Without the option nothing is
-rebound (the baseline run of upstream's own classes).
-
-What is not rebound stays upstream's, on purpose: a class a test passes explicitly
-(``scheduler_cls=DiffusionScheduler``), and a name a test imports inside its own body from vLLM.
-
-It also supplies ``caplog_vllm`` (vLLM's log records through pytest's ``caplog``), a fixture
-some of these tests take from vLLM's repository-root ``conftest.py``, which is not run: that
-conftest needs vLLM's whole test requirements. ``--upstream-swap-record PATH`` writes which
-classes were swapped in and which module names were rebound (JSON), so the caller can tell a
-swap that happened from one that silently matched nothing.
+``omni-conformance upstream-tests`` loads it into a child pytest (``-p
+conformance.release.upstream_swap``) over an installed release's test files. With
+``--upstream-swap-subject SPEC`` it loads that subject in the child and, before every test,
+rebinds the names in the release's test modules (``tests.*`` under the rootdir) that refer to
+vLLM's ``Scheduler`` or ``AsyncScheduler`` to the subject's sync and async classes. vLLM's own
+modules are never touched: the tests' helpers read those module globals when they run, so
+rebinding them is enough and the oracle stays pristine. Without the option nothing is rebound
+(the baseline). Not rebound, on purpose: a class a test passes explicitly, and a name a test
+imports inside its own body. It also supplies ``caplog_vllm``, a fixture of vLLM's root
+``conftest.py`` (not run: it needs vLLM's whole test requirements); ``--upstream-swap-record
+PATH`` writes which classes were swapped in and which names rebound (JSON), so the caller can
+tell a swap that happened from one that silently matched nothing.
 """
 
 from __future__ import annotations
