@@ -1,8 +1,9 @@
 """Isolated Python environments, one per vLLM release (and extra packages), for the matrix.
 
 An environment holds one vLLM release exactly as its own wheel pins it (torch and all), the
-extra packages a subject asked for, and this harness installed next to them without touching
-vLLM (``--no-deps``, then the harness's own requirements minus vLLM). Environments live under
+extra packages a subject asked for, and this harness (the published gate, or this checkout's
+development install with its runtime, which pins vLLM 0.33.0) installed next to them without
+touching vLLM (``--no-deps``, then its own requirements minus vLLM). Environments live under
 ``--envs-dir`` (default ``$OMNI_CONFORMANCE_ENVS`` or ``~/.cache/omni-conformance/envs``), are
 named after their contents, and are reused when their recorded contents match.
 
@@ -30,11 +31,12 @@ from pathlib import Path
 from conformance._core import processes
 from conformance._core.vllm_compat.versions import ByRelease, Change
 
+# The gate as published, and this repository's development install (the gate and its runtime);
+# a cell gets whichever this copy runs from.
 DISTRIBUTION = "omni-conformance"
+DEVELOPMENT = "omni-conformance-dev"
 MARKER = ".omni-conformance-env.json"
 ENVS_ENV = "OMNI_CONFORMANCE_ENVS"
-# The harness's own requirements inside a cell environment (the "gate" extra, without vLLM).
-GATE_EXTRA = "gate"
 
 
 class EnvBuildError(RuntimeError):
@@ -48,7 +50,8 @@ def default_envs_dir() -> Path:
 def _installed() -> Distribution | None:
     """The installed harness distribution; a build's ``.egg-info`` in the working directory can
     shadow it on ``sys.path``, so prefer the copy that records where it was installed from."""
-    found = [d for d in distributions() if (d.metadata["Name"] or "").lower() == DISTRIBUTION]
+    names = (DISTRIBUTION, DEVELOPMENT)
+    found = [d for d in distributions() if (d.metadata["Name"] or "").lower() in names]
     for d in found:
         if d.read_text("direct_url.json"):
             return d
@@ -72,23 +75,22 @@ def harness_source() -> str:
         url = json.loads(raw).get("url", "")
         if url.startswith("file://"):
             return url[len("file://") :]
-    return f"{DISTRIBUTION}=={dist.version}"
+    return f"{dist.metadata['Name']}=={dist.version}"
 
 
 def harness_requirements() -> list[str]:
-    """The harness's runtime and gate requirements, without vLLM (the cell pins that)."""
+    """The harness's own requirements, without vLLM (the cell pins that) and without extras."""
     dist = _installed()
     requires = (dist.requires or []) if dist is not None else []
     out = []
     for req in requires:
         spec, _, marker = req.partition(";")
+        if "extra" in marker:
+            continue
         name = spec.strip().split("[")[0]
         for sep in ("=", "<", ">", "!", "~", " "):
             name = name.split(sep)[0]
         if name.lower() == "vllm":
-            continue
-        marker = marker.strip().replace(" ", "")
-        if marker and marker not in (f'extra=="{GATE_EXTRA}"', f"extra=='{GATE_EXTRA}'"):
             continue
         out.append(spec.strip())
     return out
