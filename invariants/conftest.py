@@ -78,7 +78,7 @@ def collection_subject(config):
 
 def pytest_generate_tests(metafunc):
     if "feature" in metafunc.fixturenames:
-        from conformance._core.capabilities import features_of
+        from conformance._core.needs import features_of
 
         marker = metafunc.definition.get_closest_marker("features")
         worker = None if marker is None else marker.kwargs.get("worker")

@@ -17,7 +17,7 @@ Clauses and mutants: docs/contracts.md; the programs: docs/design.md, "How the s
 
 import pytest
 
-from conformance._core.capabilities import features_of, require, require_worker
+from conformance._core.needs import features_of, require, require_worker
 from conformance.plugin import covers
 from invariants.machines import (
     check_machine,

@@ -27,12 +27,8 @@ import torch
 from hypothesis import given, settings
 
 from conformance._core import vllm_compat as vc
-from conformance._core.capabilities import (
-    NotApplicable,
-    SourceLayout,
-    features_of,
-    require,
-)
+from conformance._core.capabilities import NotApplicable, SourceLayout
+from conformance._core.needs import features_of, require
 from conformance._core.subjects import admit_request
 from invariants.audits import same_scalar, tensor_difference
 from invariants.machines import check_machine, lockstep_run, suite_settings

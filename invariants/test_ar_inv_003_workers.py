@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 from hypothesis import given
 
-from conformance._core.capabilities import CheckNotRun, NotApplicable, require, require_worker
+from conformance._core.capabilities import CheckNotRun, NotApplicable
+from conformance._core.needs import require, require_worker
 from invariants.audits import CheckingExecutor
 from invariants.machines import suite_settings, worker_harness_config
 from invariants.runners import RunnerExec, drive_runners, same_view

@@ -26,7 +26,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize
 
-from conformance._core.capabilities import ChunkDelivery, ChunkView, NotApplicable, require
+from conformance._core.capabilities import ChunkDelivery, ChunkView, NotApplicable
+from conformance._core.needs import require
 from conformance._core.pristine import require_oracle_in_process
 from conformance._core.workload import AddRequest, ResetPrefixCache, Step
 from conformance.plugin import covers

@@ -25,14 +25,8 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance._core.capabilities import (
-    Feature,
-    NotApplicable,
-    RunnerProbes,
-    cause_naming_problem,
-    require,
-    require_worker,
-)
+from conformance._core.capabilities import Feature, NotApplicable, RunnerProbes
+from conformance._core.needs import cause_naming_problem, require, require_worker
 from invariants.machines import suite_settings, worker_harness_config
 from invariants.runners import RunnerExec, drive_runners, same_view
 from invariants.strategies import Job, jobs

@@ -20,13 +20,8 @@ import pytest
 import torch
 from hypothesis import example, given
 
-from conformance._core.capabilities import (
-    NotApplicable,
-    PayloadView,
-    RunnerProbes,
-    require,
-    require_worker,
-)
+from conformance._core.capabilities import NotApplicable, PayloadView, RunnerProbes
+from conformance._core.needs import require, require_worker
 from conformance._core.vllm_compat import computed_before
 from conformance._core.workload import AddRequest, ResetPrefixCache, Step
 from invariants.audits import CheckingExecutor

@@ -21,7 +21,8 @@ from typing import Any
 import pytest
 from hypothesis import given
 
-from conformance._core.capabilities import ProcessBoundary, require
+from conformance._core.capabilities import ProcessBoundary
+from conformance._core.needs import require
 from conformance._core.subjects import admit_request
 from invariants.audits import crossing_problems, leftover_problems
 from invariants.machines import suite_settings

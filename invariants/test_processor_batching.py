@@ -22,7 +22,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance._core.capabilities import features_of, require
+from conformance._core.needs import features_of, require
 from invariants.machines import suite_settings
 
 pytestmark = [pytest.mark.invariants]

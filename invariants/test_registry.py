@@ -14,7 +14,7 @@ What each check demands: ``invariants.registry``; C-03 and its mutant: docs/cont
 
 import pytest
 
-from conformance._core.capabilities import require
+from conformance._core.needs import require
 from invariants.registry import registry_problems, witness_problems
 
 pytestmark = [pytest.mark.invariants]

@@ -24,9 +24,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance._core.capabilities import FaultContainment, require, require_worker
+from conformance._core.capabilities import FaultContainment
 from conformance._core.driver import WorkerExecutor, make_driver
 from conformance._core.machine import client_trace_headers
+from conformance._core.needs import require, require_worker
 from conformance._core.subjects import admit_request, received_outputs
 from conformance._core.vllm_compat import state as vc
 from conformance._core.workload import AddRequest

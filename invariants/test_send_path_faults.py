@@ -24,15 +24,11 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from vllm.v1.request import RequestStatus
 
-from conformance._core.capabilities import (
-    ChunkDelivery,
-    NotApplicable,
-    cause_naming_problem,
-    require,
-)
+from conformance._core.capabilities import ChunkDelivery, NotApplicable
 from conformance._core.driver import make_driver
 from conformance._core.harness_faults import raise_pending
 from conformance._core.machine import client_trace_headers
+from conformance._core.needs import cause_naming_problem, require
 from conformance._core.subjects import admit_request, received_outputs
 from conformance._core.vllm_compat import state as vc
 from conformance._core.workload import AddRequest

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, Phase, settings
 
-from conformance._core.capabilities import features_of
+from conformance._core.needs import features_of
 from conformance._core.replay import load_trace
 from conformance.cli import main
 from invariants.machines import MachineRun, harness_config, raise_failure, replay_audit, run_machine

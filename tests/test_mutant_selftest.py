@@ -77,7 +77,7 @@ class Verdict:
 
 
 def _feature(subject: Any, name: str) -> Any:
-    from conformance._core.capabilities import features_of
+    from conformance._core.needs import features_of
 
     return {f.name: f for f in features_of(subject)}[name]
 

@@ -34,7 +34,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from conformance._core.capabilities import features_of
+from conformance._core.needs import features_of
 from conformance._core.subjects import load_subject
 from conformance._core.workload import AddRequest, Step
 from invariants.machines import (

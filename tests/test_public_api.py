@@ -158,7 +158,7 @@ def test_the_subject_protocol_declares_every_hook():
 
 
 def test_require_calls_each_capability_hook():
-    from conformance._core.capabilities import require
+    from conformance._core.needs import require
 
     marker = {hook: object() for hook in api.CAPABILITY_HOOKS}
 

@@ -15,7 +15,7 @@ search) and reads the JSON report:
   that cannot see the bug are not applicable or pass.
 
 Which test needs which capability is read from the suite's source (calls of
-``conformance._core.capabilities.require(subject, "<hook>", "<what>")`` and ``require_worker``, followed
+``conformance._core.needs.require(subject, "<hook>", "<what>")`` and ``require_worker``, followed
 through helper functions of the ``invariants`` package), so the expectations follow the suite.
 """
 
