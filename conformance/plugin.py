@@ -74,6 +74,7 @@ settings.register_profile(
     "thorough", max_examples=CI_EXAMPLES * 10, stateful_step_count=100, **_COMMON
 )
 
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("omni-conformance", "differential conformance against upstream vLLM")
     subject = os.environ.get(SUBJECT_ENV) or DEFAULT_SUBJECT
@@ -544,7 +545,9 @@ class ConformanceSession:
         if seed is None:
             seed = 0 if settings.get_profile(profile).derandomize else "random"
         environment = environment_versions()
-        environment["hypothesis_local_constants"] = "off" if hypothesis_compat.local_constants_frozen() else "on"
+        environment["hypothesis_local_constants"] = (
+            "off" if hypothesis_compat.local_constants_frozen() else "on"
+        )
         # Where each worker ran upstream (its recorder says): separate once any did.
         placements = sorted({str(t["oracle"]) for t in self.tests.values() if t.get("oracle")})
         isolated = [p for p in placements if p != "in-process"]

@@ -111,11 +111,7 @@ class Lockstep:
     def apply(self, op: Op) -> Comparison:
         if self.failure is not None:
             raise RuntimeError("lock-step already failed; start a new session")
-        if (
-            isinstance(op, AddRequest)
-            and op.client_index
-            and self.subject.single_engine_client
-        ):
+        if isinstance(op, AddRequest) and op.client_index and self.subject.single_engine_client:
             # The subject's engine has one client: both sides get the request from it, and the
             # trace records the request as it ran.
             op = replace(op, client_index=0)

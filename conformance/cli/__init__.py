@@ -15,10 +15,10 @@ error too.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import NoReturn
 
+from conformance._core import hash_seed
 from conformance._core.processes import Interrupted
 from conformance.cli import (
     check,
@@ -52,13 +52,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _pin_hash_seed() -> None:
-    """Re-run this command with ``PYTHONHASHSEED=0`` unless a seed is fixed: vLLM frees the
+    """Re-run this command under the gate's fixed hash seed unless one is fixed: vLLM frees the
     blocks of a multi-id abort in set order, so step counts (and an oracle in its own process)
     depend on it. Only for a real command line, before anything heavy is imported."""
-    if os.environ.get("PYTHONHASHSEED", "random") not in ("", "random"):
-        return
-    env = {**os.environ, "PYTHONHASHSEED": "0"}
-    os.execve(sys.executable, [sys.executable, "-m", "conformance.cli", *sys.argv[1:]], env)
+    hash_seed.restart_pinned(["-m", "conformance.cli", *sys.argv[1:]])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from conformance._core import processes
+from conformance._core import hash_seed, processes
 from conformance._core.preflight import (
     check_environment,
     fail_environment,
@@ -133,8 +133,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     report_json = report_dir / "compat-report.json"
     if report_json.exists():
         report_json.unlink()  # never mistake a stale report for this run's
-    env = dict(os.environ)
-    env.setdefault("PYTHONHASHSEED", "0")  # multi-id aborts free blocks in set order
+    env = hash_seed.pinned()  # multi-id aborts free blocks in set order
     env.setdefault("HF_HUB_OFFLINE", "1")
     cmd = pytest_command(args)
     print(

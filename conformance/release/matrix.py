@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
 import re
 import sys
 import time
@@ -26,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conformance._core import processes
+from conformance._core import hash_seed, processes
 from conformance._core.vllm_compat.versions import SUPPORTED_VLLM, release
 from conformance.release.envs import (
     EnvBuildError,
@@ -146,11 +145,10 @@ def _last_error_line(log_path: Path) -> str:
 
 
 def _child_env() -> dict[str, str]:
-    env = dict(os.environ)
+    env = hash_seed.pinned()
     for var in ("VIRTUAL_ENV", "PYTHONPATH", "PYTHONHOME"):
         env.pop(var, None)
     env.setdefault("HF_HUB_OFFLINE", "1")
-    env.setdefault("PYTHONHASHSEED", "0")
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
     env.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     return env

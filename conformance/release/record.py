@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from conformance._core import hash_seed as hashing
 from conformance._core.config import HarnessConfig
 from conformance._core.workload import Abort, AddRequest, Op, ResetPrefixCache, Step, Trace
 
@@ -270,7 +271,7 @@ def record(
     progress: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     """Record the corpus on the installed vLLM into ``out``; returns the header."""
-    if hash_seed() in ("", "random"):
+    if not hashing.chosen():
         # vLLM frees a multi-id abort's blocks in set order: unpinned, two runs differ.
         raise RecordingError("recording needs a fixed PYTHONHASHSEED (run with PYTHONHASHSEED=0)")
     corpus = build_corpus(seed, size, traces)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import conformance
-from conformance._core import processes
+from conformance._core import hash_seed, processes
 from conformance.release.upstream_tests.fetch import CachedTests
 from conformance.release.upstream_tests.outcomes import module_paths, parse_junit
 
@@ -64,12 +64,11 @@ def _python_path(tests: CachedTests) -> str:
 
 
 def child_env(tests: CachedTests) -> dict[str, str]:
-    env = dict(os.environ)
+    env = hash_seed.pinned()
     # Nothing may download: the model stand-ins are all the tests get.
     env["HF_HUB_OFFLINE"] = "1"
     env["TRANSFORMERS_OFFLINE"] = "1"
     env.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    env.setdefault("PYTHONHASHSEED", "0")
     # Two cores shared with others: one torch thread per process.
     env.setdefault("OMP_NUM_THREADS", "1")
     env["PYTHONPATH"] = _python_path(tests)
