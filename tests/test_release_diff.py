@@ -305,7 +305,12 @@ def test_a_malformed_recording_is_one_line_naming_file_and_field(
 def test_matrix_report_shows_the_pairs(corpus: dict[str, Path], tmp_path: Path) -> None:
     """The merged report's section lists an identical pair as such and a differing pair's
     changes (the matrix's release-diff output read back, without running environments)."""
-    from conformance.release.matrix import RELEASE_DIFF_DIR, RELEASE_DIFF_FILE, release_changes_of
+    from conformance.release.matrix import (
+        RELEASE_DIFF_DIR,
+        RELEASE_DIFF_FILE,
+        RELEASE_DIFF_SCHEMA,
+        release_changes_of,
+    )
     from conformance.release.matrix_report import build_matrix_report, render_markdown, validate
     from conformance.release.release_diff import release_diff, summary_entry
 
@@ -322,7 +327,8 @@ def test_matrix_report_shows_the_pairs(corpus: dict[str, Path], tmp_path: Path) 
         {**summary_entry(same, "same"), "from": "0.31.0", "to": "0.32.0"},
         {**summary_entry(other, "other"), "from": "0.32.0", "to": "0.33.0"},
     ]
-    (folder / RELEASE_DIFF_FILE).write_text(json.dumps({"pairs": pairs}))
+    document = {"schema": RELEASE_DIFF_SCHEMA, "pairs": pairs}
+    (folder / RELEASE_DIFF_FILE).write_text(json.dumps(document))
     changes = release_changes_of(tmp_path)
     report = build_matrix_report([], release_changes=changes)
     validate(report)  # the pairs fit the merged report's schema

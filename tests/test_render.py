@@ -217,7 +217,61 @@ def test_the_reader_names_file_line_and_field_of_a_bad_recording(tmp_path: Path)
     )
 
 
-@pytest.mark.parametrize("name", ["compat-report", "matrix-cell", "matrix-report", "recording"])
+SCHEMA_NAMES = sorted(
+    p.name.removesuffix(".schema.json") for p in schemas.SCHEMA_DIR.glob("*.json")
+)
+
+
+def test_the_schema_folder_holds_every_report_file_s_schema() -> None:
+    assert SCHEMA_NAMES == [
+        "compat-report",
+        "matrix-cell",
+        "matrix-report",
+        "recording",
+        "release-diff",
+        "release-diff-pairs",
+    ]
+
+
+PAIRS = {
+    "schema": "omni-conformance-release-diffs/1",
+    "pairs": [
+        {"from": "0.32.0", "to": "0.33.0", "changes": ["identical on 8 workloads"]},
+        {"from": "0.31.0", "to": "0.32.0", "changes": [{"id": "R1", "summary": "R1: x"}]},
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        ({"to": None}, "field 'pairs[0].to'"),
+        ({"changes": [7]}, "field 'pairs[0].changes[0]'"),
+        ({"from": ""}, "field 'pairs[0].from'"),
+    ],
+)
+def test_a_bad_release_pair_is_refused_naming_the_field(change: dict, says: str) -> None:
+    assert schemas.problem("release-diff-pairs", PAIRS) is None
+    bad = {**PAIRS, "pairs": [{**PAIRS["pairs"][0], **change}, PAIRS["pairs"][1]]}
+    assert says in str(schemas.problem("release-diff-pairs", bad))
+
+
+def test_the_merge_refuses_a_pairs_file_its_schema_does_not_allow(tmp_path: Path) -> None:
+    from conformance.release.matrix_cells import CellError
+    from conformance.release.matrix_report import RELEASE_DIFF_PAIRS, release_changes_in
+
+    assert release_changes_in(tmp_path) == []  # the section is optional
+    path = tmp_path / RELEASE_DIFF_PAIRS
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(PAIRS))
+    assert [p["from"] for p in release_changes_in(tmp_path)] == ["0.32.0", "0.31.0"]
+    path.write_text(json.dumps({**PAIRS, "pairs": [{"from": "0.32.0", "changes": []}]}))
+    with pytest.raises(CellError) as info:
+        release_changes_in(tmp_path)
+    assert str(info.value) == f"{path}: field 'pairs[0].to': is missing"
+
+
+@pytest.mark.parametrize("name", SCHEMA_NAMES)
 def test_every_schema_is_a_valid_json_schema(name: str) -> None:
     schema = schemas.load(name)
     jsonschema.Draft202012Validator.check_schema(schema)

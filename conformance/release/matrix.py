@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from conformance._core import hash_seed, processes
+from conformance._core import hash_seed, processes, schemas
 from conformance._core.vllm_compat.versions import SUPPORTED_VLLM, release
 from conformance.release.envs import (
     EnvBuildError,
@@ -451,8 +451,10 @@ def run_release_diff(
             {**entry, "from": a, "to": b}
         )  # the releases asked for, as the grid names them
         say(f"release-diff vLLM {a} -> {b}: " + "; ".join(_texts(pairs[-1])))
+    document = {"schema": RELEASE_DIFF_SCHEMA, "pairs": pairs}
+    schemas.validate("release-diff-pairs", document)
     tmp = folder / (RELEASE_DIFF_FILE + ".tmp")
-    tmp.write_text(json.dumps({"schema": RELEASE_DIFF_SCHEMA, "pairs": pairs}, indent=1))
+    tmp.write_text(json.dumps(document, indent=1))
     tmp.replace(folder / RELEASE_DIFF_FILE)
     return pairs
 

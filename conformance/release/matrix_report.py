@@ -755,13 +755,19 @@ RELEASE_DIFF_PAIRS = Path("release-diff") / "release-diff.json"
 
 def release_changes_in(folder: str | Path) -> list[dict[str, Any]]:
     """The release pairs ``matrix --release-diff`` wrote under ``folder`` (none if it did not
-    run there, or the file is unreadable: the section is optional)."""
+    run there: the section is optional); ``CellError`` naming the file and the field when the
+    file is there but not one its schema allows."""
+    path = Path(folder) / RELEASE_DIFF_PAIRS
     try:
-        data = json.loads((Path(folder) / RELEASE_DIFF_PAIRS).read_text())
-    except (OSError, ValueError):
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
         return []
-    pairs = data.get("pairs") if isinstance(data, dict) else None
-    return [p for p in pairs if isinstance(p, dict)] if isinstance(pairs, list) else []
+    except (OSError, ValueError) as exc:
+        raise CellError(path, f"cannot be read: {exc}") from None
+    found = schemas.problem("release-diff-pairs", data)
+    if found is not None:
+        raise CellError(path, found.text, found.field)
+    return list(data["pairs"])
 
 
 def merge(

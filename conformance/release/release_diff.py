@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from conformance._core import schemas
 from conformance._core.render import render
 from conformance.release.record import MODES, Recording, RecordingError, open_recording
 
@@ -509,6 +510,7 @@ def write_report(result: DiffResult, out_dir: str | Path) -> dict[str, Any]:
     out.mkdir(parents=True, exist_ok=True)
     write_traces(result, out)
     report = build_report(result)
+    schemas.validate("release-diff", report)  # a mismatch is this module's bug: say it here
     (out / "release-diff.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
     (out / "release-diff.md").write_text(render_markdown(report))
     return report
