@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
     from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.request import Request
 
@@ -144,7 +145,7 @@ class ChunkView:
 class ChunkDelivery(Protocol):
     """How a subject hands work downstream (C-21, C-40..C-45)."""
 
-    def install_sink(self, scheduler: Any, sink: Any) -> bool:
+    def install_sink(self, scheduler: Scheduler, sink: Any) -> bool:
         """Route the scheduler's sends through ``sink.send(chunk)``; False if it has no send path
         in this configuration."""
 
@@ -174,7 +175,7 @@ class ChunkDelivery(Protocol):
     def processor_feature(self) -> Feature | None:
         """The feature generated processors run with (C-40..C-44); None: not provided."""
 
-    def set_processor(self, scheduler: Any, processor: Callable[..., Any]) -> None:
+    def set_processor(self, scheduler: Scheduler, processor: Callable[..., Any]) -> None:
         """Install ``processor``, called ``processor(request_id, payload, is_final[,
         new_token_ids])``; it declares ``requires_token_updates`` as an attribute or not."""
 
@@ -251,11 +252,11 @@ class InputAdapterProbe(Protocol):
         """Raised for bad input; instances carry ``request_id`` and ``field``, and may carry
         ``problem``: what is wrong, in words (then it must say it, as the message does)."""
 
-    def scheduler(self) -> Any:
+    def scheduler(self) -> Scheduler:
         """A live scheduler of the adapter's stage (requests it accepts may be added to it)."""
 
     def build(
-        self, scheduler: Any, request_id: str, sampling_params: SamplingParams, **fields: Any
+        self, scheduler: Scheduler, request_id: str, sampling_params: SamplingParams, **fields: Any
     ) -> Request:
         """A request for ``scheduler`` from stage-input ``fields`` (``prompt_token_ids``,
         ``prompt_embeds``, ``conditioning``, ``additional_information``, ``final_stage_id``)."""
@@ -441,16 +442,16 @@ class ProcessBoundary(Protocol):
     bit for bit with the same dtype and shape.
     """
 
-    def chunk_crossings(self, scheduler: Any) -> Sequence[Crossing]:
+    def chunk_crossings(self, scheduler: Scheduler) -> Sequence[Crossing]:
         """The chunks the stage sent that crossed since the last call: as the stage handed
         them to its sink, and as the receiving side read them. A sent chunk the receiver did
         not read appears with empty ``received`` (and the other way round)."""
 
-    def request_crossings(self, scheduler: Any) -> Sequence[Crossing]:
+    def request_crossings(self, scheduler: Scheduler) -> Sequence[Crossing]:
         """The requests admitted since the last call: their stage-input slot (and prompt) as
         the caller built them, and as the scheduler's process attached them."""
 
-    def leftovers(self, scheduler: Any) -> Mapping[str, Any]:
+    def leftovers(self, scheduler: Scheduler) -> Mapping[str, Any]:
         """What the crossing still holds (shared-memory segments, chunks written but not read,
         requests staged but not admitted), by kind. Between two operations of the harness
         every value must be empty: a step's outputs have been received, and an abort or

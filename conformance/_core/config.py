@@ -18,7 +18,10 @@ import json
 import os
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.scheduler import Scheduler
 
 TINY_MODEL = Path(__file__).parents[1] / "assets" / "tiny-llama"
 BUNDLED_TINY = "conformance:assets/tiny-llama"
@@ -170,7 +173,9 @@ def build_kv_cache_config(cfg: HarnessConfig):
     )
 
 
-def build_scheduler(scheduler_cls: type, cfg: HarnessConfig, *, log_stats: bool = False):
+def build_scheduler(
+    scheduler_cls: type, cfg: HarnessConfig, *, log_stats: bool = False
+) -> Scheduler:
     """A scheduler of ``scheduler_cls`` built exactly as ``EngineCore`` builds one."""
     from vllm.v1.structured_output import StructuredOutputManager
 

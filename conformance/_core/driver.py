@@ -20,23 +20,29 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from conformance._core.observe import observe_schedule
 
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutputs
+    from vllm.v1.outputs import ModelRunnerOutput
+
 
 class Executor(Protocol):
-    def execute(self, so: Any) -> Any: ...
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
-def collect(out: Any) -> Any:
+def collect(out: object) -> ModelRunnerOutput:
     """A step's output as the engine reads it: an uncollected output (anything with
     ``get_output``, vLLM's ``AsyncModelRunnerOutput`` or a ``Deferred``) is resolved now."""
     get_output = getattr(out, "get_output", None)
-    return get_output() if get_output is not None else out
+    return cast("ModelRunnerOutput", get_output() if get_output is not None else out)
 
 
-def submit(executor: Any, so: Any) -> Any:
+def submit(executor: Executor, so: SchedulerOutput) -> object:
     """Run ``so`` on ``executor``, leaving its output uncollected where the executor can."""
     method = getattr(executor, "submit", None)
     return method(so) if method is not None else executor.execute(so)
@@ -45,11 +51,11 @@ def submit(executor: Any, so: Any) -> Any:
 class Deferred:
     """An output that ``resolve`` produces when it is collected (once)."""
 
-    def __init__(self, resolve: Callable[[], Any]) -> None:
-        self._resolve: Callable[[], Any] | None = resolve
-        self._value: Any = None
+    def __init__(self, resolve: Callable[[], ModelRunnerOutput]) -> None:
+        self._resolve: Callable[[], ModelRunnerOutput] | None = resolve
+        self._value: ModelRunnerOutput | None = None
 
-    def get_output(self) -> Any:
+    def get_output(self) -> ModelRunnerOutput | None:
         if self._resolve is not None:
             resolve, self._resolve = self._resolve, None
             self._value = resolve()
@@ -62,7 +68,7 @@ class WorkerExecutor:
     def __init__(self, worker: Any) -> None:
         self.worker = worker
 
-    def submit(self, so: Any) -> Any:
+    def submit(self, so: SchedulerOutput) -> object:
         """Execute and sample; the output is returned as the worker gave it (an async output
         stays uncollected, like the uni executor's non-blocking future)."""
         out = self.worker.execute_model(so)
@@ -70,21 +76,21 @@ class WorkerExecutor:
             out = self.worker.sample_tokens(None)
         return out
 
-    def execute(self, so: Any) -> Any:
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return collect(self.submit(so))
 
 
 @dataclass
 class StepObservation:
     scheduled: dict[str, Any] | None
-    outputs: dict[int, Any] | None
+    outputs: dict[int, EngineCoreOutputs] | None
     updated: bool
 
 
 class SyncDriver:
     mode = "sync"
 
-    def __init__(self, scheduler: Any, executor: Executor) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor) -> None:
         self.scheduler = scheduler
         self.executor = executor
 
@@ -111,11 +117,11 @@ class SyncDriver:
 class AsyncDriver:
     mode = "async"
 
-    def __init__(self, scheduler: Any, executor: Executor, depth: int | None = None) -> None:
+    def __init__(self, scheduler: Scheduler, executor: Executor, depth: int | None = None) -> None:
         self.scheduler = scheduler
         self.executor = executor
         self.depth = depth or max(2, scheduler.vllm_config.max_concurrent_batches)
-        self.queue: deque[tuple[Any, Any]] = deque()
+        self.queue: deque[tuple[SchedulerOutput, object]] = deque()
 
     def step(self) -> StepObservation:
         sched = self.scheduler
@@ -140,7 +146,7 @@ class AsyncDriver:
         return len(self.queue)
 
 
-def make_driver(scheduler: Any, executor: Executor) -> SyncDriver | AsyncDriver:
+def make_driver(scheduler: Scheduler, executor: Executor) -> SyncDriver | AsyncDriver:
     if scheduler.vllm_config.max_concurrent_batches > 1:
         return AsyncDriver(scheduler, executor)
     return SyncDriver(scheduler, executor)

@@ -16,12 +16,19 @@ and what it saved: docs/design.md, "The gate".
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from conformance._core import vllm_compat as vc
 
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutputs
 
-def leaked_omni_ids(scheduler: Any, subject: Any) -> list[str]:
+    from conformance._core.subjects import Subject
+
+
+def leaked_omni_ids(scheduler: Scheduler, subject: Subject) -> list[str]:
     """Ids the subject's own structures hold although the scheduler no longer does (C-04)."""
     live = scheduler.requests
     ids = subject.live_omni_ids(scheduler)
@@ -30,7 +37,7 @@ def leaked_omni_ids(scheduler: Any, subject: Any) -> list[str]:
     return sorted(i for i in ids if i not in live)
 
 
-def observe_state(scheduler: Any, subject: Any) -> dict[str, Any]:
+def observe_state(scheduler: Scheduler, subject: Subject) -> dict[str, Any]:
     requests: dict[str, Any] = {}
     block_ids = vc.block_ids_reader(scheduler)
     request_fields = vc.request_fields
@@ -55,12 +62,12 @@ def observe_state(scheduler: Any, subject: Any) -> dict[str, Any]:
     }
 
 
-def observe_schedule(so: Any) -> dict[str, Any]:
+def observe_schedule(so: SchedulerOutput) -> dict[str, Any]:
     """The ``SchedulerOutput``, copied right after ``schedule()`` returned."""
     return vc.schedule_fields(so)
 
 
-def observe_outputs(outputs: dict[int, Any] | None) -> dict[str, Any]:
+def observe_outputs(outputs: dict[int, EngineCoreOutputs] | None) -> dict[str, Any]:
     result: dict[str, Any] = {}
     if not outputs:
         return result
@@ -73,7 +80,7 @@ def observe_outputs(outputs: dict[int, Any] | None) -> dict[str, Any]:
                 type_name = type_names[cls]
             else:
                 type_name = type_names[cls] = vc.output_type_name(out)
-            entry = {
+            entry: dict[str, object] = {
                 "new_token_ids": tuple(out.new_token_ids),
                 "finish_reason": vc.finish_reason_name(out.finish_reason),
                 "stop_reason": out.stop_reason,
@@ -115,7 +122,11 @@ class Observation:
     __slots__ = ("scheduler", "subject", "extra", "outputs", "_snapshot", "_expired")
 
     def __init__(
-        self, scheduler: Any, subject: Any, extra: dict[str, Any], outputs: dict[int, Any] | None
+        self,
+        scheduler: Scheduler | None,
+        subject: Subject | None,
+        extra: dict[str, Any],
+        outputs: dict[int, EngineCoreOutputs] | None,
     ) -> None:
         self.scheduler = scheduler
         self.subject = subject
@@ -137,7 +148,9 @@ class Observation:
                 raise RuntimeError(
                     "the snapshot of an operation was asked for after the side ran the next one"
                 )
-            snap = observe_state(self.scheduler, self.subject)
+            # Only an observation made from a snapshot has no scheduler (and no subject).
+            scheduler, subject = cast("Scheduler", self.scheduler), cast("Subject", self.subject)
+            snap = observe_state(scheduler, subject)
             snap.update(self.extra)
             if "outputs" in snap:
                 try:
@@ -212,7 +225,8 @@ def same_state(a: Observation, b: Observation) -> bool:
         return (
             vc.same_outputs(a.outputs, b.outputs)
             and vc.same_scheduler_state(a.scheduler, b.scheduler)
-            and leaked_omni_ids(a.scheduler, a.subject) == leaked_omni_ids(b.scheduler, b.subject)
+            and leaked_omni_ids(a.scheduler, cast("Subject", a.subject))
+            == leaked_omni_ids(b.scheduler, cast("Subject", b.subject))
         )
     except Exception:  # state the check cannot read: the snapshots say what it is
         return False

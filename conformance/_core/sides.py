@@ -5,7 +5,7 @@ The oracle process (``oracle_process``) serves the same sides to a parent across
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conformance._core import vllm_compat as vc
 from conformance._core.config import HarnessConfig
@@ -15,6 +15,9 @@ from conformance._core.observe import Observation
 from conformance._core.subjects import Subject, admit_request, received_outputs
 from conformance._core.tokens import DeterministicTokenSource
 from conformance._core.workload import Abort, AddRequest, DeliverChunks, Op, ResetPrefixCache, Step
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.scheduler import Scheduler
 
 
 class ClientNotCarried(Exception):
@@ -32,7 +35,7 @@ class Side:
     """
 
     subject: Subject
-    scheduler: Any
+    scheduler: Scheduler
     driver: SyncDriver | AsyncDriver
     executor: Executor
     chunks: list[Any] = field(default_factory=list)

@@ -43,6 +43,7 @@ from conformance._core.workload import AddRequest
 
 if TYPE_CHECKING:
     from vllm.sampling_params import SamplingParams
+    from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine import EngineCoreOutputs
     from vllm.v1.request import Request
 
@@ -96,21 +97,26 @@ class Subject(Protocol):
 
     def scheduler_class(self, cfg: HarnessConfig) -> type: ...
 
-    def build_scheduler(self, cfg: HarnessConfig) -> Any: ...
+    def build_scheduler(self, cfg: HarnessConfig) -> Scheduler: ...
 
     def differences(self) -> Sequence[DifferenceEntry]: ...
 
     def make_request(
-        self, op: AddRequest, prompt: list[int], cfg: HarnessConfig, scheduler: Any, arrival: float
+        self,
+        op: AddRequest,
+        prompt: list[int],
+        cfg: HarnessConfig,
+        scheduler: Scheduler,
+        arrival: float,
     ) -> Request: ...
 
     def request_facts(self, request: Request) -> dict[str, Any]: ...
 
-    def scheduler_facts(self, scheduler: Any) -> dict[str, dict[str, Any]]: ...
+    def scheduler_facts(self, scheduler: Scheduler) -> dict[str, dict[str, Any]]: ...
 
-    def live_omni_ids(self, scheduler: Any) -> set[str]: ...
+    def live_omni_ids(self, scheduler: Scheduler) -> set[str]: ...
 
-    def drain_chunks(self, scheduler: Any) -> list[Any]: ...
+    def drain_chunks(self, scheduler: Scheduler) -> list[Any]: ...
 
     def has_worker(self) -> bool: ...
 
@@ -120,10 +126,10 @@ class Subject(Protocol):
 
     def feature_configs(self) -> dict[str, dict[str, Any]]: ...
 
-    def admit(self, scheduler: Any, request: Request) -> None: ...
+    def admit(self, scheduler: Scheduler, request: Request) -> None: ...
 
     def receive_outputs(
-        self, scheduler: Any, outputs: dict[int, EngineCoreOutputs] | None
+        self, scheduler: Scheduler, outputs: dict[int, EngineCoreOutputs] | None
     ) -> dict[int, EngineCoreOutputs] | None: ...
 
     def declared_attributes(self) -> DeclaredAttributes | None: ...
@@ -188,7 +194,7 @@ class SchedulerHoldings:
     free_blocks: int
 
 
-def scheduler_holdings(scheduler: Any) -> SchedulerHoldings:
+def scheduler_holdings(scheduler: Scheduler) -> SchedulerHoldings:
     """``scheduler``'s requests, queues and free KV-cache blocks, as the gate reads them (for a
     subject that checks what its runtime reports about a scheduler against the scheduler)."""
     queues = scheduler_queues(scheduler)
@@ -216,6 +222,7 @@ class BaseSubject:
         spec = self.async_scheduler if cfg.async_scheduling else self.sync_scheduler
         return _resolve(spec) if isinstance(spec, str) else spec
 
+    # Any, not ``Scheduler``: a subclass reads its own scheduler class's attributes off this.
     def build_scheduler(self, cfg: HarnessConfig) -> Any:
         return build_scheduler(self.scheduler_class(cfg), cfg)
 
@@ -223,7 +230,12 @@ class BaseSubject:
         return ()
 
     def make_request(
-        self, op: AddRequest, prompt: list[int], cfg: HarnessConfig, scheduler: Any, arrival: float
+        self,
+        op: AddRequest,
+        prompt: list[int],
+        cfg: HarnessConfig,
+        scheduler: Scheduler,
+        arrival: float,
     ) -> Request:
         from vllm.v1.request import Request
 
@@ -241,7 +253,7 @@ class BaseSubject:
             client_index=op.client_index,
         )
 
-    def admit(self, scheduler: Any, request: Request) -> None:
+    def admit(self, scheduler: Scheduler, request: Request) -> None:
         """Hand ``request`` (from ``make_request``) to ``scheduler`` as the runtime's engine does.
 
         The harness admits every request through here. Upstream's engine calls
@@ -252,7 +264,7 @@ class BaseSubject:
         scheduler.add_request(request)
 
     def receive_outputs(
-        self, scheduler: Any, outputs: dict[int, EngineCoreOutputs] | None
+        self, scheduler: Scheduler, outputs: dict[int, EngineCoreOutputs] | None
     ) -> dict[int, EngineCoreOutputs] | None:
         """A step's outputs (``update_from_output``'s result) as the engine's caller receives
         them; the harness compares and reads what this returns. Upstream's caller gets the
@@ -263,14 +275,14 @@ class BaseSubject:
     def request_facts(self, request: Request) -> dict[str, Any]:
         return {}
 
-    def scheduler_facts(self, scheduler: Any) -> dict[str, dict[str, Any]]:
+    def scheduler_facts(self, scheduler: Scheduler) -> dict[str, dict[str, Any]]:
         """Per-request facts that arise later than ``add`` (merged after every operation)."""
         return {}
 
-    def live_omni_ids(self, scheduler: Any) -> set[str]:
+    def live_omni_ids(self, scheduler: Scheduler) -> set[str]:
         return set()
 
-    def drain_chunks(self, scheduler: Any) -> list[Any]:
+    def drain_chunks(self, scheduler: Scheduler) -> list[Any]:
         return []
 
     def has_worker(self) -> bool:
@@ -351,13 +363,13 @@ class UpstreamSubject(BaseSubject):
         return DeclaredAttributes()
 
 
-def admit_request(subject: Subject, scheduler: Any, request: Request) -> None:
+def admit_request(subject: Subject, scheduler: Scheduler, request: Request) -> None:
     """``subject.admit(scheduler, request)``: how the harness admits every request."""
     subject.admit(scheduler, request)
 
 
 def received_outputs(
-    subject: Subject, scheduler: Any, outputs: dict[int, EngineCoreOutputs] | None
+    subject: Subject, scheduler: Scheduler, outputs: dict[int, EngineCoreOutputs] | None
 ) -> dict[int, EngineCoreOutputs] | None:
     """``subject.receive_outputs(scheduler, outputs)``: what the engine's caller receives."""
     return subject.receive_outputs(scheduler, outputs)

@@ -12,17 +12,24 @@ It answers every call the engine makes of a worker (start-up: ``init_device``, `
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
 from conformance._core.tokens import DeterministicTokenSource
 
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from conformance._core.config import HarnessConfig
+
 QUALNAME = "conformance._core.token_worker.DeterministicTokenWorker"
 
 
-def start_worker(worker_cls: str | type, cfg: Any) -> Any:
+def start_worker(worker_cls: str | type, cfg: HarnessConfig) -> WorkerBase:
     """A worker of ``worker_cls``, started in the order vLLM's engine starts one.
 
     Used by the harness's worker mode, where the lock-step drivers call the worker directly
@@ -56,8 +63,8 @@ class DeterministicTokenWorker(WorkerBase):
         super().__init__(*args, **kwargs)
         hf = self.model_config.hf_config
         self.source = DeterministicTokenSource(vocab=int(getattr(hf, "vocab_size", 512)))
-        self._pending: Any = None
-        self.kv_cache_config: Any = None
+        self._pending: SchedulerOutput | None = None
+        self.kv_cache_config: KVCacheConfig | None = None
 
     def init_device(self) -> None:
         self.device = torch.device("cpu")
@@ -65,7 +72,7 @@ class DeterministicTokenWorker(WorkerBase):
     def load_model(self, *, load_dummy_weights: bool = False) -> None:
         return None
 
-    def get_kv_cache_spec(self) -> dict[str, Any]:
+    def get_kv_cache_spec(self) -> dict[str, KVCacheSpec]:
         from vllm.v1.kv_cache_interface import FullAttentionSpec
 
         hf = self.model_config.hf_config
@@ -92,20 +99,20 @@ class DeterministicTokenWorker(WorkerBase):
         blocks = max(need * 2, self.cache_config.num_gpu_blocks_override or 0)
         return per_block * blocks
 
-    def initialize_from_config(self, kv_cache_config: Any) -> None:
+    def initialize_from_config(self, kv_cache_config: KVCacheConfig) -> None:
         self.kv_cache_config = kv_cache_config
 
     def compile_or_warm_up_model(self) -> CompilationTimes:
         return CompilationTimes(language_model=0.0, encoder=0.0)
 
-    def execute_model(self, scheduler_output: Any) -> Any:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput | None:
         if scheduler_output.total_num_scheduled_tokens == 0:
             # An empty step still carries finished ids; it must return an output right away.
             return self.source.execute(scheduler_output)
         self._pending = scheduler_output
         return None
 
-    def sample_tokens(self, grammar_output: Any) -> Any:
+    def sample_tokens(self, grammar_output: GrammarOutput | None) -> ModelRunnerOutput:
         so, self._pending = self._pending, None
         assert so is not None, "sample_tokens without a pending execute_model"
         return self.source.execute(so)

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from conformance._core import vllm_compat as vc
 from conformance._core.harness_faults import harness_code
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
 # One position in STOP_PERIOD emits a stop token when the request allows one.
 STOP_PERIOD = 7
@@ -73,7 +77,7 @@ class DeterministicTokenSource:
         return tok
 
     @harness_code
-    def execute(self, so: Any) -> Any:
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         from vllm.v1.outputs import ModelRunnerOutput
 
         for rid in so.finished_req_ids:
@@ -119,7 +123,7 @@ class DeterministicTokenSource:
         )
 
     @harness_code
-    def take_draft_token_ids(self) -> Any:
+    def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The drafts for the next step of every request the last step ran (none for a partial
         prefill): the next ``num_drafts`` tokens, the first wrong one where the position's hash
         says so. None without speculative decoding, as a worker without a drafter returns."""
