@@ -22,7 +22,13 @@ from hypothesis import HealthCheck, Phase, settings
 from conformance._core import hypothesis_compat
 
 if TYPE_CHECKING:  # the plugin loads in every pytest run here: keep vLLM and torch out of it
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from conformance._core.compare import FieldDifference
     from conformance._core.config import HarnessConfig
+    from conformance._core.driver import AsyncDriver, SyncDriver
+    from conformance._core.lockstep import Lockstep
+    from conformance._core.subjects import Subject
 
 # User-facing defaults of the options (the same variables ``omni-conformance check`` reads).
 PROFILE_ENV = "OMNI_CONFORMANCE_PROFILE"
@@ -163,7 +169,7 @@ class ConformanceRecorder:
     def __init__(
         self,
         subject_spec: str,
-        subject: Any,
+        subject: Subject,
         *,
         profile: str | None = None,
         test: str | None = None,
@@ -175,8 +181,8 @@ class ConformanceRecorder:
         self.test = test
         # Where failure traces go (``--conformance-failures-dir``); None: ``failures_dir()``.
         self.failures_dir = failures_dir
-        self._pending: tuple[Any, str] | None = None
-        self.sessions: list[Any] = []
+        self._pending: tuple[Lockstep, str] | None = None
+        self.sessions: list[Lockstep] = []
         self.examples = 0
         self.steps_compared = 0
         self.tolerated: dict[str, int] = {}
@@ -184,7 +190,7 @@ class ConformanceRecorder:
         self.first_difference: dict[str, Any] | None = None
         self.trace: str | None = None
 
-    def lockstep(self, config: HarnessConfig | None = None, **kw: Any) -> Any:
+    def lockstep(self, config: HarnessConfig | None = None, **kw: Any) -> Lockstep:
         from conformance._core.config import HarnessConfig
         from conformance._core.lockstep import Lockstep
 
@@ -202,7 +208,7 @@ class ConformanceRecorder:
                 self.exercised[k] = self.exercised.get(k, 0) + v
         self.sessions = []
 
-    def fail(self, session: Any, name: str) -> None:
+    def fail(self, session: Lockstep, name: str) -> None:
         """Save the failing trace and raise the first difference as the test failure.
 
         The trace is written as found, right away; the harness's bounded shrinker then runs once,
@@ -224,7 +230,7 @@ class ConformanceRecorder:
         self._pending = None
         self._record(session, name, do_shrink=True)
 
-    def _record(self, session: Any, name: str, *, do_shrink: bool) -> Any:
+    def _record(self, session: Lockstep, name: str, *, do_shrink: bool) -> FieldDifference:
         from conformance._core.replay import record_failure
 
         path, diff = record_failure(
@@ -241,7 +247,7 @@ class ConformanceRecorder:
         self.trace = str(path)
         return diff
 
-    def check(self, session: Any, name: str) -> None:
+    def check(self, session: Lockstep, name: str) -> None:
         if session.failure is not None:
             self.fail(session, name)
 
@@ -277,7 +283,7 @@ def conformance_subject_spec(request: pytest.FixtureRequest) -> str:
 
 
 @pytest.fixture(scope="session")
-def conformance_subject(request: pytest.FixtureRequest, conformance_subject_spec: str) -> Any:
+def conformance_subject(request: pytest.FixtureRequest, conformance_subject_spec: str) -> Subject:
     """The subject, loaded under the pristine guard (one that patches vLLM loads, and the oracle
     then runs in its own process); one that cannot be loaded raises ``SubjectLoadError``."""
     from conformance._core.pristine import isolate_oracle
@@ -293,7 +299,7 @@ def conformance_subject(request: pytest.FixtureRequest, conformance_subject_spec
 
 @pytest.fixture
 def conformance(
-    request: pytest.FixtureRequest, conformance_subject_spec: str, conformance_subject: Any
+    request: pytest.FixtureRequest, conformance_subject_spec: str, conformance_subject: Subject
 ) -> Iterator[ConformanceRecorder]:
     rec = ConformanceRecorder(
         conformance_subject_spec,
@@ -312,11 +318,13 @@ def conformance(
 
 
 @pytest.fixture
-def paired_schedulers(conformance_subject: Any) -> Callable[..., tuple[Any, Any]]:
+def paired_schedulers(
+    conformance_subject: Subject,
+) -> Callable[..., tuple[Scheduler, Scheduler]]:
     """``make(cfg) -> (upstream scheduler, subject scheduler)``, built from the same config."""
     from conformance._core.subjects import UpstreamSubject
 
-    def make(cfg: HarnessConfig | None = None) -> tuple[Any, Any]:
+    def make(cfg: HarnessConfig | None = None) -> tuple[Scheduler, Scheduler]:
         from conformance._core.config import HarnessConfig
 
         cfg = cfg or HarnessConfig()
@@ -326,12 +334,16 @@ def paired_schedulers(conformance_subject: Any) -> Callable[..., tuple[Any, Any]
 
 
 @pytest.fixture
-def paired_drivers(paired_schedulers: Callable[..., tuple[Any, Any]]) -> Callable[..., tuple]:
+def paired_drivers(
+    paired_schedulers: Callable[..., tuple[Scheduler, Scheduler]],
+) -> Callable[..., tuple[SyncDriver | AsyncDriver, SyncDriver | AsyncDriver]]:
     """``make(cfg) -> (upstream driver, subject driver)``, each with its own token source."""
     from conformance._core.driver import make_driver
     from conformance._core.tokens import DeterministicTokenSource
 
-    def make(cfg: HarnessConfig | None = None) -> tuple[Any, Any]:
+    def make(
+        cfg: HarnessConfig | None = None,
+    ) -> tuple[SyncDriver | AsyncDriver, SyncDriver | AsyncDriver]:
         up, sub = paired_schedulers(cfg)
         return (
             make_driver(up, DeterministicTokenSource()),
@@ -569,7 +581,7 @@ class ConformanceSession:
         self.report = builder.build()
         self.paths = write_report(self.report, out_dir)
 
-    def pytest_terminal_summary(self, terminalreporter: Any) -> None:
+    def pytest_terminal_summary(self, terminalreporter: pytest.TerminalReporter) -> None:
         if self.report is None:
             return
         from conformance._core.report import counts_line

@@ -18,7 +18,7 @@ with; ``PREFIXES``, the shared prompt prefixes; ``STOP_IDS``, the stop tokens re
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -26,6 +26,12 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from conformance._core import hash_seed
 from conformance._core.config import HarnessConfig
 from conformance._core.workload import Abort, AddRequest, DeliverChunks, ResetPrefixCache, Step
+
+if TYPE_CHECKING:
+    import random
+
+    from conformance._core.lockstep import Lockstep
+    from conformance.plugin import ConformanceRecorder
 
 # Shared prefixes long enough to fill whole blocks (block_size 16): prefix-cache hits need them.
 PREFIXES: dict[str, tuple[int, ...]] = {
@@ -35,7 +41,7 @@ PREFIXES: dict[str, tuple[int, ...]] = {
 STOP_IDS = (5, 6)
 
 
-def random_request(rng: Any, request_id: str) -> AddRequest:
+def random_request(rng: random.Random, request_id: str) -> AddRequest:
     """One request as the machine's rule draws it, from a ``random.Random`` instead of
     hypothesis (seeded corpora and unshrunk programs): prompt, shared prefix, limits, stops."""
     length, salt = rng.randint(1, 40), rng.randint(0, 3)
@@ -82,13 +88,13 @@ class LockstepMachine(RuleBasedStateMachine):
 
     def __init__(
         self,
-        recorder: Any,
+        recorder: ConformanceRecorder,
         config: HarnessConfig,
         *,
         final_stages: tuple[str | None, ...] = (None,),
         plain_requests: bool = False,
         name: str = "lockstep",
-        session: Any = None,
+        session: Lockstep | None = None,
     ) -> None:
         super().__init__()
         self.recorder = recorder
@@ -203,7 +209,7 @@ class LockstepMachine(RuleBasedStateMachine):
 
 
 def machine_for(
-    recorder: Any,
+    recorder: ConformanceRecorder,
     config: HarnessConfig,
     *,
     final_stages: tuple[str | None, ...] = (None,),

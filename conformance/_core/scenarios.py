@@ -13,17 +13,25 @@ budget; it uses that module's ``PREFIXES`` and ``STOP_IDS``.
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from conformance._core import vllm_compat as vc
 from conformance._core.config import HarnessConfig
 from conformance._core.driver import AsyncDriver
 from conformance._core.machine import PREFIXES, STOP_IDS
-from conformance._core.workload import Abort, AddRequest, DeliverChunks, ResetPrefixCache, Step
+from conformance._core.workload import Abort, AddRequest, DeliverChunks, Op, ResetPrefixCache, Step
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from conformance._core.lockstep import Lockstep
+    from conformance._core.sides import Side
+    from conformance._core.subjects import Subject
 
 
 class _Script:
-    def __init__(self, session: Any, final_stages: tuple[str | None, ...]) -> None:
+    def __init__(self, session: Lockstep, final_stages: tuple[str | None, ...]) -> None:
         self.s = session
         self.finals = final_stages
         self.n = 0
@@ -47,11 +55,11 @@ class _Script:
                 return
             self.s.apply(Step())
 
-    def op(self, op: Any) -> None:
+    def op(self, op: Op) -> None:
         if self.ok:
             self.s.apply(op)
 
-    def up(self) -> Any:
+    def up(self) -> Scheduler:
         """The oracle's live scheduler: the script decides its next operation from it, so it
         needs the oracle in this process."""
         from conformance._core.pristine import require_oracle_in_process
@@ -59,12 +67,12 @@ class _Script:
 
         if not isinstance(self.s.up, Side):
             require_oracle_in_process("a scripted scenario")
-        return self.s.up.scheduler
+        return cast(Side, self.s.up).scheduler
 
     def ids_with(self, status: str) -> list[str]:
         return [rid for rid, r in self.up().requests.items() if vc.status_name(r) == status]
 
-    def step_until(self, cond: Any, limit: int = 40) -> bool:
+    def step_until(self, cond: Callable[[], bool], limit: int = 40) -> bool:
         for _ in range(limit):
             if not self.ok:
                 return False
@@ -74,14 +82,16 @@ class _Script:
         return cond()
 
     def in_flight_running(self) -> list[str]:
-        driver = self.s.up.driver
+        driver = cast("Side", self.s.up).driver  # an oracle in this process (``up``)
         if not isinstance(driver, AsyncDriver):
             return []
         queued = {rid for so, _ in driver.queue for rid in so.num_scheduled_tokens}
         return [rid for rid in self.ids_with("RUNNING") if rid in queued]
 
 
-def canonical_workload(session: Any, *, final_stages: tuple[str | None, ...] = (None,)) -> Any:
+def canonical_workload(
+    session: Lockstep, *, final_stages: tuple[str | None, ...] = (None,)
+) -> Lockstep:
     w = _Script(session, final_stages)
     stop = {"stop_token_ids": STOP_IDS, "max_tokens": 30}
     # Warm the prefix cache, with a mix of stop ids, EOS and max_tokens endings.
@@ -136,7 +146,7 @@ def canonical_workload(session: Any, *, final_stages: tuple[str | None, ...] = (
     return session
 
 
-def run_canonical(config: HarnessConfig, subject: Any, **kw: Any) -> Any:
+def run_canonical(config: HarnessConfig, subject: Subject, **kw: Any) -> Lockstep:
     from conformance._core.lockstep import Lockstep
 
     session = Lockstep(config, subject, prefixes=PREFIXES, registry=kw.pop("registry", None))
