@@ -16,7 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from fnmatch import fnmatchcase
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from conformance._core.subjects import DifferenceEntry
 
 
 @dataclass(frozen=True)
@@ -49,11 +52,11 @@ class Judgement:
 
 @dataclass
 class Registry:
-    entries: Sequence[Any] = ()
+    entries: Sequence[DifferenceEntry] = ()
     disabled: frozenset[str] = field(default_factory=frozenset)
-    _by_path: dict[str, tuple[Any, ...]] = field(default_factory=dict, repr=False)
+    _by_path: dict[str, tuple[DifferenceEntry, ...]] = field(default_factory=dict, repr=False)
 
-    def candidates(self, path: str) -> tuple[Any, ...]:
+    def candidates(self, path: str) -> tuple[DifferenceEntry, ...]:
         hit = self._by_path.get(path)
         if hit is None:
             hit = tuple(
@@ -86,7 +89,7 @@ class Registry:
         return entry_id
 
 
-def validate_entries(entries: Sequence[Any]) -> list[str]:
+def validate_entries(entries: Sequence[object]) -> list[str]:
     """C-03: problems with registry entries (empty list when every entry is complete)."""
     problems: list[str] = []
     seen: set[str] = set()

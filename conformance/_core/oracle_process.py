@@ -24,12 +24,15 @@ import sys
 import tempfile
 import weakref
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conformance._core import hash_seed
 from conformance._core.config import HarnessConfig
 from conformance._core.observe import Observation
 from conformance._core.workload import Op
+
+if TYPE_CHECKING:
+    from conformance._core.sides import Side
 
 # How much of the child's log an error quotes.
 LOG_TAIL_CHARS = 2000
@@ -200,7 +203,7 @@ class ProcessSide:
 # ---- the child ---------------------------------------------------------------------------
 
 
-def _status(side: Any) -> dict[str, Any]:
+def _status(side: Side) -> dict[str, Any]:
     return {
         "mode": side.mode,
         "live_ids": side.live_ids(),
@@ -217,7 +220,7 @@ def serve(inbox: Connection, outbox: Connection) -> int:
     from conformance._core.sides import make_side
     from conformance._core.subjects import UpstreamSubject
 
-    sides: dict[int, Any] = {}
+    sides: dict[int, Side] = {}
     configs: dict[int, HarnessConfig] = {}
     while True:
         try:
