@@ -21,13 +21,20 @@ import sys
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import torch
 
 from conformance._core.capabilities import DeclaredAttributes, PayloadView
-from conformance._core.driver import Deferred, collect, submit
+from conformance._core.driver import Deferred, Executor, collect, submit
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.outputs import ModelRunnerOutput
+
+    from conformance._core.capabilities import Crossing
 
 _SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
 
@@ -58,7 +65,9 @@ def modality_kinds(declared: DeclaredAttributes) -> tuple[type, ...]:
     return (torch.Tensor, np.ndarray, *declared.modality_types)
 
 
-def audit_requests(up_sched: Any, sub_sched: Any, declared: DeclaredAttributes) -> list[str]:
+def audit_requests(
+    up_sched: Scheduler, sub_sched: Scheduler, declared: DeclaredAttributes
+) -> list[str]:
     """C-10..C-12 over every live request of the subject."""
     kinds = modality_kinds(declared)
     problems: list[str] = []
@@ -86,7 +95,9 @@ def audit_requests(up_sched: Any, sub_sched: Any, declared: DeclaredAttributes) 
     return problems
 
 
-def audit_scheduler(up_sched: Any, sub_sched: Any, declared: DeclaredAttributes) -> list[str]:
+def audit_scheduler(
+    up_sched: Scheduler, sub_sched: Scheduler, declared: DeclaredAttributes
+) -> list[str]:
     """C-11/C-12 over the scheduler object: added attributes, and tensors outside the send path."""
     kinds = modality_kinds(declared)
     problems: list[str] = []
@@ -207,25 +218,25 @@ class CheckingExecutor:
     "exception" on that side, and identical exceptions on both sides would compare equal.
     """
 
-    def __init__(self, inner: Any, payloads: PayloadReader | None = None) -> None:
+    def __init__(self, inner: Executor, payloads: PayloadReader | None = None) -> None:
         self.inner = inner
         self.payloads = payloads
         self.problems: list[str] = []
         self.calls = 0
 
-    def submit(self, so: Any) -> Any:
+    def submit(self, so: SchedulerOutput) -> object:
         """The inner executor's step, checked when the driver collects it (a worker's async
         output is collected a step later under async scheduling, as in vLLM)."""
         self.calls += 1
         pending = submit(self.inner, so)
         if getattr(pending, "get_output", None) is None:
-            return self._checked(so, pending)
+            return self._checked(so, cast("ModelRunnerOutput", pending))
         return Deferred(lambda: self._checked(so, collect(pending)))
 
-    def execute(self, so: Any) -> Any:
+    def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         return collect(self.submit(so))
 
-    def _checked(self, so: Any, out: Any) -> Any:
+    def _checked(self, so: SchedulerOutput, out: ModelRunnerOutput) -> ModelRunnerOutput:
         expected = list(so.num_scheduled_tokens) if so.total_num_scheduled_tokens else []
         got = list(out.req_ids)
         if got != expected:
@@ -275,7 +286,7 @@ def same_scalar(a: Any, b: Any) -> bool:
     return bool(a == b)
 
 
-def crossing_problems(crossings: Iterable[Any]) -> list[str]:
+def crossing_problems(crossings: Iterable[Crossing]) -> list[str]:
     """C-46: each crossing's received fields equal its sent fields (tensors bit for bit, with
     their dtype and shape; scalars with their type)."""
     problems: list[str] = []
@@ -310,7 +321,7 @@ def crossing_problems(crossings: Iterable[Any]) -> list[str]:
     return problems
 
 
-def leftover_problems(leftovers: Any, when: str) -> list[str]:
+def leftover_problems(leftovers: Mapping[str, Any], when: str) -> list[str]:
     """C-46: nothing of the crossing is held between operations (``ProcessBoundary.leftovers``)."""
     held = {kind: value for kind, value in dict(leftovers).items() if value}
     if not held:

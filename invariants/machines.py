@@ -21,7 +21,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hypothesis import settings
 from hypothesis.stateful import invariant, run_state_machine_as_test
@@ -47,6 +47,11 @@ from invariants.ledger import RequestLedger, hf_problems, ledger_problems
 from invariants.outcomes import TerminalOutcomes
 from invariants.reference import cached
 
+if TYPE_CHECKING:
+    from conformance._core.compare import Comparison
+    from conformance._core.subjects import Subject
+    from conformance._core.workload import Op
+
 
 def harness_config(feature: Feature, *, mode: str, prefix: bool, **over: Any) -> HarnessConfig:
     """The suite's tight configuration with ``feature``'s additional config."""
@@ -59,7 +64,7 @@ def harness_config(feature: Feature, *, mode: str, prefix: bool, **over: Any) ->
     )
 
 
-def worker_harness_config(subject: Any, feature: Feature, **kw: Any) -> HarnessConfig:
+def worker_harness_config(subject: Subject, feature: Feature, **kw: Any) -> HarnessConfig:
     """``harness_config`` as the subject's worker needs it (its real weights)."""
     return subject.worker_config(harness_config(feature, **kw))
 
@@ -70,7 +75,7 @@ class AuditedLockstep(Lockstep):
     def __init__(
         self,
         config: HarnessConfig,
-        subject: Any,
+        subject: Subject,
         *,
         feature: Feature = OFF,
         audits: bool = True,
@@ -104,7 +109,7 @@ class AuditedLockstep(Lockstep):
                 self.sink = sink
 
     # Every operation (including the drain's) passes here.
-    def apply(self, op: Any) -> Any:
+    def apply(self, op: Op) -> Comparison:
         live_before = set(self.sub.scheduler.requests)
         result = super().apply(op)
         if isinstance(op, AddRequest) and op.request_id in self.sub.scheduler.requests:
@@ -260,7 +265,7 @@ class MachineRun:
     length in rules, so the shrunk failing program's when it fails)."""
 
     recorder: Any
-    subject: Any
+    subject: Subject
     feature: Feature
     config: HarnessConfig
     name: str
@@ -368,7 +373,7 @@ def raise_failure(outcome: MachineOutcome, run: MachineRun | None = None) -> Non
 
 def lockstep_run(
     recorder: Any,
-    subject: Any,
+    subject: Subject,
     feature: Feature,
     name: str,
     *,
@@ -399,7 +404,7 @@ REPLAY_AUDIT = "invariants.machines:replay_audit"
 
 
 def audit_problems(
-    trace: Trace, subject: Any, feature: Feature, check_reference: bool
+    trace: Trace, subject: Subject, feature: Feature, check_reference: bool
 ) -> list[str]:
     """Re-run ``trace`` in an audited session: the problems of its operations, then (when the
     operations ran clean) of the drain and teardown."""
@@ -475,7 +480,7 @@ def record_audit_failure(
     return path, same[0]
 
 
-def replay_audit(trace: Trace, subject: Any) -> list[str]:
+def replay_audit(trace: Trace, subject: Subject) -> list[str]:
     """The problems an audit trace shows on ``subject`` now (empty: it does not reproduce)."""
     f = trace.meta["feature"]
     feature = Feature(
@@ -487,13 +492,13 @@ def replay_audit(trace: Trace, subject: Any) -> list[str]:
 class LocalRecorder:
     """What the plugin's ``conformance`` recorder offers, for runs outside a pytest test."""
 
-    def __init__(self, subject: Any) -> None:
+    def __init__(self, subject: Subject) -> None:
         self.subject = subject
-        self.sessions: list[Any] = []
+        self.sessions: list[Lockstep] = []
         self.examples = 0
         self.steps_compared = 0
 
-    def fail(self, session: Any, name: str) -> None:
+    def fail(self, session: Lockstep, name: str) -> None:
         assert session.failure is not None
         raise SubjectBroken(session.failure)
 
