@@ -227,6 +227,7 @@ def test_the_schema_folder_holds_every_report_file_s_schema() -> None:
         "compat-report",
         "matrix-cell",
         "matrix-report",
+        "reach",
         "recording",
         "release-diff",
         "release-diff-pairs",

@@ -4,7 +4,7 @@ that does not match.
 ``conformance/schemas/<name>.schema.json``: ``compat-report`` (the gate's report),
 ``matrix-cell`` (a matrix cell's ``cell.json``), ``matrix-report`` (the merged report),
 ``recording`` (each line of an ``omni-conformance record`` file), ``release-diff`` (one pair's
-``release-diff.json``) and ``release-diff-pairs`` (the matrix's list of pairs). ``validate(name, data)`` raises
+``release-diff.json``), ``release-diff-pairs`` (the matrix's list of pairs) and ``reach``. ``validate(name, data)`` raises
 ``jsonschema.ValidationError``; ``problem(name, data)`` returns the best error as a ``Problem``,
 the field's dotted path (``upstream_tests.passed``, ``modes.async.steps[0]``) and a short
 sentence, which the readers put in their own one-line errors.

@@ -2,7 +2,7 @@
 
 A command group, one module per command, each with a ``register(sub)`` that adds its parser and
 handler: ``check``, ``replay``, ``report``, ``merge``, ``matrix``, ``subjects``, ``record``,
-``release-diff``, ``upstream-tests`` (their exit codes are in their modules). This package owns
+``release-diff``, ``upstream-tests``, ``reach`` (their exit codes are in their modules). This package owns
 the group: the parser, ``main`` (the console script) and re-running a real command line with a
 fixed ``PYTHONHASHSEED``. The commands' machinery lives in ``conformance._core`` and
 ``conformance.release``, which never import this package.
@@ -24,6 +24,7 @@ from conformance.cli import (
     check,
     matrix,
     merge,
+    reach,
     record,
     release_diff,
     replay,
@@ -33,7 +34,18 @@ from conformance.cli import (
 )
 
 # In the order ``--help`` lists them.
-COMMANDS = (check, replay, report, merge, matrix, subjects, record, release_diff, upstream_tests)
+COMMANDS = (
+    check,
+    replay,
+    report,
+    merge,
+    matrix,
+    subjects,
+    record,
+    release_diff,
+    upstream_tests,
+    reach,
+)
 
 
 class _Parser(argparse.ArgumentParser):

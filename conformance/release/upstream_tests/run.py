@@ -13,7 +13,7 @@ import site
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -84,9 +84,12 @@ def pytest_command(
     *,
     workers: int = 1,
     extra: Iterable[str] = (),
+    launcher: Sequence[str] = (),
 ) -> list[str]:
+    """The child pytest's command line; ``launcher`` replaces ``python -m`` in front of
+    ``pytest`` (``omni-conformance reach`` runs it under coverage.py that way)."""
     cmd = [
-        sys.executable, "-m", "pytest",
+        *(launcher or (sys.executable, "-m")), "pytest",
         "-c", str(tests.tree / "pytest.ini"), "--rootdir", str(tests.tree),
         # vLLM's repository-root conftest needs vLLM's test requirements; it is not extracted,
         # and nothing above the tests' own folder may contribute one either.
@@ -117,12 +120,15 @@ def run_pytest(
     workers: int = 1,
     quiet: bool = False,
     extra: Iterable[str] = (),
+    launcher: Sequence[str] = (),
 ) -> Run:
     """One child pytest in its own process group, stopped whole past ``timeout_s``
     (``RunProblem``) or when this process gets SIGINT/SIGTERM/SIGHUP (``processes.Interrupted``)."""
     with tempfile.TemporaryDirectory(prefix=f"omni-upstream-{label}-") as tmp:
         junit, record, log = Path(tmp) / "junit.xml", Path(tmp) / "swap.json", Path(tmp) / "log"
-        cmd = pytest_command(tests, files, junit, record, subject, workers=workers, extra=extra)
+        cmd = pytest_command(
+            tests, files, junit, record, subject, workers=workers, extra=extra, launcher=launcher
+        )
         start = time.monotonic()
         # The child's output (pytest's progress, vLLM's logs) is kept for the one-line reason
         # of a failed run, and shown on stdout unless quiet: this command's stderr carries only

@@ -1,0 +1,121 @@
+"""``omni-conformance reach``: the coverage plumbing measures child processes, the figures are
+per file and per function, every target is reported (reached or not), and the report fits its
+schema."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from conformance._core import schemas
+from conformance._core.render import render
+from conformance.release import reach
+
+
+def _fake_vllm(root: Path) -> Path:
+    """A tree shaped like the targets: two scheduler modules, one never imported."""
+    sched = root / "v1" / "core" / "sched"
+    sched.mkdir(parents=True)
+    (sched / "scheduler.py").write_text(
+        textwrap.dedent(
+            """
+            def schedule(n):
+                if n > 1:
+                    return "many"
+                return "one"
+
+
+            def untouched():
+                return None
+            """
+        )
+    )
+    (sched / "unused.py").write_text("def never():\n    return 1\n")
+    (root / "v1" / "request.py").write_text("class Request:\n    def go(self):\n        return 2\n")
+    return root
+
+
+def test_a_measured_run_counts_its_child_processes_per_function(tmp_path):
+    root = _fake_vllm(tmp_path / "vllm")
+    rc = reach.write_config(tmp_path / "data", reach.target_files(root))
+    # The parent runs nothing of the targets; its child (as an xdist worker would) does.
+    child = f"import sys; sys.path.insert(0, {str(root / 'v1' / 'core' / 'sched')!r}); "
+    child += "import scheduler; scheduler.schedule(2)"
+    script = tmp_path / "parent.py"
+    script.write_text(
+        f"import subprocess, sys\nsubprocess.run([sys.executable, '-c', {child!r}])\n"
+    )
+    subprocess.run([*reach.launcher(rc)[:-1], str(script)], check=True)
+
+    measured = reach.measure(rc, root)
+    assert sorted(measured) == [
+        "v1/core/sched/scheduler.py",
+        "v1/core/sched/unused.py",
+        "v1/request.py",
+    ]
+    functions = measured["v1/core/sched/scheduler.py"]["functions"]
+    assert functions["schedule"] == {"lines": 2, "statements": 3, "branches": 1, "branch_total": 2}
+    assert functions["untouched"]["lines"] == 0
+    # Never imported: reported, with nothing covered.
+    assert measured["v1/core/sched/unused.py"]["total"]["lines"] == 0
+    assert measured["v1/core/sched/unused.py"]["total"]["statements"] == 2
+    assert measured["v1/request.py"]["functions"]["Request.go"]["lines"] == 0
+
+
+def _side(schedule_lines: int, untouched_lines: int) -> dict:
+    def figures(lines: int, statements: int) -> dict:
+        return {"lines": lines, "statements": statements, "branches": 0, "branch_total": 0}
+
+    return {
+        "v1/core/sched/scheduler.py": {
+            "total": figures(schedule_lines + untouched_lines, 5),
+            "functions": {
+                "schedule": figures(schedule_lines, 3),
+                "untouched": figures(untouched_lines, 1),
+            },
+        }
+    }
+
+
+def test_the_report_names_what_only_one_run_reaches_and_fits_its_schema():
+    sides = {"gate": _side(2, 0), "upstream tests": _side(0, 1)}
+    report = reach.build_report(sides, {"vllm": "0.33.0", "subject": "upstream", "profile": "ci"})
+    schemas.validate("reach", report)
+    assert report["only"] == {
+        "gate": {"v1/core/sched/scheduler.py": ["schedule"]},
+        "upstream tests": {"v1/core/sched/scheduler.py": ["untouched"]},
+    }
+    assert report["sides"]["gate"]["totals"]["lines"] == 2
+    md = render("reach.md.j2", report=report)
+    assert "| gate | 2/5 (40.0%) | 0/0 (-%) |" in md
+    assert "**only gate**: `v1/core/sched/scheduler.py`: `schedule`" in md
+    bad = {**report, "sides": {"gate": {"totals": report["sides"]["gate"]["totals"]}}}
+    assert "files" in str(schemas.problem("reach", bad))
+
+
+def test_the_targets_are_the_installed_release_s_scheduler_modules():
+    files = {p.relative_to(reach.vllm_root()).as_posix() for p in reach.target_files()}
+    assert "v1/core/sched/scheduler.py" in files and "v1/core/kv_cache_manager.py" in files
+    assert "v1/request.py" in files
+
+
+@pytest.mark.slow
+def test_reach_measures_the_gate_on_upstream(tmp_path):
+    out = tmp_path / "reach"
+    done = subprocess.run(
+        [sys.executable, "-m", "conformance.cli", "reach", "--subject", "upstream",
+         "--profile", "smoke", "--out", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((out / "reach.json").read_text())
+    schemas.validate("reach", report)
+    scheduler = report["sides"]["gate"]["files"]["v1/core/sched/scheduler.py"]
+    assert scheduler["functions"]["Scheduler.schedule"]["lines"] > 0
+    assert scheduler["functions"]["Scheduler.update_from_output"]["branches"] > 0
+    assert (out / "compat-report" / "compat-report.json").is_file()
