@@ -44,22 +44,43 @@ def _entry_points(project: dict) -> dict[str, dict[str, str]]:
     return groups
 
 
+def _merged_entry_points(*projects: dict) -> dict[str, dict[str, str]]:
+    """The entry points of ``projects`` together; AssertionError when two define one name."""
+    merged: dict[str, dict[str, str]] = {}
+    for project in projects:
+        for group, entries in _entry_points(project).items():
+            overlap = set(merged.get(group, {})) & set(entries)
+            assert not overlap, f"{group}: both distributions define {sorted(overlap)}"
+            merged.setdefault(group, {}).update(entries)
+    return merged
+
+
 def test_the_development_install_is_the_union_of_the_published_two():
     root, gate, runtime = _project(ROOT), _project(GATE), _project(RUNTIME)
     assert set(root["dependencies"]) == set(gate["dependencies"]) | set(runtime["dependencies"])
     assert {_name(r) for r in root["optional-dependencies"]["ray"]} == {"ray"}
     assert root["optional-dependencies"]["ray"] == runtime["optional-dependencies"]["ray"]
     assert root["optional-dependencies"]["matrix"] == gate["optional-dependencies"]["matrix"]
-    merged: dict[str, dict[str, str]] = {}
-    for project in (gate, runtime):
-        for group, entries in _entry_points(project).items():
-            overlap = set(merged.get(group, {})) & set(entries)
-            assert not overlap, f"{group}: both distributions define {sorted(overlap)}"
-            merged.setdefault(group, {}).update(entries)
-    assert _entry_points(root) == merged
+    assert _entry_points(root) == _merged_entry_points(gate, runtime)
     for dist in (gate, runtime):
         assert dist["version"] == root["version"]
     assert runtime["optional-dependencies"]["gate"] == [f"omni-conformance=={root['version']}"]
+
+
+def test_the_union_check_sees_a_missing_or_doubled_entry_point():
+    gate, runtime = _project(GATE), _project(RUNTIME)
+    merged = _merged_entry_points(gate, runtime)
+    # The platform plugin left out of the development install is a difference.
+    pruned = {g: dict(e) for g, e in merged.items()}
+    del pruned["vllm.platform_plugins"]["omni_cpu"]
+    assert pruned != merged
+    # The gate shipping the runtime's platform plugin as well is refused.
+    doubled = {
+        **gate,
+        "entry-points": {**gate["entry-points"], "vllm.platform_plugins": {"omni_cpu": "x:y"}},
+    }
+    with pytest.raises(AssertionError, match="omni_cpu"):
+        _merged_entry_points(doubled, runtime)
 
 
 def _build_wheel(folder: Path, out: Path) -> zipfile.ZipFile:
