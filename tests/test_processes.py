@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -157,9 +158,7 @@ def test_a_relayed_signal_reaches_the_group_as_the_stop_signal(tmp_path, receive
     assert signal.getsignal(received) in (signal.default_int_handler, signal.SIG_DFL)
 
 
-def test_stop_group_takes_a_running_group(tmp_path):
-    import subprocess
-
+def test_stop_group_takes_a_running_group():
     proc = subprocess.Popen(
         ["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, start_new_session=True
     )
