@@ -1,5 +1,5 @@
-"""What ``check`` and ``replay`` share: the hypothesis profiles, where the oracle runs, and the
-one line that says so."""
+"""What the commands share: the hypothesis profiles (``check``, ``matrix``), where the oracle runs
+(``check``, ``replay``) and the one line that says so."""
 
 from __future__ import annotations
 

@@ -20,6 +20,7 @@ from types import FrameType
 from typing import Any
 
 from conformance._core.vllm_compat.versions import SUPPORTED_VLLM, release
+from conformance.cli._options import PROFILES
 from conformance.release.envs import default_envs_dir, disk_usage
 from conformance.release.matrix import (
     RELEASE_DIFF_DIR,
@@ -170,7 +171,7 @@ def register(sub: Any) -> None:
     m.add_argument("--python", default=None, help="base interpreter (default: this one)")
     m.add_argument(
         "--profile",
-        choices=("ci", "dev", "thorough", "smoke"),
+        choices=PROFILES,
         default="ci",
         help="hypothesis profile of every cell's check",
     )
