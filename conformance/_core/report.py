@@ -29,7 +29,6 @@ from conformance._core import schemas
 from conformance._core.render import Case, Suite, junit_xml, render, write_junit
 
 SCHEMA_ID = "omni-conformance-compat-report/2"
-SCHEMA_PATH = schemas.SCHEMA_DIR / "compat-report.schema.json"
 
 # The invariants the report rolls clauses up into, and clause -> the invariant (or contract
 # group) it belongs to: both from the one clause table, ``conformance._core.clauses``.
@@ -397,10 +396,6 @@ def write_report(report: Mapping[str, Any], out_dir: str | Path) -> dict[str, Pa
     paths["markdown"].write_text(render_markdown(report))
     write_junit(paths["junit"], junit_suites(report))
     return paths
-
-
-def load_schema() -> dict[str, Any]:
-    return schemas.load("compat-report")
 
 
 def validate(report: Mapping[str, Any]) -> None:

@@ -47,7 +47,6 @@ from conformance.release.matrix_cells import (
 )
 
 SCHEMA_ID = "omni-conformance-matrix-report/1"
-SCHEMA_PATH = schemas.SCHEMA_DIR / "matrix-report.schema.json"
 DEFAULT_OUT = "matrix-report"
 JUNIT_NAME = "omni-conformance matrix"
 FILES = {
@@ -685,10 +684,6 @@ def write_matrix_report(report: Mapping[str, Any], out_dir: str | Path) -> dict[
     write_junit(paths["junit"], junit_suites(report), name=JUNIT_NAME)
     paths["html"].write_text(render_html(report), encoding="utf-8")
     return paths
-
-
-def load_schema() -> dict[str, Any]:
-    return schemas.load("matrix-report")
 
 
 def validate(report: Mapping[str, Any]) -> None:
