@@ -166,15 +166,19 @@ SUITE_PATHS = (
 )
 
 
-# Suite paths that had another form in earlier commits: the subject's declaration was one module
-# before it became a package. A campaign refreshed from such a commit (its kept
-# ``suite_refreshed_from``) is rebuilt with that commit's form, and neither form may be left
-# beside the other (a package shadows a module of its name).
-FORMER_FORMS = {"omni_runtime/conformance_subject": "omni_runtime/conformance_subject.py"}
+def _forms(rel: str) -> tuple[str, str]:
+    """``rel`` and the other form of the same Python module: a package folder ``x`` or a one-file
+    module ``x.py``. A commit may have either (the subject's declaration was a module before it
+    became a package), and neither may be left beside the other (a package shadows a module of
+    its name). ``rel`` as spelled now comes first."""
+    return rel, rel.removesuffix(".py") if rel.endswith(".py") else f"{rel}.py"
 
 
-def _forms(rel: str) -> tuple[str, ...]:
-    return (rel, FORMER_FORMS[rel]) if rel in FORMER_FORMS else (rel,)
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
 
 
 def refresh_suite(work: Path, rev: str | None = None) -> None:
@@ -212,18 +216,12 @@ def refresh_suite(work: Path, rev: str | None = None) -> None:
     # Both copies: mutmut copies the work folder's ``conformance`` and ``invariants`` over its
     # own on every run (``rerun``), and the tests run from its own.
     for rel in SUITE_PATHS:
-        forms = _forms(rel)
-        found = next((f for f in forms if (source / f).exists()), rel)
+        found = next((f for f in _forms(rel) if (source / f).exists()), rel)
         for copy in (work, work / "mutants"):
-            for gone in (copy / f for f in forms if f != found):
-                # The other form, from the work folder's own commit, goes.
-                if gone.is_dir():
-                    shutil.rmtree(gone)
-                elif gone.exists():
-                    gone.unlink()
+            for form in _forms(rel):
+                _remove(copy / form)  # the work folder's own, in whichever form its commit has
             src, dest = source / found, copy / found
             if src.is_dir():
-                shutil.rmtree(dest, ignore_errors=True)
                 shutil.copytree(src, dest, ignore=shutil.ignore_patterns("__pycache__"))
             else:
                 shutil.copy2(src, dest)

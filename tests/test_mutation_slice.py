@@ -251,7 +251,9 @@ def test_a_refreshed_suite_keeps_one_form_of_the_subject(tmp_path: Path) -> None
     # The subject's declaration was a module before it became a package: a campaign refreshed
     # from a commit of either form is rebuilt with that form alone (a package left beside the
     # module would shadow it, and a commit lacking the current form must still be readable).
-    package, module = next(iter(mutation.workdir.FORMER_FORMS.items()))
+    package = "omni_runtime/conformance_subject"
+    module = f"{package}.py"
+    assert package in mutation.workdir.SUITE_PATHS
     work = tmp_path / "work"
     for copy in (work, work / "mutants"):
         (copy / "tests").mkdir(parents=True)
