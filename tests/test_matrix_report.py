@@ -28,7 +28,6 @@ from conformance.release.matrix_report import (
     render_junit,
     render_markdown,
     sort_versions,
-    validate,
     write_matrix_report,
 )
 
@@ -196,7 +195,7 @@ def test_versions_sort_numerically() -> None:
 
 def test_report_matches_schema_and_orders_grid(matrix: dict[str, Path]) -> None:
     report, dest = _merged(matrix)
-    validate(report)
+    schemas.validate("matrix-report", report)
     schemas.validate("matrix-report", json.loads((dest / "matrix-report.json").read_text()))
     assert report["versions"] == ["0.9.0", "0.10.0", "0.28.0"]
     assert report["subjects"] == ["upstream", "omni", "vllm-omni"]
@@ -342,7 +341,7 @@ def test_a_report_built_elsewhere_is_re_anchored_where_it_is_written(
     assert _cell_of(report, "omni", "0.28.0")["path"] == "matrix-out/cells/omni--vllm-0.28.0"
     write_matrix_report(report, matrix["out"])
     written = json.loads((matrix["out"] / "matrix-report.json").read_text())
-    validate(written)
+    schemas.validate("matrix-report", written)
     fail = _cell_of(written, "omni", "0.28.0")
     assert fail["path"] == "cells/omni--vllm-0.28.0"
     assert (matrix["out"] / fail["failures"][0]["trace"]).is_file()
@@ -355,7 +354,7 @@ def test_release_changes_render_only_when_present(matrix: dict[str, Path]) -> No
     cells = load_cells([matrix["out"]])
     changes = [{"from": "0.9.0", "to": "0.10.0", "changes": ["Scheduler.schedule split", {"x": 1}]}]
     report = build_matrix_report(cells, out_dir=matrix["out"], release_changes=changes)
-    validate(report)
+    schemas.validate("matrix-report", report)
     assert "Scheduler.schedule split" in render_markdown(report)
     assert "Scheduler.schedule split" in render_html(report)
 
@@ -364,7 +363,7 @@ def test_a_pass_without_its_report_is_not_shown_as_pass(tmp_path: Path) -> None:
     d = _cell(tmp_path / "cells", "omni", "0.33.0", "pass")
     (d / "compat-report.json").unlink()
     report = build_matrix_report(load_cells([tmp_path]), out_dir=tmp_path)
-    validate(report)
+    schemas.validate("matrix-report", report)
     cell = _cell_of(report, "omni", "0.33.0")
     assert cell["status"] == "incomplete" and any("missing" in n for n in cell["notes"])
 
@@ -373,7 +372,7 @@ def test_a_compat_report_the_merge_cannot_read_is_a_note(tmp_path: Path) -> None
     d = _cell(tmp_path / "cells", "omni", "0.33.0", "pass")
     (d / "compat-report.json").write_text(json.dumps({"summary": {}, "failures": [1]}))
     report = build_matrix_report(load_cells([tmp_path]), out_dir=tmp_path)
-    validate(report)
+    schemas.validate("matrix-report", report)
     cell = _cell_of(report, "omni", "0.33.0")
     assert cell["status"] == "incomplete" and "not one this merge can read" in cell["notes"][0]
     assert "does not match its schema: field 'schema' is missing" in cell["notes"][0]
@@ -485,7 +484,7 @@ def test_interrupted_matrix_merges_what_finished(tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "pending" in out and "unfinished" in out
     report = json.loads((dest / "matrix-report.json").read_text())
-    validate(report)
+    schemas.validate("matrix-report", report)
     assert [c["id"] for c in report["cells"]] == ["upstream--vllm-0.32.0", "upstream--vllm-0.33.0"]
     assert {u["id"] for u in report["unfinished"]} == {"omni--vllm-0.32.0", "omni--vllm-0.33.0"}
     assert report["status"] == "incomplete" and report["summary"]["by_status"]["pending"] == 2

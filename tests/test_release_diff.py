@@ -311,7 +311,7 @@ def test_matrix_report_shows_the_pairs(corpus: dict[str, Path], tmp_path: Path) 
         RELEASE_DIFF_SCHEMA,
         release_changes_of,
     )
-    from conformance.release.matrix_report import build_matrix_report, render_markdown, validate
+    from conformance.release.matrix_report import build_matrix_report, render_markdown
     from conformance.release.release_diff import release_diff, summary_entry
 
     lines = _lines(corpus["first"])
@@ -331,7 +331,7 @@ def test_matrix_report_shows_the_pairs(corpus: dict[str, Path], tmp_path: Path) 
     (folder / RELEASE_DIFF_FILE).write_text(json.dumps(document))
     changes = release_changes_of(tmp_path)
     report = build_matrix_report([], release_changes=changes)
-    validate(report)  # the pairs fit the merged report's schema
+    schemas.validate("matrix-report", report)  # the pairs fit the merged report's schema
     md = render_markdown(report)
     assert "Upstream changes between releases" in md
     assert "identical on 6 workloads" in md

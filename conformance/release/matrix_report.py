@@ -667,7 +667,7 @@ def render_junit(report: Mapping[str, Any]) -> str:
     return junit_xml(junit_suites(report), name=JUNIT_NAME)
 
 
-# ---- writing, validating --------------------------------------------------------------------
+# ---- writing --------------------------------------------------------------------------------
 
 
 def write_matrix_report(report: Mapping[str, Any], out_dir: str | Path) -> dict[str, Path]:
@@ -684,11 +684,6 @@ def write_matrix_report(report: Mapping[str, Any], out_dir: str | Path) -> dict[
     write_junit(paths["junit"], junit_suites(report), name=JUNIT_NAME)
     paths["html"].write_text(render_html(report), encoding="utf-8")
     return paths
-
-
-def validate(report: Mapping[str, Any]) -> None:
-    """Raise ``jsonschema.ValidationError`` when the report does not match its schema."""
-    schemas.validate("matrix-report", json.loads(json.dumps(report, default=str)))
 
 
 # ---- the merge command ----------------------------------------------------------------------
