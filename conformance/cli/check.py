@@ -109,7 +109,7 @@ def _summary(report: dict[str, Any]) -> str:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    allow_untested = bool(getattr(args, "allow_untested_vllm", False))
+    allow_untested = args.allow_untested_vllm
     problem = check_environment(args.subject, allow_untested)
     if problem:
         return fail_environment(problem)
