@@ -118,7 +118,3 @@ def mutant_changes(work: Path, names: Sequence[str]) -> dict[str, tuple[str, ...
     if proc.returncode != 0:
         raise CampaignError(f"reading the mutants' diffs in {work}: {proc.stderr.strip()[-500:]}")
     return {name: _changed_lines(diff) for name, diff in json.loads(proc.stdout).items()}
-
-
-def mutant_change(work: Path, name: str) -> tuple[str, ...]:
-    return mutant_changes(work, [name])[name]
