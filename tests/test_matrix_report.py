@@ -20,8 +20,8 @@ from conformance._core import schemas
 from conformance._core.report import ReportBuilder, TestRecord, write_report
 from conformance._core.report import validate as validate_compat_report
 from conformance.cli import main
+from conformance.release.matrix_cells import CELL_SCHEMA_ID
 from conformance.release.matrix_report import (
-    CELL_SCHEMA_ID,
     build_matrix_report,
     load_cells,
     render_html,

@@ -30,10 +30,6 @@ from markupsafe import Markup, escape
 
 from conformance._core import schemas
 from conformance._core.render import Case, Suite, junit_xml, md, md_code, render, write_junit
-
-# Also named here by the merge's callers (the matrix, the tests).
-from conformance.release.matrix_cells import CELL_FILE as CELL_FILE
-from conformance.release.matrix_cells import CELL_SCHEMA_ID as CELL_SCHEMA_ID
 from conformance.release.matrix_cells import (
     CELL_STATUSES,
     Cell,
