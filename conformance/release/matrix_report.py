@@ -333,28 +333,22 @@ def build_matrix_report(
     versions = sort_versions([e["vllm"] for e in entries] + [u["vllm"] for u in unfinished])
 
     overall = _rollup(entries, len(unfinished))
-    by_subject = []
-    for s in subjects:
-        mine = [e for e in entries if e["subject"] == s]
-        waiting = [u for u in unfinished if u["subject"] == s]
-        by_subject.append(
-            {
-                "subject": s,
-                **_rollup(mine, len(waiting)),
-                "versions": sort_versions(e["vllm"] for e in mine + waiting),
-            }
-        )
-    by_version = []
-    for v in versions:
-        mine = [e for e in entries if e["vllm"] == v]
-        waiting = [u for u in unfinished if u["vllm"] == v]
-        by_version.append(
-            {
-                "vllm": v,
-                **_rollup(mine, len(waiting)),
-                "subjects": sorted({e["subject"] for e in mine + waiting}, key=subject_key),
-            }
-        )
+
+    def rollups(
+        axis: str, values: list[str], other: str, order: Callable[[str], Any], listed: str
+    ) -> list[dict[str, Any]]:
+        """One rollup per value of ``axis`` ("subject" or "vllm"), listing the ``other`` values
+        it was run on (finished or not) under ``listed``."""
+        out = []
+        for value in values:
+            mine = [e for e in entries if e[axis] == value]
+            waiting = [u for u in unfinished if u[axis] == value]
+            ran_on = sorted({x[other] for x in mine + waiting}, key=order)
+            out.append({axis: value, **_rollup(mine, len(waiting)), listed: ran_on})
+        return out
+
+    by_subject = rollups("subject", subjects, "vllm", version_key, "versions")
+    by_version = rollups("vllm", versions, "subject", subject_key, "subjects")
 
     tests = {n: 0 for n in ("passed", "failed", "error", "not_applicable", "not_run")}
     for e in entries:
