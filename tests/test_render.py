@@ -19,7 +19,7 @@ import jsonschema
 import pytest
 
 from conformance._core import schemas
-from conformance._core.render import Case, Suite, environment, junit_xml, md, md_code, write_junit
+from conformance._core.render import Case, Suite, environment, junit_xml, md, md_code
 
 # Inputs on which the two old escapers gave different Markdown, and what else a value from a
 # test id, an error line or a JSON value can hold.
@@ -90,7 +90,8 @@ def _suites() -> list[Suite]:
 
 
 def test_junit_counts_come_from_the_cases_and_text_survives_escaping(tmp_path: Path) -> None:
-    path = write_junit(tmp_path / "r.junit.xml", _suites(), name="omni-conformance")
+    path = tmp_path / "r.junit.xml"
+    path.write_text(junit_xml(_suites(), name="omni-conformance"), encoding="utf-8")
     root = ET.parse(path).getroot()
     assert root.get("name") == "omni-conformance"
     assert [root.get(k) for k in ("tests", "failures", "errors", "skipped")] == ["4", "1", "1", "1"]

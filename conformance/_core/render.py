@@ -5,8 +5,8 @@ XML writer.
   ``*.html.j2``; Markdown templates escape through the ``md`` and ``md_code`` filters).
 * ``md(text)`` / ``md_code(text)``: a value as one line of Markdown text, or as one code span,
   that shows exactly the value inside a GitHub table cell or a list item.
-* ``Suite`` / ``Case`` / ``junit_xml`` / ``write_junit``: JUnit XML through ``ElementTree``; a
-  suite's and the document's counts are computed from its cases, so they cannot disagree.
+* ``Suite`` / ``Case`` / ``junit_xml``: JUnit XML through ``ElementTree``; a suite's and the
+  document's counts are computed from its cases, so they cannot disagree.
 
 The compat report (``conformance._core.report``), the matrix report and the release diff
 (``conformance.release``) all use these; ``docs/compat-matrix.md`` describes the reports.
@@ -170,9 +170,3 @@ def junit_xml(suites: Iterable[Suite], name: str | None = None) -> str:
     _set(root, **totals)
     ET.indent(root, space="  ")
     return '<?xml version="1.0" encoding="utf-8"?>\n' + ET.tostring(root, "unicode") + "\n"
-
-
-def write_junit(path: str | Path, suites: Iterable[Suite], name: str | None = None) -> Path:
-    p = Path(path)
-    p.write_text(junit_xml(suites, name), encoding="utf-8")
-    return p

@@ -26,7 +26,7 @@ from typing import Any
 
 from conformance._core import clauses as clause_table
 from conformance._core import schemas
-from conformance._core.render import Case, Suite, junit_xml, render, write_junit
+from conformance._core.render import Case, Suite, junit_xml, render
 
 SCHEMA_ID = "omni-conformance-compat-report/2"
 
@@ -394,7 +394,7 @@ def write_report(report: Mapping[str, Any], out_dir: str | Path) -> dict[str, Pa
     }
     paths["json"].write_text(json.dumps(report, indent=2, default=str))
     paths["markdown"].write_text(render_markdown(report))
-    write_junit(paths["junit"], junit_suites(report))
+    paths["junit"].write_text(render_junit(report), encoding="utf-8")
     return paths
 
 

@@ -29,7 +29,7 @@ from typing import Any
 from markupsafe import Markup, escape
 
 from conformance._core import schemas
-from conformance._core.render import Case, Suite, junit_xml, md, md_code, render, write_junit
+from conformance._core.render import Case, Suite, junit_xml, md, md_code, render
 from conformance.release.matrix_cells import (
     CELL_STATUSES,
     Cell,
@@ -671,7 +671,7 @@ def write_matrix_report(report: Mapping[str, Any], out_dir: str | Path) -> dict[
     paths = {kind: d / name for kind, name in FILES.items()}
     paths["json"].write_text(json.dumps(report, indent=2, default=str) + "\n", encoding="utf-8")
     paths["markdown"].write_text(render_markdown(report), encoding="utf-8")
-    write_junit(paths["junit"], junit_suites(report), name=JUNIT_NAME)
+    paths["junit"].write_text(render_junit(report), encoding="utf-8")
     paths["html"].write_text(render_html(report), encoding="utf-8")
     return paths
 
