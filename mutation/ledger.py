@@ -13,6 +13,7 @@ from __future__ import annotations
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from mutation import REPO, CampaignError
 from mutation.results import Mutant
@@ -20,40 +21,40 @@ from mutation.results import Mutant
 LEDGER = REPO / "mutation" / "triage.toml"
 
 
-def load_ledger(path: Path = LEDGER) -> list[dict[str, object]]:
+def _entries(path: Path, table: str, keys: Sequence[str]) -> list[dict[str, Any]]:
+    """The ledger's ``[[table]]`` entries, each refused unless it has every one of ``keys``."""
     try:
-        data = tomllib.loads(path.read_text())
+        entries = list(tomllib.loads(path.read_text()).get(table, []))
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise CampaignError(f"{path}: {exc}") from exc
-    entries = data.get("equivalent", [])
     for i, entry in enumerate(entries):
-        for key in ("function", "change", "reason"):
+        for key in keys:
             if not entry.get(key):
-                raise CampaignError(f"{path}: equivalent entry {i + 1} has no {key!r}")
-    return list(entries)
+                raise CampaignError(f"{path}: {table} entry {i + 1} has no {key!r}")
+    return entries
+
+
+def _matches(entry: dict[str, Any], m: Mutant) -> bool:
+    return m.function == entry["function"] and m.change == tuple(str(c) for c in entry["change"])
+
+
+def load_ledger(path: Path = LEDGER) -> list[dict[str, object]]:
+    return _entries(path, "equivalent", ("function", "change", "reason"))
 
 
 def load_guards(mutants: Sequence[Mutant], path: Path = LEDGER) -> dict[str, str]:
     """The infection guards of the ledger's ``[[guard]]`` entries (``function``, ``change``,
     ``when``, ``reason``), by the key of the mutant each matches, as the equivalents match."""
-    try:
-        entries = tomllib.loads(path.read_text()).get("guard", [])
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise CampaignError(f"{path}: {exc}") from exc
     found: dict[str, str] = {}
-    for i, entry in enumerate(entries):
-        for key in ("function", "change", "when", "reason"):
-            if not entry.get(key):
-                raise CampaignError(f"{path}: guard entry {i + 1} has no {key!r}")
+    for i, entry in enumerate(_entries(path, "guard", ("function", "change", "when", "reason"))):
         try:
             compile(str(entry["when"]), str(path), "eval")
         except SyntaxError as exc:
             raise CampaignError(
                 f"{path}: guard entry {i + 1}: 'when' is no expression: {exc}"
             ) from exc
-        change = tuple(str(c) for c in entry["change"])
         for m in mutants:
-            if m.function == entry["function"] and m.change == change:
+            if _matches(entry, m):
                 found[m.key] = str(entry["when"])
     return found
 
@@ -65,8 +66,7 @@ def apply_ledger(mutants: list[Mutant], ledger: list[dict[str, object]]) -> list
         if not m.change:
             continue
         for i, entry in enumerate(ledger):
-            change = tuple(str(c) for c in entry["change"])  # type: ignore[attr-defined]
-            if entry["function"] == m.function and change == m.change:
+            if _matches(entry, m):
                 m.equivalent = str(entry["reason"])
                 used.add(i)
     return [e for i, e in enumerate(ledger) if i not in used]
