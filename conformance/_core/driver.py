@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol
 
 from conformance._core.observe import observe_schedule
 
@@ -35,11 +35,11 @@ class Executor(Protocol):
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
-def collect(out: object) -> ModelRunnerOutput:
+def collect(out: Any) -> ModelRunnerOutput:
     """A step's output as the engine reads it: an uncollected output (anything with
     ``get_output``, vLLM's ``AsyncModelRunnerOutput`` or a ``Deferred``) is resolved now."""
     get_output = getattr(out, "get_output", None)
-    return cast("ModelRunnerOutput", get_output() if get_output is not None else out)
+    return get_output() if get_output is not None else out
 
 
 def submit(executor: Executor, so: SchedulerOutput) -> object:

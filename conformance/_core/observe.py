@@ -16,7 +16,7 @@ and what it saved: docs/design.md, "The gate".
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 from conformance._core import vllm_compat as vc
 
@@ -148,9 +148,10 @@ class Observation:
                 raise RuntimeError(
                     "the snapshot of an operation was asked for after the side ran the next one"
                 )
-            # Only an observation made from a snapshot has no scheduler (and no subject).
-            scheduler, subject = cast("Scheduler", self.scheduler), cast("Subject", self.subject)
-            snap = observe_state(scheduler, subject)
+            # Only an observation made from a snapshot has no scheduler (and no subject), and
+            # that one has its snapshot.
+            assert self.scheduler is not None and self.subject is not None
+            snap = observe_state(self.scheduler, self.subject)
             snap.update(self.extra)
             if "outputs" in snap:
                 try:
@@ -219,14 +220,16 @@ def same_state(a: Observation, b: Observation) -> bool:
     False proves nothing (a snapshot from another process cannot be checked this way; two values
     can differ as read and agree once normalised): the caller then compares the snapshots.
     """
-    if a.scheduler is None or b.scheduler is None or a.extra != b.extra:
+    # An observation without a scheduler (made from a snapshot) has no subject either.
+    if a.scheduler is None or b.scheduler is None or a.subject is None or b.subject is None:
+        return False
+    if a.extra != b.extra:
         return False
     try:
         return (
             vc.same_outputs(a.outputs, b.outputs)
             and vc.same_scheduler_state(a.scheduler, b.scheduler)
-            and leaked_omni_ids(a.scheduler, cast("Subject", a.subject))
-            == leaked_omni_ids(b.scheduler, cast("Subject", b.subject))
+            and leaked_omni_ids(a.scheduler, a.subject) == leaked_omni_ids(b.scheduler, b.subject)
         )
     except Exception:  # state the check cannot read: the snapshots say what it is
         return False
