@@ -147,32 +147,22 @@ class ReportBuilder:
         self.records.append(record)
 
     def build(self) -> dict[str, Any]:
-        clauses: dict[str, dict[str, Any]] = {}
-        for cid, inv in CLAUSES.items():
-            clauses[cid] = {
+        def blank(cid: str, invariant: str) -> dict[str, Any]:
+            return {
                 "id": cid,
-                "invariant": inv,
+                "invariant": invariant,
                 "status": "not_run",
                 "examples": 0,
                 "steps_compared": 0,
                 "tolerated": {},
                 "tests": [],
             }
+
+        clauses = {cid: blank(cid, inv) for cid, inv in CLAUSES.items()}
         outcomes: dict[str, list[str]] = {}
         for r in self.records:
             for cid in r.clauses:
-                entry = clauses.setdefault(
-                    cid,
-                    {
-                        "id": cid,
-                        "invariant": "unknown",
-                        "status": "not_run",
-                        "examples": 0,
-                        "steps_compared": 0,
-                        "tolerated": {},
-                        "tests": [],
-                    },
-                )
+                entry = clauses.setdefault(cid, blank(cid, "unknown"))
                 entry["examples"] += r.examples
                 entry["steps_compared"] += r.steps_compared
                 _merge(entry["tolerated"], r.tolerated)
