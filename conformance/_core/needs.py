@@ -5,7 +5,7 @@ names what the subject's fault containment promises (``cause_naming_problem``)."
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal, overload
 
 from conformance._core.capabilities import (
@@ -57,22 +57,8 @@ def cause_naming_problem(
     return f"it does not name {' or '.join(missing)} ({stage!r}, {type(fault).__name__})"
 
 
-# Each capability hook, called through the typed protocol (``require`` names hooks as strings so
-# that a test's needs can be read from the suite's source: ``tests/test_subject_truth.py``).
-_HOOK_CALLS: dict[str, Callable[[Subject], object]] = {
-    "declared_attributes": lambda s: s.declared_attributes(),
-    "chunk_delivery": lambda s: s.chunk_delivery(),
-    "source_layout": lambda s: s.source_layout(),
-    "input_adapter": lambda s: s.input_adapter(),
-    "runner_probes": lambda s: s.runner_probes(),
-    "model_reference": lambda s: s.model_reference(),
-    "difference_witnesses": lambda s: s.difference_witnesses(),
-    "fault_containment": lambda s: s.fault_containment(),
-    "process_boundary": lambda s: s.process_boundary(),
-}
-assert tuple(_HOOK_CALLS) == CAPABILITY_HOOKS
-
-
+# ``require`` names hooks as strings so that a test's needs can be read from the suite's source
+# (``tests/test_subject_truth.py``); the overloads give each hook its protocol's type.
 @overload
 def require(
     subject: Subject, hook: Literal["declared_attributes"], what: str
@@ -99,10 +85,9 @@ def require(
 def require(subject: Subject, hook: Literal["process_boundary"], what: str) -> ProcessBoundary: ...
 def require(subject: Subject, hook: str, what: str) -> object:
     """The subject's ``hook()`` result, or ``NotApplicable`` naming what is missing."""
-    call = _HOOK_CALLS.get(hook)
-    if call is None:
+    if hook not in CAPABILITY_HOOKS:
         raise ValueError(f"{hook!r} is not a capability hook; those are {CAPABILITY_HOOKS}")
-    value = call(subject)
+    value = getattr(subject, hook)()
     if value is None:
         raise NotApplicable(f"subject {subject.name!r} provides no {what}")
     return value
