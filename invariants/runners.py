@@ -17,7 +17,7 @@ import torch
 
 from conformance._core.capabilities import PayloadView
 from conformance._core.config import HarnessConfig
-from conformance._core.subjects import UpstreamSubject, admit_request
+from conformance._core.subjects import UpstreamSubject
 from conformance._core.workload import AddRequest
 from invariants.strategies import Job, job_prompt
 
@@ -53,7 +53,7 @@ def drive_runners(
     for i, job in enumerate(workload):
         prompt = job_prompt(i, job)
         op = AddRequest(f"j{i}", tuple(prompt), max_tokens=job.max_tokens)
-        admit_request(upstream, sched, upstream.make_request(op, prompt, cfg, sched, float(i)))
+        upstream.admit(sched, upstream.make_request(op, prompt, cfg, sched, float(i)))
     steps = 0
     while sched.has_requests() and steps < max_steps:
         for i, job in enumerate(workload):

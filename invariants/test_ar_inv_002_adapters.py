@@ -29,7 +29,6 @@ from hypothesis import given, settings
 from conformance._core import vllm_compat as vc
 from conformance._core.capabilities import NotApplicable, SourceLayout
 from conformance._core.needs import features_of, require
-from conformance._core.subjects import admit_request
 from invariants.audits import same_scalar, tensor_difference
 from invariants.machines import check_machine, lockstep_run, suite_settings
 from invariants.strategies import Malformed, malformed_inputs, malformed_kinds
@@ -239,7 +238,7 @@ def test_duplicate_live_id_rejected(conformance_subject):
     probe = require(conformance_subject, "input_adapter", "input adapter")
     scheduler = probe.scheduler()
     request = probe.build(scheduler, "dup", _sampling(2), prompt_token_ids=[5, 6, 7])
-    admit_request(conformance_subject, scheduler, request)
+    conformance_subject.admit(scheduler, request)
     with pytest.raises(probe.rejection) as info:
         probe.build(scheduler, "dup", _sampling(2), prompt_token_ids=[8])
     assert (info.value.request_id, info.value.field) == ("dup", "request_id")

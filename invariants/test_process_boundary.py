@@ -23,7 +23,6 @@ from hypothesis import given
 
 from conformance._core.capabilities import ProcessBoundary
 from conformance._core.needs import require
-from conformance._core.subjects import admit_request
 from invariants.audits import crossing_problems, leftover_problems
 from invariants.machines import suite_settings
 from invariants.strategies import every_slot_kind, stage_inputs
@@ -54,7 +53,7 @@ def check_stage_input_crosses(
         assert rid not in scheduler.requests, f"C-13: rejected {rid} reached the scheduler"
         return
     try:
-        admit_request(subject, scheduler, request)
+        subject.admit(scheduler, request)
     except Exception as exc:  # noqa: BLE001 - any failure to cross is the finding
         raise AssertionError(
             f"C-46: {rid}: the input adapter accepted a stage input that cannot cross the "

@@ -28,7 +28,6 @@ from conformance._core.capabilities import FaultContainment
 from conformance._core.driver import WorkerExecutor, make_driver
 from conformance._core.machine import client_trace_headers
 from conformance._core.needs import require, require_worker
-from conformance._core.subjects import admit_request, received_outputs
 from conformance._core.vllm_compat import state as vc
 from conformance._core.workload import AddRequest
 from invariants.machines import suite_settings, worker_harness_config
@@ -93,7 +92,7 @@ def _drain(
             ) from exc
         outcome.steps += 1
         # What the engine's caller receives: the cause must survive whatever the outputs cross.
-        outcome.record(received_outputs(subject, scheduler, obs.outputs), cause_field)
+        outcome.record(subject.receive_outputs(scheduler, obs.outputs), cause_field)
         outcome.record_chunks(subject, scheduler)
 
 
@@ -128,7 +127,7 @@ def run_workload(
                 trace_headers=client_trace_headers(i, 1 + i % 2),
             )
             request = subject.make_request(op, prompt, cfg, scheduler, float(i))
-            admit_request(subject, scheduler, request)
+            subject.admit(scheduler, request)
             first.admitted(op)
         faults = 0
         if fault is None:
@@ -143,7 +142,7 @@ def run_workload(
         assert not left, f"C-04: omni state left for {sorted(left)} after the drain"
         rid, prompt, limit = again
         op = AddRequest(rid, tuple(prompt), max_tokens=limit)
-        admit_request(subject, scheduler, subject.make_request(op, prompt, cfg, scheduler, 1000.0))
+        subject.admit(scheduler, subject.make_request(op, prompt, cfg, scheduler, 1000.0))
         second = Outcome()
         _drain(subject, driver, scheduler, second, 200, field)
         return first, second, faults

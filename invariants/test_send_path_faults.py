@@ -29,7 +29,6 @@ from conformance._core.driver import make_driver
 from conformance._core.harness_faults import raise_pending
 from conformance._core.machine import client_trace_headers
 from conformance._core.needs import cause_naming_problem, require
-from conformance._core.subjects import admit_request, received_outputs
 from conformance._core.vllm_compat import state as vc
 from conformance._core.workload import AddRequest
 from invariants.machines import harness_config, suite_settings
@@ -192,9 +191,7 @@ def run_workload(
             trace_headers=client_trace_headers(i, 1),
             client_index=int(two_clients and rid == second_client),
         )
-        admit_request(
-            subject, scheduler, subject.make_request(op, prompt, cfg, scheduler, float(i))
-        )
+        subject.admit(scheduler, subject.make_request(op, prompt, cfg, scheduler, float(i)))
         run.admitted(op)
     abort_if("waiting")
     while scheduler.has_requests() or driver.in_flight():
@@ -203,7 +200,7 @@ def run_workload(
         obs = driver.step()
         raise_pending()  # a harness bug the subject's fault containment caught
         run.steps += 1
-        run.record(received_outputs(subject, scheduler, obs.outputs), cause_field)
+        run.record(subject.receive_outputs(scheduler, obs.outputs), cause_field)
         take_chunks()
         abort_if("running")
     free = vc.num_free_blocks(pool)

@@ -12,7 +12,7 @@ from conformance._core.config import HarnessConfig
 from conformance._core.driver import AsyncDriver, Executor, SyncDriver, WorkerExecutor, make_driver
 from conformance._core.harness_faults import HarnessError, forget_pending, raise_pending
 from conformance._core.observe import Observation
-from conformance._core.subjects import Subject, admit_request, received_outputs
+from conformance._core.subjects import Subject
 from conformance._core.tokens import DeterministicTokenSource
 from conformance._core.workload import Abort, AddRequest, DeliverChunks, Op, ResetPrefixCache, Step
 
@@ -75,12 +75,12 @@ class Side:
                 extra["outputs"] = None  # normalised from ``outputs`` with the snapshot
                 # What the engine's caller receives (a subject whose outputs cross a process
                 # boundary decodes them here), so that is what is compared.
-                outputs = received_outputs(self.subject, sched, obs.outputs)
+                outputs = self.subject.receive_outputs(sched, obs.outputs)
                 extra["updated"] = obs.updated
             elif isinstance(op, AddRequest):
                 assert prompt is not None
                 request = self.subject.make_request(op, prompt, cfg, sched, arrival)
-                admit_request(self.subject, sched, request)
+                self.subject.admit(sched, request)
                 client = getattr(request, "client_index", op.client_index)
                 if client != op.client_index:
                     # Said here, in the hook's terms (after the admission, so that this is the

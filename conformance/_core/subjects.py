@@ -363,18 +363,6 @@ class UpstreamSubject(BaseSubject):
         return DeclaredAttributes()
 
 
-def admit_request(subject: Subject, scheduler: Scheduler, request: Request) -> None:
-    """``subject.admit(scheduler, request)``: how the harness admits every request."""
-    subject.admit(scheduler, request)
-
-
-def received_outputs(
-    subject: Subject, scheduler: Scheduler, outputs: dict[int, EngineCoreOutputs] | None
-) -> dict[int, EngineCoreOutputs] | None:
-    """``subject.receive_outputs(scheduler, outputs)``: what the engine's caller receives."""
-    return subject.receive_outputs(scheduler, outputs)
-
-
 def upstream_subject() -> Subject:
     return UpstreamSubject()
 
