@@ -119,6 +119,22 @@ def test_diff_of_a_recording_with_itself_is_identical(
     assert "Identical on 6 workloads" in (tmp_path / "release-diff.md").read_text()
 
 
+def test_a_report_off_its_schema_is_refused_before_it_is_written(
+    corpus: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Planted failure for write_report's own check against release-diff.schema.json."""
+    import jsonschema
+
+    from conformance.release import release_diff as rd
+
+    result = diff_recordings(load_recording(corpus["first"]), load_recording(corpus["second"]))
+    built = rd.build_report
+    monkeypatch.setattr(rd, "build_report", lambda r: {**built(r), "status": "same"})
+    with pytest.raises(jsonschema.ValidationError, match="'same' is not one of"):
+        rd.write_report(result, tmp_path)
+    assert not (tmp_path / "release-diff.json").exists()
+
+
 def _first_step_with_a_request(line: dict[str, Any], mode: str) -> tuple[int, str] | None:
     run = line["modes"][mode]
     for i, (op, step) in enumerate(zip(run["ops"], run["steps"], strict=True)):
