@@ -39,7 +39,13 @@ SKIP_DIRS = {
 }
 # Files the tools write (the compat, matrix, release-diff and mutation reports' Markdown): named,
 # never shipped.
-WRITTEN_BY_TOOLS = {"compat-report.md", "matrix-report.md", "release-diff.md", "score.md", "reach.md"}
+WRITTEN_BY_TOOLS = {
+    "compat-report.md",
+    "matrix-report.md",
+    "release-diff.md",
+    "score.md",
+    "reach.md",
+}
 # The table itself, its documentation and this test define or name ids rather than cite them.
 DEFINERS = {
     Path("conformance/_core/clauses.py"),
