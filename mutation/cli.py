@@ -133,7 +133,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             meta = json.loads(meta_path.read_text())
             chosen = SLICES[str(meta.get("slice"))]
             rerun(
-                args.work, chosen, meta, meta_path, args.children, args.recheck_only, args.profile
+                args.work,
+                chosen,
+                meta,
+                meta_path,
+                args.children,
+                args.recheck_only,
+                args.profile,
+                args.state,
             )
             args.refresh_suite = False  # done by the rerun
         elif not meta_path.is_file():

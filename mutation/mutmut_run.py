@@ -22,7 +22,7 @@ from mutation import CampaignError
 from mutation.ledger import apply_ledger, load_ledger
 from mutation.recheck import recheck_kills
 from mutation.results import RECHECKED, load_results, mutant_changes
-from mutation.state import STATE, save_state
+from mutation.state import save_state
 from mutation.targets import Slice, Target
 from mutation.workdir import campaign_env, git_head, refresh_suite
 
@@ -110,6 +110,7 @@ def rerun(
     children: int,
     only: str | None,
     profile: str,
+    state: Path,
 ) -> None:
     """Run every mutant not killed (and not in the ledger) again through mutmut, against the
     checkout's suite: mutmut forks each from a server that imported everything once, and runs
@@ -143,4 +144,4 @@ def rerun(
     finally:
         meta["rerun_seconds"] = float(meta.get("rerun_seconds", 0.0)) + time.monotonic() - started  # type: ignore[arg-type]
         meta_path.write_text(json.dumps(meta, indent=1))
-        save_state(work, chosen, STATE)
+        save_state(work, chosen, state)
