@@ -167,9 +167,7 @@ def stop_group(proc: subprocess.Popen[Any], stop_signal: int = signal.SIGTERM) -
 def reap(pgid: int) -> None:
     """SIGKILL what is left of group ``pgid`` (and of the groups its members started) and wait
     until none of it exists, at most ``REAP_S``."""
-    groups = {pgid} | _groups_under(pgid)
-    for group in groups:
-        _signal_group(group, signal.SIGKILL)
+    groups = _kill_tree(pgid)
     deadline = time.monotonic() + REAP_S
     while groups and time.monotonic() < deadline:
         groups = {g for g in groups if _group_exists(g)}
@@ -187,11 +185,13 @@ def _finish_stop(proc: subprocess.Popen[Any], stop_at: list[float]) -> None:
         proc.wait()
 
 
-def _kill_tree(pid: int) -> None:
-    """SIGKILL the group led by ``pid`` and every group its descendants started: a nested
-    runner killed here cannot stop its own group any more."""
-    for group in {pid} | _groups_under(pid):
+def _kill_tree(pid: int) -> set[int]:
+    """SIGKILL the group led by ``pid`` and every group its descendants started (a nested
+    runner killed here cannot stop its own group any more); the groups signalled."""
+    groups = {pid} | _groups_under(pid)
+    for group in groups:
         _signal_group(group, signal.SIGKILL)
+    return groups
 
 
 def _wait_step(
