@@ -63,6 +63,7 @@ __all__ = sorted(
         "load_subject",
         "make_sampling_params",
         "replay",
+        "request_kwargs",
         "run_trace",
         "scheduler_holdings",
     ]

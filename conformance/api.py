@@ -53,6 +53,7 @@ from conformance._core.subjects import (
     UpstreamSubject,
     load_subject,
     make_sampling_params,
+    request_kwargs,
     scheduler_holdings,
 )
 from conformance._core.vllm_compat.versions import release
@@ -73,6 +74,7 @@ __all__ = [
     "SubjectUnsupported",
     "load_subject",
     "make_sampling_params",
+    "request_kwargs",
     "SchedulerHoldings",
     "scheduler_holdings",
     # capabilities

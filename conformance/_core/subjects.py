@@ -179,6 +179,25 @@ def make_sampling_params(op: AddRequest, cfg: HarnessConfig) -> SamplingParams:
     return sp
 
 
+def request_kwargs(
+    op: AddRequest, prompt: list[int], cfg: HarnessConfig, arrival: float
+) -> dict[str, Any]:
+    """The keyword arguments of vLLM's ``Request`` for ``op``, as vLLM's engine builds it from
+    the client's ``EngineCoreRequest``; a subject whose runtime builds a ``Request`` subclass
+    passes them on beside its own fields. A subject's ``make_request`` must carry
+    ``op.trace_headers`` and ``op.client_index`` into its request the way its engine does."""
+    return {
+        "request_id": op.request_id,
+        "prompt_token_ids": prompt,
+        "sampling_params": make_sampling_params(op, cfg),
+        "pooling_params": None,
+        "arrival_time": arrival,
+        "block_hasher": block_hasher(cfg.block_size),
+        "trace_headers": op.headers(),
+        "client_index": op.client_index,
+    }
+
+
 @dataclass(frozen=True)
 class SchedulerHoldings:
     """What an upstream-based scheduler holds, read through the gate's vLLM accessors (the
@@ -239,19 +258,7 @@ class BaseSubject:
     ) -> Request:
         from vllm.v1.request import Request
 
-        return Request(
-            request_id=op.request_id,
-            prompt_token_ids=prompt,
-            sampling_params=make_sampling_params(op, cfg),
-            pooling_params=None,
-            arrival_time=arrival,
-            block_hasher=block_hasher(cfg.block_size),
-            # As vLLM's engine builds it from the client's ``EngineCoreRequest``: a subject's
-            # hook must carry ``op.trace_headers`` and ``op.client_index`` into its request the
-            # way its engine does.
-            trace_headers=op.headers(),
-            client_index=op.client_index,
-        )
+        return Request(**request_kwargs(op, prompt, cfg, arrival))
 
     def admit(self, scheduler: Scheduler, request: Request) -> None:
         """Hand ``request`` (from ``make_request``) to ``scheduler`` as the runtime's engine does.

@@ -24,11 +24,10 @@ from conformance.api import (
     DifferenceEntry,
     HarnessConfig,
     SubjectUnsupported,
-    block_hasher,
     build_kv_cache_config,
     build_vllm_config,
-    make_sampling_params,
     release,
+    request_kwargs,
 )
 
 DISTRIBUTION = "vllm-omni"
@@ -254,15 +253,7 @@ class VllmOmniSubject(BaseSubject):
         from vllm_omni.request import OmniRequest
 
         return OmniRequest(
-            request_id=op.request_id,
-            external_req_id=op.request_id,
-            prompt_token_ids=prompt,
-            sampling_params=make_sampling_params(op, cfg),
-            pooling_params=None,
-            arrival_time=arrival,
-            block_hasher=block_hasher(cfg.block_size),
-            trace_headers=op.headers(),
-            client_index=op.client_index,
+            external_req_id=op.request_id, **request_kwargs(op, prompt, cfg, arrival)
         )
 
     def differences(self) -> Sequence[DifferenceEntry]:
