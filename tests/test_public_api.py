@@ -134,14 +134,21 @@ def test_the_package_names_are_the_api_names():
 def test_importing_the_package_stays_light():
     """The pytest plugin imports ``conformance`` in every pytest run: it must not pull in the
     API (and, through it, the core) until a name is asked for."""
-    code = (
-        "import sys, conformance\n"
-        "loaded = sorted(m for m in sys.modules if m.startswith(('conformance.', 'vllm', "
-        "'torch', 'hypothesis')))\n"
-        "print(loaded)\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout
+
+    def loaded_after(statement: str) -> str:
+        code = (
+            f"import sys, conformance\n{statement}\n"
+            "loaded = sorted(m for m in sys.modules if m.startswith(('conformance.', 'vllm', "
+            "'torch', 'hypothesis')))\n"
+            "print(loaded)\n"
+        )
+        run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+        assert run.returncode == 0, run.stderr
+        return run.stdout.strip()
+
+    assert loaded_after("pass") == "[]"
+    # The control: asking for a name loads the API, and the probe sees it.
+    assert "'conformance.api'" in loaded_after("conformance.TIGHT")
 
 
 def test_the_subject_protocol_declares_every_hook():
