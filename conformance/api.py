@@ -1,4 +1,6 @@
-"""The gate's public API: everything a subject author imports, and nothing else.
+"""The gate's public API: everything a subject author imports, and the names the ``conformance``
+package exported before this module existed (the lock-step session, ``run_trace``, ``replay``,
+the loader, the registry and ``FieldDifference``), which its lazy names still resolve here.
 
 A runtime's subject module imports from here only; ``conformance._core`` is the gate's private
 core and may change between releases. What is here: the ``Subject`` protocol and
