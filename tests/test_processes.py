@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -156,14 +155,3 @@ def test_a_relayed_signal_reaches_the_group_as_the_stop_signal(tmp_path, receive
     assert done.returncode == 7
     # The parent's own handlers are back.
     assert signal.getsignal(received) in (signal.default_int_handler, signal.SIG_DFL)
-
-
-def test_stop_group_takes_a_running_group():
-    proc = subprocess.Popen(
-        ["sh", "-c", "sleep 60 & echo $!; wait"], stdout=subprocess.PIPE, start_new_session=True
-    )
-    assert proc.stdout is not None
-    grandchild = int(proc.stdout.readline())
-    processes.stop_group(proc)
-    assert proc.poll() is not None
-    assert _wait_gone(grandchild)

@@ -156,14 +156,6 @@ def run(
     return Completed(rc, timed_out, got[0] if got else None, _text(out), _text(err))
 
 
-def stop_group(proc: subprocess.Popen[Any], stop_signal: int = signal.SIGTERM) -> None:
-    """Stop a running child started in a session of its own (``stop_signal``, the grace, then
-    SIGKILL) and reap its group."""
-    _signal_group(proc.pid, stop_signal)
-    _finish_stop(proc, [time.monotonic()])
-    reap(proc.pid)
-
-
 def reap(pgid: int) -> None:
     """SIGKILL what is left of group ``pgid`` (and of the groups its members started) and wait
     until none of it exists, at most ``REAP_S``."""
