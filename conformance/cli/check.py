@@ -23,6 +23,7 @@ import signal
 import sys
 import tempfile
 import threading
+from collections.abc import Sequence
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -50,8 +51,11 @@ def _has_xdist() -> bool:
     return True
 
 
-def pytest_command(args: argparse.Namespace) -> list[str]:
-    cmd = [sys.executable, "-m", "pytest", "-m", "invariants", "-p", "no:cacheprovider"]
+def pytest_command(args: argparse.Namespace, launcher: Sequence[str] = ()) -> list[str]:
+    """The suite's pytest command; ``launcher`` replaces ``python -m`` in front of ``pytest``
+    (``reach`` runs it under coverage.py that way)."""
+    cmd = [*(launcher or (sys.executable, "-m")), "pytest", "-m", "invariants"]
+    cmd += ["-p", "no:cacheprovider"]
     if not _plugin_installed():
         cmd += ["-p", "conformance.plugin"]
     # Each check option backs the plugin option of the same last word.

@@ -22,13 +22,12 @@ from typing import Any
 from conformance._core import hash_seed, processes, schemas
 from conformance._core.preflight import check_environment, fail_environment, folder_problem
 from conformance._core.render import render
+from conformance.cli._options import PROFILES, add_release_tests_options, add_timeout_option
 from conformance.cli.check import pytest_command as check_command
 from conformance.release import reach
 from conformance.release.upstream_tests import (
-    DEFAULT_TIMEOUT_S,
     RunProblem,
     TestsUnavailable,
-    default_cache_dir,
     ensure_tests,
     run_pytest,
     select_tests,
@@ -52,9 +51,7 @@ def _gate_run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         tests=[],
         pytest_args=[],
     )
-    cmd = check_command(gate)
-    assert cmd[1:3] == ["-m", "pytest"], cmd  # the launcher replaces "python -m"
-    cmd = [*reach.launcher(rc), *cmd[2:]]
+    cmd = check_command(gate, launcher=reach.launcher(rc))
     env = hash_seed.pinned()
     env.setdefault("HF_HUB_OFFLINE", "1")
     print(f"reach: the gate's suite on {args.subject} (profile {args.profile}), measured")
@@ -137,7 +134,9 @@ def register(sub: Any) -> argparse.ArgumentParser:
         default=os.environ.get("OMNI_CONFORMANCE_SUBJECT", "upstream"),
         help="subject runtime: a registered name or module:attr",
     )
-    p.add_argument("--profile", default="ci", help="hypothesis profile of the gate's run")
+    p.add_argument(
+        "--profile", choices=PROFILES, default="ci", help="hypothesis profile of the gate's run"
+    )
     p.add_argument(
         "--upstream-tests",
         action="store_true",
@@ -145,17 +144,7 @@ def register(sub: Any) -> argparse.ArgumentParser:
     )
     p.add_argument("--out", default="reach-report", help="folder for reach.json and reach.md")
     p.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers")
-    p.add_argument(
-        "--cache-dir",
-        default=default_cache_dir(),
-        help="where the release's tests are cached (see upstream-tests)",
-    )
-    p.add_argument("--offline", action="store_true", help="never fetch the release's tests")
-    p.add_argument(
-        "--timeout-s",
-        type=float,
-        default=DEFAULT_TIMEOUT_S,
-        help="bound on the upstream tests' run",
-    )
+    add_release_tests_options(p)
+    add_timeout_option(p)
     p.set_defaults(func=cmd_reach)
     return p

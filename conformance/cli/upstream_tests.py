@@ -25,9 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from conformance._core.preflight import check_environment, fail_environment, load_subject_quietly
+from conformance.cli._options import add_release_tests_options, add_timeout_option
 from conformance.release.upstream_tests import (
-    CACHE_ENV,
-    DEFAULT_TIMEOUT_S,
     SCHEDULER_SELECTION,
     SLOW_MODULES,
     CachedTests,
@@ -37,7 +36,6 @@ from conformance.release.upstream_tests import (
     Verdict,
     compare,
     counts,
-    default_cache_dir,
     ensure_tests,
     is_upstream,
     result_json,
@@ -60,19 +58,7 @@ def register(sub: Any) -> argparse.ArgumentParser:
         default=os.environ.get("OMNI_CONFORMANCE_SUBJECT", "omni"),
         help="subject whose scheduler classes replace vLLM's (a name or module:attr)",
     )
-    p.add_argument(
-        "--cache-dir",
-        type=Path,
-        default=default_cache_dir(),
-        help=f"where release tests are cached (vllm-<version>/ inside; ${CACHE_ENV} moves the "
-        "whole omni-conformance cache)",
-    )
-    p.add_argument(
-        "--offline",
-        action="store_true",
-        default=bool(os.environ.get("OMNI_CONFORMANCE_OFFLINE")),
-        help="never fetch: use the cache only (exit 2 when the release's tests are not there)",
-    )
+    add_release_tests_options(p)
     p.add_argument(
         "--sdist",
         type=Path,
@@ -100,12 +86,7 @@ def register(sub: Any) -> argparse.ArgumentParser:
         help="skip the run with upstream's own classes (every failure then counts)",
     )
     p.add_argument("--json", default=None, metavar="PATH", help="write the result here as JSON")
-    p.add_argument(
-        "--timeout-s",
-        type=float,
-        default=DEFAULT_TIMEOUT_S,
-        help="time bound for each pytest run; its process group is killed past it",
-    )
+    add_timeout_option(p)
     p.add_argument(
         "-n", "--workers", type=int, default=1, help="pytest-xdist workers per run (2 cores)"
     )
