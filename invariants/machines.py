@@ -18,7 +18,7 @@ the suite is built: docs/design.md, "How the suite checks".
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -270,6 +270,8 @@ class MachineRun:
     config: HarnessConfig
     name: str
     check_reference: bool = False
+    # A scheduler axis's per-request draws (``conformance._core.axes.Axis.request_values``).
+    request_values: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     last_ops: int = 0
     # Clauses the sessions of this run checked (``AuditedLockstep.clauses``).
     clauses: set[str] = field(default_factory=set)
@@ -300,6 +302,7 @@ class InvariantMachine(LockstepMachine):
             plain_requests=run.feature.plain_requests,
             name=run.name,
             session=run.open_session(),
+            request_values=run.request_values,
         )
         self.run = run
         # Hypothesis checks invariants once before the first rule and after every rule.

@@ -36,6 +36,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 from hypothesis.database import InMemoryExampleDatabase
 
+from conformance._core.axes import AXES
 from conformance._core.clauses import unknown
 from tests.mutants import runtime_mutants as CATALOGUE
 
@@ -93,6 +94,30 @@ def _machine_probe(
             feature, mode=mode, prefix=prefix, num_speculative_tokens=speculative
         )
         run = MachineRun(LocalRecorder(subject), subject, feature, config, f"mutant-{feature_name}")
+        outcome = run_machine(run, cfg)
+        return _failure(outcome.error), outcome.ops
+
+    return probe
+
+
+def _axis_probe(axis_name: str, mode: str, feature_name: str = "off"):
+    """The scheduler-axis property (``invariants/test_scheduler_axes.py``) on one axis."""
+
+    def probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
+        from conformance._core.axes import axis
+        from invariants.machines import LocalRecorder, MachineRun, harness_config, run_machine
+
+        chosen = axis(axis_name)
+        feature = _feature(subject, feature_name)
+        config = chosen.config(harness_config(feature, mode=mode, prefix=True))
+        run = MachineRun(
+            LocalRecorder(subject),
+            subject,
+            feature,
+            config,
+            f"mutant-{axis_name}-{mode}",
+            request_values=chosen.request_values,
+        )
         outcome = run_machine(run, cfg)
         return _failure(outcome.error), outcome.ops
 
@@ -433,6 +458,7 @@ PROBES: dict[str, Callable[..., tuple[BaseException | None, int]]] = {
     "lockstep-hidden-background-async": _machine_probe("hidden-background", mode="async"),
     "lockstep-speculative": _machine_probe("token-updates", speculative=3),
     "chunk-contracts": _chunk_probe,
+    **{f"axis-{a.name}-{mode}": _axis_probe(a.name, mode) for a in AXES for mode in a.modes},
     "chunk-reset-in-flight": _reset_in_flight_probe,
     "malformed-inputs": _malformed_probe,
     "graph-independence": _jobs_probe(

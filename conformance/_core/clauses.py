@@ -55,6 +55,7 @@ CLAUSES: dict[str, Clause] = _table(
     ("C-06", "AR-INV-001", "Blocks and requests are conserved once the workload drains"),
     ("C-07", "AR-INV-001", "Scheduler and engine outputs equal upstream's, sync and async"),
     ("C-08", "AR-INV-001", "Greedy tokens equal an independent model reference"),
+    ("C-09", "AR-INV-001", "Every scheduler axis, its statistics and events, equals upstream's"),
     # AR-INV-002: Omni data crosses explicit adapters
     ("C-10", "AR-INV-002", "Omni data enters only through declared slots and builders"),
     ("C-11", "AR-INV-002", "No tensor or payload is reachable from upstream fields"),

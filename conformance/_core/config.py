@@ -47,15 +47,31 @@ class HarnessConfig:
     additional_config: dict[str, Any] = field(default_factory=dict)
     # Ids the token source samples at a fixed share of positions (``Feature.token_edges``).
     token_edges: tuple[int, ...] = ()
-    # Draft tokens per step (speculative decoding, sync only): vLLM schedules what the token
-    # source drafted and the source verifies them (``conformance._core.tokens``). 0: off.
+    # Draft tokens per step (speculative decoding): vLLM schedules what the token source drafted
+    # (sync) or placeholders for the runner's own drafts (async), and the source verifies them
+    # (``conformance._core.tokens``). 0: off.
     num_speculative_tokens: int = 0
+    # The scheduler axes (``conformance._core.axes``). Left at their defaults they are not
+    # written to a trace, so traces and recordings made before they existed read the same.
+    # Statistics on: ``SchedulerStats``, request events and per-request spec-decode metrics
+    # on the outputs, compared after normalisation (``vllm_compat.stats``).
+    log_stats: bool = False
+    # KV-cache events published, captured per step and compared (``vllm_compat.stats``).
+    kv_events: bool = False
+    # ``fcfs`` or ``priority`` (``AddRequest.priority``: lower is served first).
+    scheduling_policy: str = "fcfs"
+    # Pipeline-parallel size: the engine keeps this many steps in flight (its batch queue),
+    # with the sync scheduler as with the async one.
+    pipeline_parallel_size: int = 1
 
     def with_(self, **changes: Any) -> HarnessConfig:
         return replace(self, **changes)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        for name, default in _AXIS_DEFAULTS.items():
+            if d[name] == default:
+                del d[name]
         # Saved traces must replay on another machine: name bundled models relative to us.
         if Path(self.model).resolve() == TINY_MODEL.resolve():
             d["model"] = BUNDLED_TINY
@@ -72,6 +88,14 @@ class HarnessConfig:
     def model_shape(self) -> dict[str, Any]:
         return json.loads((Path(self.model) / "config.json").read_text())
 
+
+# The axis fields and their defaults: omitted from ``to_dict`` at the default.
+_AXIS_DEFAULTS: dict[str, Any] = {
+    "log_stats": False,
+    "kv_events": False,
+    "scheduling_policy": "fcfs",
+    "pipeline_parallel_size": 1,
+}
 
 _HASH_READY = False
 
@@ -121,6 +145,7 @@ def build_vllm_config(
         long_prefill_token_threshold=cfg.long_prefill_token_threshold,
         async_scheduling=cfg.async_scheduling,
         is_encoder_decoder=False,
+        policy=cfg.scheduling_policy,  # type: ignore[arg-type]  # checked by SchedulerConfig
         **sched_kw,
     )
     cache_config = CacheConfig(
@@ -133,9 +158,14 @@ def build_vllm_config(
         model_config=model_config,
         scheduler_config=scheduler_config,
         cache_config=cache_config,
-        parallel_config=ParallelConfig(distributed_executor_backend="uni", **parallel_kw),
+        parallel_config=ParallelConfig(
+            distributed_executor_backend="uni",
+            pipeline_parallel_size=cfg.pipeline_parallel_size,
+            **parallel_kw,
+        ),
         device_config=DeviceConfig(device="cpu"),
         additional_config=dict(cfg.additional_config),
+        **observability_kw(cfg),
     )
     vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks
     if cfg.num_speculative_tokens:
@@ -151,7 +181,30 @@ def build_vllm_config(
             target_model_config=model_config,
             target_parallel_config=vllm_config.parallel_config,
         )
+        if cfg.log_stats and spec_metrics_field():
+            # Per-request spec-decode metrics ride on the outputs only when asked for (and
+            # only with drafts); "detailed" adds the per-step arrays, the most to get wrong.
+            vllm_config.observability_config.per_request_spec_decode_metrics = "detailed"
     return vllm_config
+
+
+def spec_metrics_field() -> bool:
+    """Whether this vLLM has per-request spec-decode metrics (0.32 has them)."""
+    from vllm.config import ObservabilityConfig
+
+    return "per_request_spec_decode_metrics" in ObservabilityConfig.__dataclass_fields__
+
+
+def observability_kw(cfg: HarnessConfig) -> dict[str, Any]:
+    """``VllmConfig`` arguments for the statistics and KV-event axes (none when both are off)."""
+    kw: dict[str, Any] = {}
+    if cfg.kv_events:
+        from vllm.config import KVEventsConfig
+
+        # "null": the scheduler builds no socket; the harness captures what it publishes
+        # (``vllm_compat.stats.capture_kv_events``).
+        kw["kv_events_config"] = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+    return kw
 
 
 def build_kv_cache_config(cfg: HarnessConfig):
@@ -179,12 +232,17 @@ def build_scheduler(
     """A scheduler of ``scheduler_cls`` built exactly as ``EngineCore`` builds one."""
     from vllm.v1.structured_output import StructuredOutputManager
 
+    from conformance._core.vllm_compat import capture_kv_events
+
     vllm_config = build_vllm_config(cfg)
     kv_cache_config = build_kv_cache_config(cfg)
-    return scheduler_cls(
+    scheduler = scheduler_cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
         block_size=cfg.block_size,
-        log_stats=log_stats,
+        log_stats=log_stats or cfg.log_stats,
     )
+    if cfg.kv_events:
+        capture_kv_events(scheduler)
+    return scheduler

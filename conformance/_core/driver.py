@@ -87,6 +87,17 @@ class StepObservation:
     updated: bool
 
 
+def post_step_drafts(sched: Scheduler, executor: Executor) -> None:
+    """``EngineCore.post_step`` of a sync scheduler after a step that ran the model: the
+    drafts for the next step, taken from the executor after the update."""
+    if sched.vllm_config.speculative_config is None:
+        return
+    take = getattr(executor, "take_draft_token_ids", None)
+    drafts = take() if take is not None else None
+    if drafts is not None:
+        sched.update_draft_token_ids(drafts)
+
+
 class SyncDriver:
     mode = "sync"
 
@@ -102,12 +113,8 @@ class SyncDriver:
         scheduled = observe_schedule(so)
         mro = collect(submit(self.executor, so))
         outputs = sched.update_from_output(so, mro)
-        if so.total_num_scheduled_tokens and sched.vllm_config.speculative_config is not None:
-            # ``EngineCore.post_step``: the drafts for the next step, after the update.
-            take = getattr(self.executor, "take_draft_token_ids", None)
-            drafts = take() if take is not None else None
-            if drafts is not None:
-                sched.update_draft_token_ids(drafts)
+        if so.total_num_scheduled_tokens:
+            post_step_drafts(sched, self.executor)
         return StepObservation(scheduled, outputs, True)
 
     def in_flight(self) -> int:
@@ -115,24 +122,37 @@ class SyncDriver:
 
 
 class AsyncDriver:
-    mode = "async"
+    """The batch queue: async scheduling, pipeline parallelism (a sync scheduler with
+    ``pipeline_parallel_size`` steps in flight, mode ``pipelined``), or both."""
 
     def __init__(self, scheduler: Scheduler, executor: Executor, depth: int | None = None) -> None:
+        async_ = bool(scheduler.vllm_config.scheduler_config.async_scheduling)
+        self.mode = "async" if async_ else "pipelined"
         self.scheduler = scheduler
         self.executor = executor
         self.depth = depth or max(2, scheduler.vllm_config.max_concurrent_batches)
+        self._executed = False  # whether the last ``step`` submitted a batch that ran the model
         self.queue: deque[tuple[SchedulerOutput, object]] = deque()
 
     def step(self) -> StepObservation:
+        observed = self._step()
+        if self.mode == "pipelined" and self._executed:
+            # ``EngineCore.post_step`` after the batch queue's step: a sync scheduler takes the
+            # drafts then (an async one never: its runner keeps them).
+            post_step_drafts(self.scheduler, self.executor)
+        return observed
+
+    def _step(self) -> StepObservation:
         sched = self.scheduler
         scheduled = None
+        self._executed = False
         if sched.has_requests():
             so = sched.schedule()
             scheduled = observe_schedule(so)
             # Collected when the batch leaves the queue (``EngineCore.step_with_batch_queue``
             # calls the future's ``result()`` there), not now.
             pending = submit(self.executor, so)
-            executed = so.total_num_scheduled_tokens > 0
+            executed = self._executed = so.total_num_scheduled_tokens > 0
             self.queue.appendleft((so, pending))
             if len(self.queue) < self.depth and (executed or sched.has_requests()):
                 return StepObservation(scheduled, None, False)

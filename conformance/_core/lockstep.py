@@ -328,6 +328,7 @@ def _weight(ops: list[Op]) -> tuple[int, int, int]:
             detail += len(op.prompt) + op.max_tokens + len(op.stop_token_ids)
             detail += (op.prefix is not None) + (not op.ignore_eos) + (op.final_stage is not None)
             detail += (op.trace_headers is not None) + (op.client_index != 0) + op.plain
+            detail += op.priority != 0
         elif isinstance(op, Abort):
             detail += len(op.request_ids)
         elif isinstance(op, ResetPrefixCache):
@@ -373,6 +374,8 @@ def _simplifications(op: AddRequest) -> list[list[dict[str, Any]]]:
         groups.append([{"client_index": 0}])
     if op.plain:
         groups.append([{"plain": False}])
+    if op.priority:
+        groups.append([{"priority": 0}])
     return [g for g in groups if g]
 
 
@@ -383,7 +386,7 @@ class Shrinker:
     aborts); delta-debugging removal of chunks of operations, halving the chunk down to single
     operations; collapse runs of repeated steps; drop aborted ids one at a time; simplify each
     request (no shared prefix, shorter prompt, fewer max_tokens, no stop ids, ignore_eos, no
-    final stage, no trace headers, the first client, not plain); move requests earlier (past the
+    final stage, no trace headers, the first client, not plain, no priority); move requests earlier (past the
     steps before them), which lets the steps that only waited for them go in the next round; trade a step for a block
     more of some earlier request's prompt (KV-cache pressure with fewer operations). Every
     candidate is strictly smaller (``_weight``) than the current trace, so the search ends, and

@@ -17,7 +17,7 @@ with; ``PREFIXES``, the shared prompt prefixes; ``STOP_IDS``, the stop tokens re
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from hypothesis import strategies as st
@@ -39,10 +39,16 @@ PREFIXES: dict[str, tuple[int, ...]] = {
 STOP_IDS = (5, 6)
 
 
-def random_request(rng: random.Random, request_id: str) -> AddRequest:
+def random_request(
+    rng: random.Random,
+    request_id: str,
+    request_values: Mapping[str, tuple[Any, ...]] | None = None,
+) -> AddRequest:
     """One request as the machine's rule draws it, from a ``random.Random`` instead of
-    hypothesis (seeded corpora and unshrunk programs): prompt, shared prefix, limits, stops."""
+    hypothesis (seeded corpora and unshrunk programs): prompt, shared prefix, limits, stops, and
+    an axis's per-request fields (``request_values``)."""
     length, salt = rng.randint(1, 40), rng.randint(0, 3)
+    axis_fields = {k: rng.choice(v) for k, v in sorted((request_values or {}).items())}
     return AddRequest(
         request_id,
         tuple(100 + (salt * 37 + i) % 200 for i in range(length)),
@@ -50,6 +56,7 @@ def random_request(rng: random.Random, request_id: str) -> AddRequest:
         max_tokens=rng.randint(1, 20),
         stop_token_ids=STOP_IDS if rng.random() < 0.5 else (),
         ignore_eos=rng.random() < 0.5,
+        **axis_fields,
     )
 
 
@@ -93,8 +100,12 @@ class LockstepMachine(RuleBasedStateMachine):
         plain_requests: bool = False,
         name: str = "lockstep",
         session: Any = None,
+        request_values: Mapping[str, tuple[Any, ...]] | None = None,
     ) -> None:
         super().__init__()
+        # A scheduler axis's per-request fields (``conformance._core.axes``), drawn after the
+        # others; none on the plain machine, whose examples stay as they were.
+        self.request_values = sorted((request_values or {}).items())
         self.recorder = recorder
         self.config = config
         self.final_stages = final_stages
@@ -140,6 +151,7 @@ class LockstepMachine(RuleBasedStateMachine):
         self.counter += 1
         prompt = tuple(100 + (salt * 37 + i) % 200 for i in range(length))
         final_stage, plain = final.draw(st.sampled_from(self.destinations))
+        axis_fields = {k: final.draw(st.sampled_from(v)) for k, v in self.request_values}
         self.session.apply(
             AddRequest(
                 rid,
@@ -152,6 +164,7 @@ class LockstepMachine(RuleBasedStateMachine):
                 trace_headers=trace_headers,
                 client_index=client_index,
                 plain=plain,
+                **axis_fields,
             )
         )
 
@@ -213,8 +226,14 @@ def machine_for(
     final_stages: tuple[str | None, ...] = (None,),
     plain_requests: bool = False,
     name: str = "lockstep",
+    request_values: Mapping[str, tuple[Any, ...]] | None = None,
 ) -> Callable[[], LockstepMachine]:
     """A factory for ``run_state_machine_as_test``: one fresh machine per example."""
     return lambda: LockstepMachine(
-        recorder, config, final_stages=final_stages, plain_requests=plain_requests, name=name
+        recorder,
+        config,
+        final_stages=final_stages,
+        plain_requests=plain_requests,
+        name=name,
+        request_values=request_values,
     )

@@ -92,6 +92,16 @@ def observe_outputs(outputs: dict[int, EngineCoreOutputs] | None) -> dict[str, A
                 entry["trace_headers"] = headers
             if client:  # likewise: single-client snapshots are as they were
                 entry["client"] = client
+            # Present only when set (statistics, spec decoding, a KV connector): snapshots of
+            # runs without them are unchanged.
+            events = vc.request_events(out)
+            if events is not None:
+                entry["events"] = events
+            metrics = vc.spec_decode_metrics(out)
+            if metrics is not None:
+                entry["spec_decode_metrics"] = metrics
+            if out.kv_transfer_params is not None:
+                entry["kv_transfer_params"] = vc.plain(out.kv_transfer_params)
             extra = vc.output_extra_fields(out)
             if extra:
                 entry.update(extra)

@@ -77,6 +77,8 @@ class Side:
                 # boundary decodes them here), so that is what is compared.
                 outputs = self.subject.receive_outputs(sched, obs.outputs)
                 extra["updated"] = obs.updated
+                if cfg.log_stats:
+                    extra["stats"] = vc.scheduler_stats(outputs)
             elif isinstance(op, AddRequest):
                 assert prompt is not None
                 request = self.subject.make_request(op, prompt, cfg, sched, arrival)
@@ -112,6 +114,9 @@ class Side:
             extra["exception"] = f"{type(cause).__name__}: {cause}"[:300]
         except Exception as exc:  # the subject's crash is an observable difference
             extra["exception"] = f"{type(exc).__name__}: {exc}"[:300]
+        if cfg.kv_events:
+            # What the scheduler published during the operation (its updates publish).
+            extra["kv_events"] = vc.take_kv_events(sched)
         # The harness's own code may have raised where the subject caught it (a processor the
         # subject's fault containment called): that stops the run, it is no observation.
         raise_pending()

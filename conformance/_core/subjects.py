@@ -195,6 +195,7 @@ def request_kwargs(
         "block_hasher": block_hasher(cfg.block_size),
         "trace_headers": op.headers(),
         "client_index": op.client_index,
+        "priority": op.priority,
     }
 
 

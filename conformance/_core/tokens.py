@@ -33,6 +33,8 @@ EDGE_PERIOD = 5
 # One draft in DRAFT_MISS_PERIOD is wrong (and with it the rest of its step's drafts): steps
 # accept anything from none to all of their drafts.
 DRAFT_MISS_PERIOD = 3
+# The draft id async scheduling schedules in place of the drafts its runner keeps.
+PLACEHOLDER = -1
 
 
 def token_at(request_id: str, position: int, vocab: int = 512) -> int:
@@ -76,6 +78,14 @@ class DeterministicTokenSource:
             tok = 3 + (tok + 1 - 3) % (self.vocab - 3)
         return tok
 
+    def guess(self, view: _ReqView, request_id: str, position: int) -> int:
+        """The drafter's token for ``position``: the one sampled there, except at one position
+        in ``DRAFT_MISS_PERIOD`` (a miss, which ends what a step accepts)."""
+        token = self.choose(view, request_id, position)
+        if zlib.crc32(f"draft:{request_id}:{position}".encode()) % DRAFT_MISS_PERIOD == 0:
+            return 3 + (token + 1 - 3) % (self.vocab - 3)
+        return token
+
     @harness_code
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
         from vllm.v1.outputs import ModelRunnerOutput
@@ -108,8 +118,16 @@ class DeterministicTokenSource:
             if view is None or end < view.num_tokens:
                 sampled.append([])  # partial prefill chunk: nothing to sample yet
                 continue
+            if proposed and end > view.num_tokens:
+                # Async scheduling counted the step in flight as if all its drafts were
+                # accepted; a runner knows what it rejected and samples where it really is.
+                end = view.num_tokens
             ids = [self.choose(view, rid, end)]
             for draft in proposed:
+                if draft == PLACEHOLDER:
+                    # Async scheduling schedules placeholders: the runner drafted itself, as
+                    # ``take_draft_token_ids`` would have (the guess for this position).
+                    draft = self.guess(view, rid, end + len(ids) - 1)
                 if draft != ids[-1]:
                     break
                 ids.append(self.choose(view, rid, end + len(ids)))
@@ -136,11 +154,10 @@ class DeterministicTokenSource:
             if view is not None:
                 for k in range(self.num_drafts):
                     position = view.num_tokens + k
-                    token = self.choose(view, rid, position)
-                    if zlib.crc32(f"draft:{rid}:{position}".encode()) % DRAFT_MISS_PERIOD == 0:
-                        proposed.append(3 + (token + 1 - 3) % (self.vocab - 3))
-                        break
+                    token = self.guess(view, rid, position)
                     proposed.append(token)
+                    if token != self.choose(view, rid, position):
+                        break
             drafts.append(proposed)
         return vc.draft_token_ids(self._drafted, drafts)
 

@@ -43,6 +43,9 @@ class AddRequest:
     # ``plain_requests``; its subject must then serve it as upstream would and send nothing
     # downstream for it (C-42).
     plain: bool = False
+    # ``Request.priority`` (the priority scheduling axis): lower is served first; ties go by
+    # arrival. Ignored by the default first-come-first-served policy.
+    priority: int = 0
 
     def headers(self) -> dict[str, str] | None:
         """The trace headers as the mapping vLLM's ``Request.trace_headers`` holds."""
@@ -57,6 +60,7 @@ class AddRequest:
             + (f" trace_headers={self.headers()}" if self.trace_headers is not None else "")
             + (f" client={self.client_index}" if self.client_index else "")
             + (" plain" if self.plain else "")
+            + (f" priority={self.priority}" if self.priority else "")
         )
 
 
@@ -117,7 +121,12 @@ def op_to_dict(op: Op) -> dict[str, Any]:
     for k, v in asdict(op).items():
         # A field left at its default is not written, so traces from before a field existed
         # and traces after it read the same, and a trace shows only what was chosen.
-        if (k, v) in (("trace_headers", None), ("client_index", 0), ("plain", False)):
+        if (k, v) in (
+            ("trace_headers", None),
+            ("client_index", 0),
+            ("plain", False),
+            ("priority", 0),
+        ):
             continue
         d[k] = _as_lists(v)
     return d

@@ -76,6 +76,7 @@ class OmniSchedulerSubject(BaseSubject):
                 arrival_time=arrival,
                 trace_headers=op.headers(),
                 client_index=op.client_index,
+                priority=op.priority,
             )
         )
 

@@ -1643,6 +1643,92 @@ def _slot_bool_tensor_as_bytes():
     return _on_process_stage(_patch(adapter, "_tensor_from_wire", make))
 
 
+# Scheduler-axis mixins (``conformance._core.axes``): bugs on paths plain decoding never takes.
+
+
+class StatsCountedBeforePreemption:
+    """C-09: the running count in the step's ``SchedulerStats`` is taken when ``schedule()``
+    starts, before it preempts and admits (a runtime that counts where it starts its work)."""
+
+    # Kept beside the scheduler, not on it: an undeclared attribute would be caught first (C-12).
+    _at_start: dict[int, int] = {}
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        self._at_start[id(self)] = len(self.running)  # type: ignore[attr-defined]
+        return super().schedule(*args, **kwargs)  # type: ignore[misc]
+
+    def make_stats(self, *args: Any, **kwargs: Any) -> Any:
+        stats = super().make_stats(*args, **kwargs)  # type: ignore[misc]
+        if stats is not None and id(self) in self._at_start:
+            stats.num_running_reqs = self._at_start[id(self)]
+        return stats
+
+
+class KvEventsDroppedOnReset:
+    """C-09: ``reset_prefix_cache`` drains the KV-cache manager's events after the reset, so the
+    "all blocks cleared" event the reset queued is never published."""
+
+    def reset_prefix_cache(self, *args: Any, **kwargs: Any) -> Any:
+        result = super().reset_prefix_cache(*args, **kwargs)  # type: ignore[misc]
+        self.kv_cache_manager.take_events()  # type: ignore[attr-defined]
+        return result
+
+
+class BonusCountedAccepted:
+    """C-09: the spec-decoding statistics count the bonus token as an accepted draft (an
+    off-by-one where accepted = sampled, not sampled - 1)."""
+
+    def make_spec_decoding_stats(
+        self, stats: Any, num_draft_tokens: int, num_accepted_tokens: int, *args: Any, **kwargs: Any
+    ) -> Any:
+        accepted = min(num_draft_tokens, num_accepted_tokens + 1)
+        return super().make_spec_decoding_stats(  # type: ignore[misc]
+            stats, num_draft_tokens, accepted, *args, **kwargs
+        )
+
+
+class RejectedDraftsKept:
+    """C-01/C-07: rejected drafts are not rolled back: a request keeps counting the positions
+    of drafts its step rejected as computed (an update that forgot the rollback)."""
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        requests = self.requests  # type: ignore[attr-defined]
+        before = {
+            rid: requests[rid].num_computed_tokens
+            for rid in scheduler_output.scheduled_spec_decode_tokens
+            if rid in requests
+        }
+        outputs = super().update_from_output(  # type: ignore[misc]
+            scheduler_output, model_runner_output
+        )
+        for rid, computed in before.items():
+            request = requests.get(rid)
+            if request is not None and 0 < request.num_computed_tokens < computed:
+                request.num_computed_tokens = computed
+        return outputs
+
+
+class PriorityIgnoredByWaitingQueue:
+    """C-01/C-09: the runtime rebuilds the waiting queue first-come-first-served whatever the
+    policy, so priorities no longer order admission."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        from vllm.v1.core.sched.request_queue import SchedulingPolicy, create_request_queue
+
+        self.waiting = create_request_queue(SchedulingPolicy.FCFS)
+
+
+class PipelineTokensNotSent:
+    """C-07/C-09: with pipeline parallelism the scheduler must send each running request's new
+    tokens back to the first stage's worker; the runtime's cached-request data leaves them out."""
+
+    def _make_cached_request_data(self, *args: Any, **kwargs: Any) -> Any:
+        data = super()._make_cached_request_data(*args, **kwargs)  # type: ignore[misc]
+        data.new_token_ids = [[] for _ in data.new_token_ids]
+        return data
+
+
 # ---- the catalogue ------------------------------------------------------------------------
 
 
@@ -2276,6 +2362,48 @@ MUTANTS: tuple[Mutant, ...] = (
         "stage-inputs-cross",
         "the stage process rebuilds a boolean slot tensor as uint8",
         _slot_bool_tensor_as_bytes,
+    ),
+    Mutant(
+        "stats_counted_before_preemption",
+        "C-09",
+        "axis-stats-events-async",
+        "the step's running count is taken before schedule() preempts and admits",
+        _sub(scheduler_mixin=StatsCountedBeforePreemption),
+    ),
+    Mutant(
+        "kv_events_dropped_on_reset",
+        "C-09",
+        "axis-stats-events-sync",
+        "reset_prefix_cache drains the event it queued: no 'all blocks cleared' is published",
+        _sub(scheduler_mixin=KvEventsDroppedOnReset),
+    ),
+    Mutant(
+        "bonus_counted_accepted",
+        "C-09",
+        "axis-spec-decode-async",
+        "spec-decoding statistics count the bonus token as an accepted draft",
+        _sub(scheduler_mixin=BonusCountedAccepted),
+    ),
+    Mutant(
+        "rejected_drafts_kept",
+        "C-01/C-07",
+        "axis-spec-decode-sync",
+        "rejected drafts are not rolled back: their positions stay counted as computed",
+        _sub(scheduler_mixin=RejectedDraftsKept),
+    ),
+    Mutant(
+        "priority_ignored_by_waiting_queue",
+        "C-01/C-09",
+        "axis-priority-sync",
+        "the waiting queue is rebuilt first-come-first-served whatever the policy",
+        _sub(scheduler_mixin=PriorityIgnoredByWaitingQueue),
+    ),
+    Mutant(
+        "pipeline_tokens_not_sent",
+        "C-07/C-09",
+        "axis-pipeline-2-sync",
+        "under pipeline parallelism the cached-request data carries no new token ids",
+        _sub(scheduler_mixin=PipelineTokensNotSent),
     ),
 )
 

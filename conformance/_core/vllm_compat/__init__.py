@@ -5,12 +5,15 @@
 ``state``     scheduler state: block pool, KV coordinator, requests, admission queues, outputs,
               and the checks that two schedulers' (or two steps' outputs') snapshots would be
               equal, made in place on both at once;
-``scheduler_output``  what a ``SchedulerOutput`` says was scheduled, and from which position.
+``scheduler_output``  what a ``SchedulerOutput`` says was scheduled, and from which position;
+``stats``     statistics, request events and KV-cache events, as plain values;
+``features``  which scheduler axes the installed release can drive.
 
 Callers import this package (``from conformance._core import vllm_compat as vc``); the names below are
 its public surface. Supporting another vLLM release is a change inside this package.
 """
 
+from conformance._core.vllm_compat.features import axis_unavailable
 from conformance._core.vllm_compat.scheduler_output import (
     computed_before,
     draft_token_ids,
@@ -51,6 +54,14 @@ from conformance._core.vllm_compat.state import (
     set_none_hash,
     status_name,
 )
+from conformance._core.vllm_compat.stats import (
+    capture_kv_events,
+    plain,
+    request_events,
+    scheduler_stats,
+    spec_decode_metrics,
+    take_kv_events,
+)
 from conformance._core.vllm_compat.versions import (
     ALLOW_UNTESTED_ENV,
     SUPPORTED_VLLM,
@@ -70,16 +81,19 @@ __all__ = [
     "ALLOW_UNTESTED_ENV",
     "SUPPORTED_VLLM",
     "ByRelease",
+    "axis_unavailable",
     "Change",
     "EnvironmentProblem",
     "base_output_fields",
     "block_pool",
     "block_ids_reader",
     "block_table",
+    "capture_kv_events",
     "check_vllm",
     "computed_before",
     "draft_token_ids",
     "finished_ids",
+    "plain",
     "prompt_length",
     "resumed_all_token_ids",
     "resumed_ids",
@@ -106,10 +120,14 @@ __all__ = [
     "queue_ids",
     "release",
     "request_block_ids",
+    "request_events",
     "request_fields",
     "same_outputs",
     "same_scheduler_state",
     "scheduler_queues",
+    "scheduler_stats",
+    "spec_decode_metrics",
+    "take_kv_events",
     "set_none_hash",
     "status_name",
     "vllm_version",

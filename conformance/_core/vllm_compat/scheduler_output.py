@@ -38,7 +38,7 @@ def schedule_fields(so: Any) -> dict[str, Any]:
         out_tokens[rid] = cached.num_output_tokens[i]
         nb = cached.new_block_ids[i]
         blocks[rid] = None if nb is None else tuple(tuple(g) for g in nb)
-    return {
+    fields = {
         "scheduled_new": new_ids,
         "scheduled_cached": list(cached.req_ids),
         "resumed": sorted(cached.resumed_req_ids),
@@ -50,6 +50,14 @@ def schedule_fields(so: Any) -> dict[str, Any]:
         "num_output_tokens": out_tokens,
         "block_ids": blocks,
     }
+    # Sent back only under pipeline parallelism (the first stage's worker did not sample them),
+    # so the list is empty otherwise (not strict). Present when any is, so snapshots without it
+    # read as before.
+    pairs = zip(cached.req_ids, cached.new_token_ids, strict=False)
+    sent = {rid: tuple(ids) for rid, ids in pairs if ids}
+    if sent:
+        fields["new_token_ids"] = sent
+    return fields
 
 
 def finished_ids(so: Any) -> list[str]:

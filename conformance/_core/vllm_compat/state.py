@@ -15,6 +15,7 @@ from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
+from conformance._core.vllm_compat.stats import request_events, spec_decode_metrics
 from conformance._core.vllm_compat.versions import ByRelease, Change
 
 # ---- block pool -------------------------------------------------------------------------
@@ -470,6 +471,9 @@ def same_outputs(a: dict[int, Any] | None, b: dict[int, Any] | None) -> bool:
             (x.prefill_stats is not None or y.prefill_stats is not None)
             and prefill_stats_fields(x.prefill_stats) != prefill_stats_fields(y.prefill_stats)
         )
+        or ((x.events or y.events) and request_events(x) != request_events(y))
+        or x.kv_transfer_params != y.kv_transfer_params
+        or spec_decode_metrics(x) != spec_decode_metrics(y)
     ]:
         return False
     classes: set[Any] = set(map(type, outs_a))

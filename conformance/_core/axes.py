@@ -1,0 +1,81 @@
+"""The scheduler axes: parts of vLLM's scheduler the plain-decode workload never reaches.
+
+An ``Axis`` is a change to the suite's configuration (statistics, KV events, speculative
+decoding, the priority policy, a deeper batch queue) and the per-request fields its workloads
+draw (``request_values``: field of ``AddRequest`` -> values, first the default). The lock-step
+machine draws those fields for each request only on an axis that has them, so the plain
+machine's examples are unchanged; ``record``'s corpus runs every axis too. ``AXES`` is the
+catalogue the invariant suite parametrizes over; ``unavailable`` says why an axis cannot run on
+the installed release (the report then says not applicable).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from conformance._core.config import HarnessConfig
+
+
+@dataclass(frozen=True)
+class Axis:
+    name: str
+    summary: str
+    # ``HarnessConfig`` fields the axis sets on top of the suite's configuration.
+    changes: Mapping[str, Any]
+    # Per-request draws: an ``AddRequest`` field and the values it may take (default first).
+    request_values: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
+    # The scheduling modes the axis runs in (``sync``, ``async``).
+    modes: tuple[str, ...] = ("sync", "async")
+
+    def config(self, base: HarnessConfig) -> HarnessConfig:
+        return base.with_(**self.changes)
+
+    def unavailable(self) -> str | None:
+        """Why the installed vLLM cannot run this axis (None: it can)."""
+        from conformance._core.vllm_compat import axis_unavailable
+
+        return axis_unavailable(self.name)
+
+
+AXES: tuple[Axis, ...] = (
+    Axis(
+        "stats-events",
+        "log_stats on (SchedulerStats, request events) and KV-cache events published",
+        {"log_stats": True, "kv_events": True},
+    ),
+    Axis(
+        "spec-decode",
+        "three drafts a step from the token source (sync) or placeholders (async), with "
+        "spec-decoding statistics and per-request metrics",
+        {"num_speculative_tokens": 3, "log_stats": True},
+    ),
+    Axis(
+        "priority",
+        "the priority policy: drawn priorities, preemption picks the lowest-priority victim",
+        {"scheduling_policy": "priority", "log_stats": True},
+        request_values={"priority": (0, -1, 1, 2)},
+    ),
+    Axis(
+        "pipeline-2",
+        "pipeline parallel size 2: two steps in flight, sync scheduler as async",
+        {"pipeline_parallel_size": 2, "log_stats": True},
+        modes=("sync",),
+    ),
+    Axis(
+        "pipeline-4",
+        "pipeline parallel size 4: four steps in flight, with spec decoding",
+        {"pipeline_parallel_size": 4, "num_speculative_tokens": 2},
+        modes=("sync",),
+    ),
+)
+
+BY_NAME: dict[str, Axis] = {a.name: a for a in AXES}
+
+
+def axis(name: str) -> Axis:
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown scheduler axis {name!r}; known {sorted(BY_NAME)}") from None

@@ -1,0 +1,100 @@
+"""What the harness reads of vLLM's statistics and events, as plain comparable values.
+
+With ``HarnessConfig.log_stats`` the scheduler attaches a ``SchedulerStats`` to a step's
+outputs, events (queued, scheduled, preempted) and per-request spec-decode metrics to each
+request's output; with ``HarnessConfig.kv_events`` it publishes KV-cache events after each update.
+Wall-clock values (timestamps, iteration timings, perf and CUDA-graph stats) are dropped: they
+differ between two runs of one scheduler. Everything else is kept, field by field, so a release
+that adds a field is compared on it without a change here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+# Fields that hold wall-clock measurements, not scheduler decisions.
+_CLOCK_FIELDS = frozenset({"iteration_details", "perf_stats", "cudagraph_stats", "ts", "timestamp"})
+
+
+def plain(value: Any) -> Any:
+    """``value`` (dataclasses, msgspec structs, enums, containers) as plain comparable values,
+    without wall-clock fields."""
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if isinstance(value, bytes):
+        return value.hex()
+    if isinstance(value, dict):
+        return {str(k): plain(v) for k, v in sorted(value.items(), key=lambda kv: str(kv[0]))}
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if isinstance(value, set | frozenset):
+        return sorted(plain(v) for v in value)
+    name = getattr(value, "name", None)
+    if isinstance(name, str) and hasattr(type(value), "__members__"):  # an enum member
+        return name
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        fields = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    elif hasattr(type(value), "__struct_fields__"):
+        fields = {n: getattr(value, n) for n in type(value).__struct_fields__}
+        fields["__kind__"] = type(value).__name__  # tagged unions (KV events) differ by class
+    elif hasattr(value, "tolist"):  # a tensor or an array
+        return value.tolist()
+    else:
+        return repr(value)
+    return {k: plain(v) for k, v in fields.items() if k not in _CLOCK_FIELDS}
+
+
+def scheduler_stats(outputs: dict[int, Any] | None) -> dict[str, Any] | None:
+    """The step's ``SchedulerStats`` (on the first client's outputs), or None when it has none."""
+    for client in sorted(outputs or {}):
+        stats = getattr(outputs[client], "scheduler_stats", None)  # type: ignore[index]
+        if stats is not None:
+            return {"client": client, **plain(stats)}
+    return None
+
+
+def request_events(out: Any) -> list[str] | None:
+    """The types of the events on one request's output, in order (None: no events field set)."""
+    events = getattr(out, "events", None)
+    if not events:
+        return None
+    return [plain(e.type) for e in events]
+
+
+def spec_decode_metrics(out: Any) -> Any:
+    """A request's spec-decode metrics on its output (the field is new in 0.33; None before)."""
+    metrics = getattr(out, "spec_decode_metrics", None)
+    return None if metrics is None else plain(metrics)
+
+
+class _Recorder:
+    """Stands in for the scheduler's event publisher: keeps what it is given until taken."""
+
+    def __init__(self) -> None:
+        self.batches: list[Any] = []
+
+    def publish(self, batch: Any) -> None:
+        self.batches.append(plain(batch))
+
+    def shutdown(self) -> None:
+        self.batches.clear()
+
+    def get_publisher_config(self) -> Any:
+        return None
+
+
+def capture_kv_events(scheduler: Any) -> None:
+    """Keep what ``scheduler`` publishes (``take_kv_events``) instead of dropping it: the
+    configuration names the null publisher, which the scheduler built in ``__init__``."""
+    scheduler.kv_event_publisher = _Recorder()
+
+
+def take_kv_events(scheduler: Any) -> list[Any] | None:
+    """The event batches ``scheduler`` published since the last call (None when it captures
+    none)."""
+    recorder = getattr(scheduler, "kv_event_publisher", None)
+    if not isinstance(recorder, _Recorder):
+        return None
+    taken, recorder.batches = recorder.batches, []
+    return taken

@@ -1,0 +1,49 @@
+"""C-09 with AR-INV-001's clauses: the audited lock-step machine on each part of vLLM's
+scheduler that plain decoding never reaches.
+
+Each axis (``conformance._core.axes``) changes the suite's configuration (statistics and KV
+events, speculative decoding sync and async, the priority policy, a deeper batch queue) and may
+draw per-request fields; the machine compares both sides after every operation as the plain
+lock-step does, statistics, request events and published KV events included, and runs the
+audits the subject declared. An axis the installed vLLM cannot drive, or a mode it does not run
+in, is not applicable with its reason.
+
+Each axis's positive control is a named mutant in ``tests/mutants/runtime_mutants.py``.
+"""
+
+import pytest
+
+from conformance._core.axes import AXES
+from conformance._core.capabilities import NotApplicable
+from conformance.plugin import covers
+from invariants.machines import (
+    MachineRun,
+    harness_config,
+    raise_failure,
+    run_machine,
+    suite_settings,
+)
+
+pytestmark = [pytest.mark.invariants]
+
+CI_EXAMPLES = 12
+
+
+@pytest.mark.clauses("C-01", "C-02", "C-04", "C-05", "C-06", "C-07", "C-09", "C-62")
+@pytest.mark.features(worker=False)
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("axis", AXES, ids=[a.name for a in AXES])
+def test_scheduler_axis(request, conformance, conformance_subject, axis, mode, feature):
+    why = axis.unavailable()
+    if why is not None:
+        raise NotApplicable(f"scheduler axis {axis.name}: {why}")
+    if mode not in axis.modes:
+        raise NotApplicable(f"scheduler axis {axis.name} runs in {', '.join(axis.modes)} only")
+    cfg = axis.config(harness_config(feature, mode=mode, prefix=True))
+    name = f"AR-INV-001-{axis.name}-{mode}-{feature.name}"
+    run = MachineRun(
+        conformance, conformance_subject, feature, cfg, name, request_values=axis.request_values
+    )
+    outcome = run_machine(run, suite_settings(CI_EXAMPLES))
+    covers(request.node, run.clauses | {"C-09"})
+    raise_failure(outcome, run)
