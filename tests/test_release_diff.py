@@ -78,13 +78,16 @@ def test_record_writes_both_modes_of_every_workload(corpus: dict[str, Path]) -> 
     assert header["modes"] == ["sync", "async"] and header["seconds"] >= 0
     names = [line["workload"] for line in lines[1:]]
     assert names == [f"gen-{i:04d}" for i in range(SIZE)] + ["trace:two-requests"]
-    present = set(lines[1]["modes"]["sync"]["steps"][0]["queues"])
+    present = set(lines[-1]["modes"]["sync"]["steps"][0]["queues"])
     for field in header["absent_fields"]:
         assert field.startswith("queues.") and field.split(".", 1)[1] not in present
     for line in lines[1:]:
         trace = Trace.from_dict(line["trace"])
         for mode in ("sync", "async"):
             run = line["modes"][mode]
+            if "not_applicable" in run:  # an axis this release cannot run in this mode
+                assert run["ops"] == run["steps"] == [] and run["not_applicable"]
+                continue
             assert len(run["ops"]) == len(run["steps"]) == len(trace.ops) + run["drain"]
             last = run["steps"][-1]
             assert last["requests"] == {}, "drained: nothing held at the end"
@@ -310,7 +313,7 @@ def test_a_malformed_recording_is_one_line_naming_file_and_field(
         if breakage == "no_modes":
             del parsed[0]["modes"]
         else:
-            parsed[1]["modes"]["async"]["steps"][0] = [1, 2]
+            parsed[-1]["modes"]["async"]["steps"][0] = [1, 2]
         _write(bad, parsed)
     rc = main(["release-diff", str(corpus["first"]), str(bad), "--out", str(tmp_path / "o")])
     assert rc == 2
@@ -438,3 +441,45 @@ def test_record_refuses_bad_input_in_one_line(
     assert main(["record", "--out", str(tmp_path), "--size", "1"]) == 2
     assert "is a folder" in _one_error_line(capsys)
     assert not Path(out).exists()
+
+
+def test_the_corpus_draws_every_scheduler_axis_with_its_request_fields() -> None:
+    """Each axis is a corpus variant; its workloads carry the axis's configuration and draw its
+    per-request fields (the priority axis: some request has a non-default priority)."""
+    from conformance._core.axes import AXES
+
+    seen: dict[str, list[Trace]] = {}
+    for i in range(400):
+        w = generate_workload(0, i)
+        if "axis" in w.meta:
+            seen.setdefault(w.meta["axis"], []).append(w)
+    assert set(seen) == {a.name for a in AXES}
+    for a in AXES:
+        for w in seen[a.name]:
+            assert all(getattr(w.config, k) == v for k, v in a.changes.items())
+        for field, values in a.request_values.items():
+            drawn = {getattr(op, field) for w in seen[a.name] for op in w.ops if op.kind == "add"}
+            assert drawn - {values[0]}, f"{a.name}: {field} never drawn beyond its default"
+
+
+def test_an_axis_one_release_cannot_run_is_a_change_without_a_trace(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """Positive control of the axis comparison: a run the other release reports not applicable
+    is one change at ``__axis__`` (no trace: nothing to replay); both not applicable is none."""
+    from conformance.release.release_diff import AXIS_CHANGE, write_traces
+
+    lines = _lines(corpus["first"])
+    older = copy.deepcopy(lines)
+    line = older[1]
+    line["modes"]["sync"] = {"ops": [], "drain": 0, "steps": [], "not_applicable": "absent"}
+    a = _write(tmp_path / "older.jsonl", older)
+    result = diff_recordings(load_recording(a), load_recording(corpus["first"]))
+    assert [c.pattern for c in result.changes] == [AXIS_CHANGE]
+    (d,) = result.differences
+    assert (d.workload, d.mode, d.a, d.b) == (line["workload"], "sync", "not applicable", "runs")
+    write_traces(result, tmp_path / "out")
+    assert result.changes[0].trace is None
+    newer = copy.deepcopy(older)
+    b = _write(tmp_path / "newer.jsonl", newer)
+    assert diff_recordings(load_recording(a), load_recording(b)).identical

@@ -71,18 +71,34 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
+def axis_variants() -> dict[str, dict[str, Any]]:
+    """The scheduler axes as corpus variants: ``axis-<name>`` -> the configuration it makes."""
+    from conformance._core.axes import AXES
+
+    return {f"axis-{a.name}": dict(a.changes) for a in AXES}
+
+
+def all_variants() -> dict[str, dict[str, Any]]:
+    return {**VARIANTS, **axis_variants()}
+
+
 def generate_workload(seed: int, index: int) -> Trace:
-    """Workload ``index`` of the corpus of ``seed``: a pure function of the two numbers."""
+    """Workload ``index`` of the corpus of ``seed``: a pure function of the two numbers (and of
+    the catalogue of scheduler axes, which is part of the code)."""
+    from conformance._core.axes import axis
     from conformance._core.machine import PREFIXES, random_request
 
     rng = random.Random(f"omni-conformance-corpus:{seed}:{index}")
-    variant = rng.choice(sorted(VARIANTS))
+    variants = all_variants()
+    variant = rng.choice(sorted(variants))
+    chosen = axis(variant.removeprefix("axis-")) if variant.startswith("axis-") else None
+    values = chosen.request_values if chosen is not None else None
     ops: list[Op] = []
     count = 0
     for _ in range(rng.randint(4, 22)):
         roll = rng.random()
         if roll < 0.36 or count == 0:
-            ops.append(random_request(rng, f"r{count}"))
+            ops.append(random_request(rng, f"r{count}", values))
             count += 1
         elif roll < 0.76:
             ops.extend(Step() for _ in range(rng.randint(1, 4)))
@@ -96,8 +112,9 @@ def generate_workload(seed: int, index: int) -> Trace:
                     reset_running_requests=form == "running", reset_connector=form == "connector"
                 )
             )
-    config = corpus_config().with_(**VARIANTS[variant])
-    return Trace(config=config, ops=ops, prefixes=dict(PREFIXES), meta={"variant": variant})
+    config = corpus_config().with_(**variants[variant])
+    meta = {"variant": variant} if chosen is None else {"variant": variant, "axis": chosen.name}
+    return Trace(config=config, ops=ops, prefixes=dict(PREFIXES), meta=meta)
 
 
 @dataclass
@@ -216,12 +233,29 @@ def normalise(snapshot: dict[str, Any], hashes: _Hashes) -> dict[str, Any]:
 
 
 def run_workload(trace: Trace, mode: str, max_drain: int = MAX_DRAIN) -> dict[str, Any]:
-    """Run ``trace`` on the installed vLLM's own scheduler in ``mode``; the recorded run."""
+    """Run ``trace`` on the installed vLLM's own scheduler in ``mode``; the recorded run (no
+    operation, and why, when the release cannot run the trace's scheduler axis in ``mode``)."""
+    from conformance._core.axes import axis
     from conformance._core.sides import make_side
     from conformance._core.subjects import UpstreamSubject
 
+    if "axis" in trace.meta:
+        chosen = axis(trace.meta["axis"])
+        why = chosen.unavailable()
+        if why is None and mode not in chosen.modes:
+            why = f"the axis runs in {', '.join(chosen.modes)} only"
+        if why is not None:
+            return {"ops": [], "drain": 0, "steps": [], "not_applicable": why}
+
     cfg = trace.config.with_(async_scheduling=mode == "async")
-    side = make_side(UpstreamSubject(), cfg, None)
+    try:
+        side = make_side(UpstreamSubject(), cfg, None)
+    except ValueError as exc:  # vLLM's config validation refuses the combination in this mode
+        first = str(exc).strip().splitlines()
+        reason = next(
+            (ln.strip() for ln in first if "Value error" in ln), first[0] if first else ""
+        )
+        return {"ops": [], "drain": 0, "steps": [], "not_applicable": f"vLLM refuses it: {reason}"}
     hashes = _Hashes()
     ops: list[str] = []
     steps: list[dict[str, Any]] = []
@@ -289,6 +323,8 @@ def record(
             line = {"workload": w.name, "source": w.source, "trace": _trace_identity(w.trace)}
             if "variant" in w.trace.meta and w.source == "generated":
                 line["variant"] = w.trace.meta["variant"]
+                if "axis" in w.trace.meta:
+                    line["axis"] = w.trace.meta["axis"]
             line["modes"] = runs
             body.write(_canonical(line) + "\n")
             if progress is not None and (n % 20 == 0 or n == len(corpus)):
@@ -301,7 +337,7 @@ def record(
             "pythonhashseed": hash_seed(),
             "corpus": corpus_identity(seed, size, corpus),
             "config": corpus_config().to_dict(),
-            "variants": VARIANTS,
+            "variants": all_variants(),
             "modes": list(modes),
             "max_drain": MAX_DRAIN,
             "absent_fields": absent_fields(),

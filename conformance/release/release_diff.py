@@ -274,6 +274,10 @@ def op_kind(description: str) -> str:
     return m.group(0) if m else description
 
 
+# The field path of a workload whose scheduler axis one release runs and the other cannot.
+AXIS_CHANGE = "__axis__"
+
+
 def first_difference(
     name: str,
     mode: str,
@@ -282,6 +286,17 @@ def first_difference(
     absent_a: frozenset[str],
     absent_b: frozenset[str],
 ) -> FirstDifference | None:
+    na_a, na_b = run_a.get("not_applicable"), run_b.get("not_applicable")
+    if na_a is not None or na_b is not None:
+        # An axis one release cannot run: no behaviour to compare when neither runs it; when
+        # one does, what changed is that the release gained (or lost) the axis.
+        if na_a is not None and na_b is not None:
+            return None
+        a_val = "not applicable" if na_a is not None else "runs"
+        b_val = "not applicable" if na_b is not None else "runs"
+        return FirstDifference(
+            name, mode, 0, "(axis)", "axis", AXIS_CHANGE, AXIS_CHANGE, a_val, b_val
+        )
     ops_a, ops_b = run_a["ops"], run_b["ops"]
     steps_a, steps_b = run_a["steps"], run_b["steps"]
     for i in range(max(len(steps_a), len(steps_b))):
@@ -419,6 +434,8 @@ def write_traces(result: DiffResult, out_dir: Path) -> None:
     for old in folder.glob("change-*.json") if folder.is_dir() else ():
         old.unlink()  # a trace of an earlier diff into this folder must not pass for this one's
     for change in result.changes:
+        if change.pattern == AXIS_CHANGE:
+            continue  # a release gained or lost an axis: there is no behaviour to replay
         what = f"{change.op_kind}-{change.pattern.replace('*', 'each')}"
         name = f"change-{change.id[1:]}-{_slug(what)}.json"
         shortest_trace(result, change).save(folder / name)
