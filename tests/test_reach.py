@@ -119,3 +119,27 @@ def test_reach_measures_the_gate_on_upstream(tmp_path):
     assert scheduler["functions"]["Scheduler.schedule"]["lines"] > 0
     assert scheduler["functions"]["Scheduler.update_from_output"]["branches"] > 0
     assert (out / "compat-report" / "compat-report.json").is_file()
+
+
+@pytest.mark.slow
+def test_check_reach_adds_the_run_s_reach_to_the_compat_report(tmp_path):
+    """``check --reach``: the report carries per-file figures of the run (the priority axis
+    alone here), fits its schema, and its Markdown shows them."""
+    out = tmp_path / "report"
+    done = subprocess.run(
+        [sys.executable, "-m", "conformance.cli", "check", "--subject", "upstream",
+         "--profile", "smoke", "--reach", "--report-dir", str(out),
+         "--failures-dir", str(tmp_path / "failures"), "-n", "1",
+         "--", "-k", "test_scheduler_axis and priority-sync"],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    report = json.loads((out / "compat-report.json").read_text())
+    schemas.validate("compat-report", report)
+    files = report["reach"]["files"]
+    assert files["v1/core/sched/scheduler.py"]["branches"] > 0
+    assert files["v1/core/sched/request_queue.py"]["lines"] > 0  # the priority queue ran
+    assert report["reach"]["totals"]["branches"] == sum(f["branches"] for f in files.values())
+    assert "Reach of vLLM's scheduler code" in (out / "compat-report.md").read_text()
+    assert "reach of vLLM's scheduler code: lines" in done.stdout
+    assert not (out / "reach-data").exists()

@@ -91,6 +91,12 @@ def _summary(report: dict[str, Any]) -> str:
             f"{inv['id']:<12} {inv['status']:<14} {inv['examples']:>9} "
             f"{inv['steps_compared']:>9}  {tol}"
         )
+    if "reach" in report:
+        t = report["reach"]["totals"]
+        lines.append(
+            f"reach of vLLM's scheduler code: lines {t['lines']}/{t['statements']}, "
+            f"branches {t['branches']}/{t['branch_total']}"
+        )
     ran = [c for c in report["clauses"] if c["status"] != "not_run"]
     if ran:
         lines.append("clauses: " + "  ".join(f"{c['id']}={c['status']}" for c in ran))
@@ -139,7 +145,12 @@ def cmd_check(args: argparse.Namespace) -> int:
         report_json.unlink()  # never mistake a stale report for this run's
     env = hash_seed.pinned()  # multi-id aborts free blocks in set order
     env.setdefault("HF_HUB_OFFLINE", "1")
-    cmd = pytest_command(args)
+    measured = None
+    if args.reach:
+        from conformance.release import reach
+
+        measured = reach.write_config(report_dir / "reach-data", reach.target_files())
+    cmd = pytest_command(args, launcher=reach.launcher(measured) if measured else ())
     print(
         f"omni-conformance check: subject={args.subject} profile={args.profile} "
         f"report-dir={report_dir}",
@@ -166,6 +177,8 @@ def cmd_check(args: argparse.Namespace) -> int:
             f"the suite did not run: pytest exited {rc} without writing a report"
         )
     report = json.loads(report_json.read_text())
+    if measured is not None:
+        report = _with_reach(report, measured, report_dir)
     print(_summary(report))
     print(f"report: {report_json} (+ compat-report.md, compat-report.junit.xml)")
     if report["status"] == "fail":
@@ -183,6 +196,18 @@ def cmd_check(args: argparse.Namespace) -> int:
         print("omni-conformance check: no test ran; nothing was checked", file=sys.stderr)
         return rc or 1
     return rc if rc not in (5,) else 1  # 5: no tests collected is a broken gate, not a pass
+
+
+def _with_reach(report: dict[str, Any], rc: Path, report_dir: Path) -> dict[str, Any]:
+    """The report with the run's reach of vLLM's scheduler code added, written again."""
+    from conformance._core.report import validate, write_report
+    from conformance.release import reach
+
+    report = {**report, "reach": reach.report_section(reach.measure(rc))}
+    validate(report)
+    write_report(report, report_dir)
+    shutil.rmtree(rc.parent, ignore_errors=True)  # the raw data; the figures are in the report
+    return report
 
 
 def _interrupted(args: argparse.Namespace, report_json: Path, signum: int) -> int:
@@ -273,6 +298,12 @@ def register(sub: Any) -> None:
     )
     c.add_argument("-n", "--workers", type=int, default=2, help="pytest-xdist workers (2 cores)")
     c.add_argument("-q", "--quiet", action="store_true", help="pytest's quiet progress")
+    c.add_argument(
+        "--reach",
+        action="store_true",
+        help="run the suite under coverage.py and add what it executed of vLLM's scheduler code "
+        "(line and branch coverage per file) to the compat report; per function: 'reach'",
+    )
     c.add_argument(
         "--tests",
         nargs="*",

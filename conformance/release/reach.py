@@ -166,3 +166,13 @@ def build_report(
         },
         "only": compare(sides),
     }
+
+
+def report_section(files: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``check --reach`` adds to the compat report: per-file and total figures of one run
+    (the per-function detail stays in ``reach``'s own report)."""
+    return {
+        "targets": list(TARGETS),
+        "totals": totals(files),
+        "files": {rel: dict(entry["total"]) for rel, entry in files.items()},
+    }
