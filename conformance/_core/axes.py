@@ -53,9 +53,10 @@ AXES: tuple[Axis, ...] = (
     ),
     Axis(
         "priority",
-        "the priority policy: drawn priorities, preemption picks the lowest-priority victim",
+        "the priority policy: drawn priorities and client arrival times (ties, a lagging "
+        "clock), preemption picks the lowest-priority victim",
         {"scheduling_policy": "priority", "log_stats": True},
-        request_values={"priority": (0, -1, 1, 2)},
+        request_values={"priority": (0, -1, 1, 2), "arrival": (None, 0.0, 0.5)},
     ),
     Axis(
         "pipeline-2",

@@ -122,6 +122,8 @@ class Lockstep:
         if isinstance(op, AddRequest):
             self._arrivals += 1
             prompt = self.trace.prompt_of(op)
+            if op.arrival is not None:
+                arrival = op.arrival
         up = self.up.observe(op, prompt, self.config, arrival)
         sub = self.sub.observe(op, prompt, self.config, arrival)
         # The harness's own code failed on upstream's input: a bug in the gate. On the subject's
@@ -329,6 +331,9 @@ def _weight(ops: list[Op]) -> tuple[int, int, int]:
             detail += (op.prefix is not None) + (not op.ignore_eos) + (op.final_stage is not None)
             detail += (op.trace_headers is not None) + (op.client_index != 0) + op.plain
             detail += op.priority != 0
+            detail += op.arrival is not None
+            detail += op.kv_transfer_params is not None
+            detail += op.grammar is not None
         elif isinstance(op, Abort):
             detail += len(op.request_ids)
         elif isinstance(op, ResetPrefixCache):
@@ -376,6 +381,12 @@ def _simplifications(op: AddRequest) -> list[list[dict[str, Any]]]:
         groups.append([{"plain": False}])
     if op.priority:
         groups.append([{"priority": 0}])
+    if op.arrival is not None:
+        groups.append([{"arrival": None}])
+    if op.kv_transfer_params is not None:
+        groups.append([{"kv_transfer_params": None}])
+    if op.grammar is not None:
+        groups.append([{"grammar": None}])
     return [g for g in groups if g]
 
 

@@ -46,6 +46,17 @@ class AddRequest:
     # ``Request.priority`` (the priority scheduling axis): lower is served first; ties go by
     # arrival. Ignored by the default first-come-first-served policy.
     priority: int = 0
+    # The client's arrival time (``Request.arrival_time``), when the workload draws one: the
+    # priority policy breaks ties by it, and API servers' clocks need not agree. None: the
+    # session's own clock, one tick per request.
+    arrival: float | None = None
+    # What the client sends the KV connector (``Request.kv_transfer_params``, through
+    # ``SamplingParams.extra_args``): (key, value) pairs, hashable as ``trace_headers``. None:
+    # none sent. Drawn by the KV-connector axes (``conformance._core.harness_connector.Plan``).
+    kv_transfer_params: tuple[tuple[str, Any], ...] | None = None
+    # The grammar the request's output must follow (``SamplingParams.structured_outputs``): a
+    # name in ``conformance._core.grammars.CATALOGUE``. None: unconstrained.
+    grammar: str | None = None
 
     def headers(self) -> dict[str, str] | None:
         """The trace headers as the mapping vLLM's ``Request.trace_headers`` holds."""
@@ -61,6 +72,13 @@ class AddRequest:
             + (f" client={self.client_index}" if self.client_index else "")
             + (" plain" if self.plain else "")
             + (f" priority={self.priority}" if self.priority else "")
+            + (f" arrival={self.arrival}" if self.arrival is not None else "")
+            + (
+                f" kv_transfer_params={dict(self.kv_transfer_params)}"
+                if self.kv_transfer_params is not None
+                else ""
+            )
+            + (f" grammar={self.grammar}" if self.grammar is not None else "")
         )
 
 
@@ -126,6 +144,9 @@ def op_to_dict(op: Op) -> dict[str, Any]:
             ("client_index", 0),
             ("plain", False),
             ("priority", 0),
+            ("arrival", None),
+            ("kv_transfer_params", None),
+            ("grammar", None),
         ):
             continue
         d[k] = _as_lists(v)

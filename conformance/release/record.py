@@ -268,6 +268,8 @@ def run_workload(trace: Trace, mode: str, max_drain: int = MAX_DRAIN) -> dict[st
         if isinstance(op, AddRequest):
             prompt = trace.prompt_of(op)
             arrivals += 1
+            if op.arrival is not None:
+                arrival = op.arrival
         snap = side.apply(op, prompt, cfg, arrival)
         ops.append(op.describe())
         steps.append(normalise(snap, hashes))
