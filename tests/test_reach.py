@@ -143,3 +143,47 @@ def test_check_reach_adds_the_run_s_reach_to_the_compat_report(tmp_path):
     assert "Reach of vLLM's scheduler code" in (out / "compat-report.md").read_text()
     assert "reach of vLLM's scheduler code: lines" in done.stdout
     assert not (out / "reach-data").exists()
+
+
+def test_a_branch_belongs_to_the_area_its_condition_or_nearest_enclosing_one_names():
+    """Positive control of the area split: a connector condition inside ``schedule`` is the KV
+    connectors', a stats condition nested in it the statistics', the encoder-cache connector the
+    encoder cache's (narrower areas first), a function's name names its body, the rest core."""
+    from conformance.release import reach_areas
+
+    source = textwrap.dedent(
+        """
+        def schedule(self, n):
+            if n > 1:                                   # 3: core
+                n -= 1
+            if self.connector is not None:              # 5: KV connectors
+                if self.log_stats:                      # 6: statistics and events
+                    n += 1
+                for r in self.running:                  # 8: KV connectors (inherited)
+                    n += 2
+            if self.ec_connector is not None:           # 10: encoder cache
+                n = 0
+            return n
+
+
+        def update_draft_token_ids(self, drafts):
+            for d in drafts:                            # 16: speculative decoding
+                if d:                                   # 17: speculative decoding
+                    return d
+        """
+    )
+    areas = reach_areas.line_areas(source)
+    assert 3 not in areas
+    assert areas[5] == areas[8] == "KV connectors"
+    assert areas[6] == "statistics and events"
+    assert areas[10] == "multimodal and encoder cache"
+    assert areas[16] == areas[17] == "speculative decoding"
+    split = reach_areas.split(source, [(3, 4), (5, 6), (16, 17)], [(3, 5), (6, 8), (10, 11)])
+    assert split == {
+        "core": {"branches": 1, "branch_total": 2},
+        "multimodal and encoder cache": {"branches": 0, "branch_total": 1},
+        "speculative decoding": {"branches": 1, "branch_total": 1},
+        "KV connectors": {"branches": 1, "branch_total": 1},
+        "statistics and events": {"branches": 0, "branch_total": 1},
+    }
+    assert list(split) == [a for a in reach_areas.ORDER if a in split]

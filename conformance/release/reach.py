@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from conformance.release import reach_areas
+
 # vLLM's scheduler, its KV-cache management and the request object, relative to the installed
 # ``vllm`` package: what a scheduler subclass inherits and can break. A folder means every
 # module in it.
@@ -126,13 +128,28 @@ def measure(rc: Path, root: Path | None = None) -> dict[str, Any]:
             for name, f in entry["functions"].items()
             if name != MODULE_LEVEL
         }
-        measured[rel] = {"total": Figures.of(entry["summary"]).to_dict(), "functions": functions}
+        measured[rel] = {
+            "total": Figures.of(entry["summary"]).to_dict(),
+            "functions": functions,
+            "areas": reach_areas.file_areas(path, entry),
+        }
     return measured
 
 
 def totals(files: Mapping[str, Any]) -> dict[str, int]:
     keys = ("lines", "statements", "branches", "branch_total")
     return {k: sum(int(f["total"][k]) for f in files.values()) for k in keys}
+
+
+def area_totals(files: Mapping[str, Any]) -> dict[str, dict[str, int]]:
+    """Covered and total branches per scheduler area over every measured file."""
+    out: dict[str, dict[str, int]] = {}
+    for entry in files.values():
+        for area, figures in entry.get("areas", {}).items():
+            into = out.setdefault(area, {"branches": 0, "branch_total": 0})
+            into["branches"] += int(figures["branches"])
+            into["branch_total"] += int(figures["branch_total"])
+    return {a: out[a] for a in reach_areas.ORDER if a in out}
 
 
 def compare(sides: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -162,8 +179,10 @@ def build_report(
         "environment": dict(environment),
         "targets": list(TARGETS),
         "sides": {
-            name: {"totals": totals(files), "files": dict(files)} for name, files in sides.items()
+            name: {"totals": totals(files), "areas": area_totals(files), "files": dict(files)}
+            for name, files in sides.items()
         },
+        "parts": {area: reach_areas.PART.get(area, 2) for area in reach_areas.ORDER},
         "only": compare(sides),
     }
 
