@@ -187,3 +187,24 @@ def test_a_branch_belongs_to_the_area_its_condition_or_nearest_enclosing_one_nam
         "statistics and events": {"branches": 0, "branch_total": 1},
     }
     assert list(split) == [a for a in reach_areas.ORDER if a in split]
+
+
+def test_a_condition_that_joins_a_feature_with_other_tests_names_only_its_own_branch():
+    """The admission block vLLM guards with "nothing preempted and not paused" is core code:
+    the pause test names the condition's branch, not the block it guards."""
+    from conformance.release import reach_areas
+
+    source = textwrap.dedent(
+        """
+        def schedule(self, preempted):
+            if not preempted and self._pause_state != PAUSED:   # 3: pause
+                while self.waiting:                              # 4: core
+                    self.admit()
+            if self.connector is not None and self.connector.ready:  # 6: KV connectors
+                self.load()                                      # 7: KV connectors
+        """
+    )
+    areas = reach_areas.line_areas(source)
+    assert areas[3] == "pause and prefill cadence"
+    assert 4 not in areas and 5 not in areas
+    assert areas[6] == areas[7] == "KV connectors"

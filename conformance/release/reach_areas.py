@@ -26,7 +26,11 @@ AREAS: tuple[tuple[str, str], ...] = (
     ("multimodal and encoder cache", r"encoder|mm_|multimodal|ec_connector|ec_transfer|embed"),
     ("routed experts and masks", r"aux_output|routed|sampling_mask"),
     ("streaming sessions", r"session|resumable|streaming"),
-    ("hybrid KV groups", r"mamba|sliding|hybrid|hisparse|cow_|eagle|zeroing|block_copies"),
+    (
+        "hybrid KV groups",
+        r"mamba|sliding|hybrid|hisparse|cow_|eagle|zeroing|block_copies|"
+        r"prefix_cacheable|retained_hit",
+    ),
     ("LoRA", r"lora"),
     ("pooling", r"pooling|pooler"),
     ("pause and prefill cadence", r"pause|throttle|schedule_interval|prefill_interval|cadence"),
@@ -67,14 +71,22 @@ def area_of_text(text: str) -> str | None:
     return None
 
 
-def _named_area(node: ast.AST, source: str) -> str | None:
-    """The area a function's name or a condition's text names (None: it names none)."""
+def _named_area(node: ast.AST, source: str) -> tuple[str | None, str | None]:
+    """The area a function's name or a condition names: (for the condition's own lines, for
+    the body it guards). A condition that joins a feature's test with others (``not
+    preempted and pause_state != PAUSED``) names the feature for its own branch only: the
+    code it guards is not that feature's."""
     if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-        return area_of_text(node.name)
+        area = area_of_text(node.name)
+        return area, area
     test = getattr(node, "test", None)
-    if isinstance(node, ast.If | ast.While | ast.IfExp | ast.Assert) and test is not None:
-        return area_of_text(ast.get_source_segment(source, test) or "")
-    return None
+    if not isinstance(node, ast.If | ast.While | ast.IfExp | ast.Assert) or test is None:
+        return None, None
+    own = area_of_text(ast.get_source_segment(source, test) or "")
+    if own is None or not isinstance(test, ast.BoolOp):
+        return own, own
+    parts = {area_of_text(ast.get_source_segment(source, v) or "") for v in test.values}
+    return own, own if parts == {own} else None
 
 
 def line_areas(source: str) -> dict[int, str]:
@@ -84,10 +96,11 @@ def line_areas(source: str) -> dict[int, str]:
     areas: dict[int, str] = {}
 
     def visit(node: ast.AST, inherited: str | None) -> None:
-        own = _named_area(node, source) or inherited
+        own, guarded = _named_area(node, source)
+        own = own or inherited
         # Innermost first: an outer statement then fills only the lines no inner one named.
         for child in ast.iter_child_nodes(node):
-            visit(child, own)
+            visit(child, guarded or inherited)
         start = getattr(node, "lineno", None)
         end = getattr(node, "end_lineno", None)
         if own is None or start is None or end is None:
@@ -98,7 +111,7 @@ def line_areas(source: str) -> dict[int, str]:
                 areas[line] = own
         elif not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
             for line in range(start, end + 1):
-                areas.setdefault(line, own)
+                areas.setdefault(line, guarded or inherited or own)
 
     visit(tree, None)
     return areas
