@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from conformance._core import kv_connectors
 from conformance._core.config import HarnessConfig
 
 
@@ -69,6 +70,44 @@ AXES: tuple[Axis, ...] = (
         "pipeline parallel size 4: four steps in flight, with spec decoding",
         {"pipeline_parallel_size": 4, "num_speculative_tokens": 2},
         modes=("sync",),
+    ),
+    # KV connectors (``conformance._core.kv_connectors``), statistics on for their counters.
+    *(
+        Axis(
+            f"kv-example-{role}",
+            f"vLLM's example connector as {role}: connector metadata every step, never a hit"
+            + {
+                "producer": "; a preemption drops a pending hand-off's stale output",
+                "consumer": "; async scheduling defers block frees past in-flight steps",
+                "both": "; both of the above",
+            }[role],
+            {"kv_connector": "ExampleConnector", "kv_role": f"kv_{role}", "log_stats": True},
+        )
+        for role in ("producer", "consumer", "both")
+    ),
+    Axis(
+        "kv-offload",
+        "vLLM's CPU offloading connector with a 16-block CPU tier: stores, and loads after "
+        "evictions and prefix-cache resets",
+        {
+            "kv_connector": "OffloadingConnector",
+            "kv_connector_extra": {"cpu_bytes_to_use": 16 * 8192},
+            "log_stats": True,
+        },
+    ),
+    *(
+        Axis(
+            f"kv-harness-{policy}",
+            "the harness connector: external hits loaded sync and async (waiting for remote "
+            f"KV), load failures under policy {policy!r}, delayed frees, kv_transfer_params",
+            {
+                "kv_connector": kv_connectors.HARNESS,
+                "kv_load_failure_policy": policy,
+                "log_stats": True,
+            },
+            request_values={"kv_transfer_params": kv_connectors.HARNESS_PLANS},
+        )
+        for policy in ("recompute", "fail")
     ),
 )
 

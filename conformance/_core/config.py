@@ -63,6 +63,13 @@ class HarnessConfig:
     # Pipeline-parallel size: the engine keeps this many steps in flight (its batch queue),
     # with the sync scheduler as with the async one.
     pipeline_parallel_size: int = 1
+    # A KV connector (``conformance._core.kv_connectors``): its name in vLLM's connector factory
+    # ("": none), role (kv_producer, kv_consumer, kv_both), what the scheduler does with a failed
+    # load ("recompute" or "fail") and the connector's extra configuration.
+    kv_connector: str = ""
+    kv_role: str = "kv_both"
+    kv_load_failure_policy: str = "fail"
+    kv_connector_extra: dict[str, Any] = field(default_factory=dict)
 
     def with_(self, **changes: Any) -> HarnessConfig:
         return replace(self, **changes)
@@ -95,6 +102,10 @@ _AXIS_DEFAULTS: dict[str, Any] = {
     "kv_events": False,
     "scheduling_policy": "fcfs",
     "pipeline_parallel_size": 1,
+    "kv_connector": "",
+    "kv_role": "kv_both",
+    "kv_load_failure_policy": "fail",
+    "kv_connector_extra": {},
 }
 
 _HASH_READY = False
@@ -127,6 +138,8 @@ def build_vllm_config(
         SchedulerConfig,
         VllmConfig,
     )
+
+    from conformance._core.kv_connectors import kv_transfer_kw
 
     sched_kw: dict[str, Any] = {} if scheduler_cls is None else {"scheduler_cls": scheduler_cls}
     parallel_kw: dict[str, Any] = {} if worker_cls is None else {"worker_cls": worker_cls}
@@ -166,6 +179,7 @@ def build_vllm_config(
         device_config=DeviceConfig(device="cpu"),
         additional_config=dict(cfg.additional_config),
         **observability_kw(cfg),
+        **kv_transfer_kw(cfg),
     )
     vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks
     if cfg.num_speculative_tokens:

@@ -176,6 +176,9 @@ def make_sampling_params(op: AddRequest, cfg: HarnessConfig) -> SamplingParams:
     )
     # What the engine's input processor does with the model's generation config.
     sp.update_from_generation_config({}, eos_token_id=cfg.model_shape().get("eos_token_id"))
+    if op.kv_transfer_params is not None:
+        # Where the engine's input processor puts a client's ``kv_transfer_params``.
+        sp.extra_args = {**(sp.extra_args or {}), "kv_transfer_params": dict(op.kv_transfer_params)}
     return sp
 
 

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from conformance._core import vllm_compat as vc
 from conformance._core.harness_faults import harness_code
+from conformance._core.kv_connectors import WorkerStandIn
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -63,6 +64,7 @@ class DeterministicTokenSource:
         self.num_drafts = num_drafts
         self._reqs: dict[str, _ReqView] = {}
         self._drafted: list[str] = []  # the last step's requests, in its order
+        self._kv = WorkerStandIn()  # a KV connector's worker half (none configured: idle)
 
     def choose(self, view: _ReqView, request_id: str, position: int) -> int:
         h = zlib.crc32(f"stop:{request_id}:{position}".encode())
@@ -107,6 +109,7 @@ class DeterministicTokenSource:
                 # A resumed request's tokens as the scheduler knows them (V1 runner semantics).
                 view.num_tokens = len(all_ids)
 
+        kv_output = self._kv.step(so, self._reqs)
         req_ids = list(so.num_scheduled_tokens)
         drafts = vc.scheduled_drafts(so)
         sampled: list[list[int]] = []
@@ -138,6 +141,7 @@ class DeterministicTokenSource:
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
+            kv_connector_output=kv_output,
         )
 
     @harness_code

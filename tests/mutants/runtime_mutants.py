@@ -1729,6 +1729,81 @@ class PipelineTokensNotSent:
         return data
 
 
+# KV-connector mixins (``conformance._core.kv_connectors``): the connector paths of the scheduler.
+
+
+class ConnectorDelayedFreeSkipped:
+    """C-01/C-06: a finished request's blocks are freed at once even when its KV connector keeps
+    them for a pending send (``request_finished`` returned True): the connector's later
+    ``finished_sending`` then names a request the scheduler no longer holds."""
+
+    def _free_request(self, request: Any, delay_free_blocks: bool = False) -> Any:
+        result = super()._free_request(request, delay_free_blocks)  # type: ignore[misc]
+        if not delay_free_blocks and request.request_id in self.requests:  # type: ignore[attr-defined]
+            self._free_blocks(request)  # type: ignore[attr-defined]
+        return result
+
+
+class RemoteKvAdmittedEarly:
+    """C-01: a request waiting for remote KV is admitted before the worker reported its load
+    finished (a runtime that takes the allocation for the load)."""
+
+    def _handle_blocked_waiting_request(self, request: Any) -> Any:
+        from vllm.v1.request import RequestStatus
+
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.finished_recving_kv_req_ids.add(request.request_id)  # type: ignore[attr-defined]
+        return super()._handle_blocked_waiting_request(request)  # type: ignore[misc]
+
+
+class LoadFailureRecomputedUnderFail:
+    """C-01/C-09: a failed KV load is recomputed although the policy is "fail" (the runtime
+    reads the policy's default instead of the configuration)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self.recompute_kv_load_failures = True
+
+
+class InvalidBlocksIgnored:
+    """C-01: blocks the worker reports it failed to load are ignored: the requests keep their
+    computed tokens and are never recomputed from the first bad block."""
+
+    def _handle_invalid_blocks(self, *args: Any, **kwargs: Any) -> Any:
+        return set()
+
+
+class DeferredBlockFreeDropped:
+    """C-01/C-06: with a consumer connector and steps in flight (async scheduling), freed blocks
+    go back to the pool at once instead of after the steps that may still write them."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self.defer_block_free = False
+
+
+class ConnectorOutputNotForwarded:
+    """C-09: the worker's connector report is acted on by the scheduler but never handed to
+    the scheduler-side connector (``update_connector_output``): the offloading connector never
+    learns a store finished, so nothing it offloaded is ever hit."""
+
+    def _update_from_kv_xfer_finished(self, kv_connector_output: Any) -> Any:
+        connector, self.connector = self.connector, None  # type: ignore[attr-defined]
+        try:
+            return super()._update_from_kv_xfer_finished(kv_connector_output)  # type: ignore[misc]
+        finally:
+            self.connector = connector
+
+
+class KvTransferParamsDropped:
+    """C-07: the KV transfer parameters the connector returns for a finished request never
+    reach its output (the runtime rebuilds the output without them)."""
+
+    def _free_request(self, request: Any, delay_free_blocks: bool = False) -> Any:
+        result = super()._free_request(request, delay_free_blocks)  # type: ignore[misc]
+        return None, result[1]
+
+
 # ---- the catalogue ------------------------------------------------------------------------
 
 
@@ -2404,6 +2479,55 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-pipeline-2-sync",
         "under pipeline parallelism the cached-request data carries no new token ids",
         _sub(scheduler_mixin=PipelineTokensNotSent),
+    ),
+    Mutant(
+        "connector_delayed_free_skipped",
+        "C-01/C-06",
+        "axis-kv-harness-recompute-sync",
+        "a finished request's blocks are freed although its KV connector delays the free",
+        _sub(scheduler_mixin=ConnectorDelayedFreeSkipped),
+    ),
+    Mutant(
+        "remote_kv_admitted_early",
+        "C-01",
+        "axis-kv-harness-fail-async",
+        "a request waiting for remote KV is admitted before its load is reported finished",
+        _sub(scheduler_mixin=RemoteKvAdmittedEarly),
+    ),
+    Mutant(
+        "load_failure_recomputed_under_fail",
+        "C-01/C-09",
+        "axis-kv-harness-fail-sync",
+        "a failed KV load is recomputed under kv_load_failure_policy 'fail'",
+        _sub(scheduler_mixin=LoadFailureRecomputedUnderFail),
+    ),
+    Mutant(
+        "invalid_blocks_ignored",
+        "C-01",
+        "axis-kv-harness-recompute-async",
+        "blocks reported invalid are ignored: no recompute from the first bad block",
+        _sub(scheduler_mixin=InvalidBlocksIgnored),
+    ),
+    Mutant(
+        "deferred_block_free_dropped",
+        "C-01/C-06",
+        "axis-kv-example-consumer-async",
+        "a consumer connector's blocks are freed while steps that may write them are in flight",
+        _sub(scheduler_mixin=DeferredBlockFreeDropped),
+    ),
+    Mutant(
+        "connector_output_not_forwarded",
+        "C-09",
+        "axis-kv-offload-sync",
+        "the worker's connector report never reaches the scheduler-side connector",
+        _sub(scheduler_mixin=ConnectorOutputNotForwarded),
+    ),
+    Mutant(
+        "kv_transfer_params_dropped",
+        "C-07",
+        "axis-kv-harness-fail-sync",
+        "a finished request's kv_transfer_params are dropped from its output",
+        _sub(scheduler_mixin=KvTransferParamsDropped),
     ),
 )
 

@@ -7,13 +7,19 @@
               equal, made in place on both at once;
 ``scheduler_output``  what a ``SchedulerOutput`` says was scheduled, and from which position;
 ``stats``     statistics, request events and KV-cache events, as plain values;
-``features``  which scheduler axes the installed release can drive.
+``features``  which scheduler axes the installed release can drive;
+``kv_connector``  the shipped KV connectors' step metadata, read for the worker stand-in.
 
 Callers import this package (``from conformance._core import vllm_compat as vc``); the names below are
 its public surface. Supporting another vLLM release is a change inside this package.
 """
 
 from conformance._core.vllm_compat.features import axis_unavailable
+from conformance._core.vllm_compat.kv_connector import (
+    offload_jobs,
+    offload_worker_meta,
+    scheduler_stats,
+)
 from conformance._core.vllm_compat.scheduler_output import (
     computed_before,
     draft_token_ids,
@@ -58,7 +64,6 @@ from conformance._core.vllm_compat.stats import (
     capture_kv_events,
     plain,
     request_events,
-    scheduler_stats,
     spec_decode_metrics,
     take_kv_events,
 )
@@ -82,6 +87,8 @@ __all__ = [
     "SUPPORTED_VLLM",
     "ByRelease",
     "axis_unavailable",
+    "offload_jobs",
+    "offload_worker_meta",
     "Change",
     "EnvironmentProblem",
     "base_output_fields",

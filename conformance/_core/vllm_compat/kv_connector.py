@@ -1,0 +1,73 @@
+"""What the harness reads of vLLM's shipped KV connectors' step metadata, and writes back.
+
+The harness runs no worker, so the worker half of a connector is stood in for
+(``conformance._core.kv_connectors.WorkerStandIn``): it reads which transfers a step's
+``kv_connector_metadata`` starts and reports them finished as a worker would. The offloading
+connector's metadata (``OffloadingConnectorMetadata``: load and store jobs by job id, the jobs
+to flush) and its worker report (``OffloadingWorkerMetadata.completed_jobs``) are read and built
+here, so a release that reshapes them is a change in this module only.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from conformance._core.vllm_compat import stats
+
+# Connector statistics that measure wall-clock time (the offloading connector's lookup delays,
+# ``vllm:kv_offload_lookup_sync_delay_seconds``): differ between two runs of one scheduler.
+_CLOCK_METRIC = re.compile(r"(_seconds|_time)$")
+
+
+@dataclass(frozen=True)
+class OffloadJobs:
+    """One step's offloading jobs: loads (job id -> (request id, synchronous?)), stores, and
+    jobs the worker must finish before the step's forward pass."""
+
+    loads: dict[int, tuple[str, bool]]
+    stores: frozenset[int]
+    flush: frozenset[int]
+
+
+def offload_jobs(meta: Any) -> OffloadJobs | None:
+    """``meta``'s jobs when it is the offloading connector's step metadata (None otherwise)."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+            OffloadingConnectorMetadata,
+        )
+    except ImportError:  # a release without the offloading connector
+        return None
+    if not isinstance(meta, OffloadingConnectorMetadata):
+        return None
+    return OffloadJobs(
+        loads={jid: (str(job.req_id), bool(job.sync)) for jid, job in meta.load_jobs.items()},
+        stores=frozenset(meta.store_jobs),
+        flush=frozenset(meta.jobs_to_flush or ()),
+    )
+
+
+def offload_worker_meta(completed: set[int]) -> Any:
+    """The report of one worker that finished the jobs ``completed`` (None: none finished)."""
+    if not completed:
+        return None
+    from vllm.distributed.kv_transfer.kv_connector.v1.offloading.common import (
+        OffloadingWorkerMetadata,
+    )
+
+    return OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(sorted(completed), 1))
+
+
+def scheduler_stats(outputs: dict[int, Any] | None) -> dict[str, Any] | None:
+    """``stats.scheduler_stats`` with the wall-clock metrics of connector statistics dropped."""
+    found = stats.scheduler_stats(outputs)
+    if found is not None and found.get("kv_connector_stats") is not None:
+        found["kv_connector_stats"] = _without_clock(found["kv_connector_stats"])
+    return found
+
+
+def _without_clock(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_clock(v) for k, v in value.items() if not _CLOCK_METRIC.search(k)}
+    return value
