@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import os
 import tempfile
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Protocol
 
 from conformance._core import vllm_compat as vc
 
@@ -25,7 +26,19 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
 
-    from conformance._core.config import HarnessConfig
+
+class ConnectorFields(Protocol):
+    """The ``HarnessConfig`` fields read here (``config`` imports this module, not the reverse)."""
+
+    @property
+    def kv_connector(self) -> str: ...
+    @property
+    def kv_role(self) -> str: ...
+    @property
+    def kv_load_failure_policy(self) -> str: ...
+    @property
+    def kv_connector_extra(self) -> Mapping[str, Any]: ...
+
 
 # The harness's own connector (``conformance._core.harness_connector``) as vLLM's factory knows it.
 HARNESS = "OmniConformanceHarnessConnector"
@@ -60,7 +73,7 @@ def register_harness_connector() -> None:
     _registered = True
 
 
-def kv_transfer_kw(cfg: HarnessConfig) -> dict[str, Any]:
+def kv_transfer_kw(cfg: ConnectorFields) -> dict[str, Any]:
     """``VllmConfig`` arguments for ``cfg``'s KV connector (none when it names none)."""
     if not cfg.kv_connector:
         return {}
