@@ -17,6 +17,7 @@ from typing import Any
 
 from conformance._core import kv_connectors
 from conformance._core.config import HarnessConfig
+from conformance._core.grammars import GRAMMAR_VALUES
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,22 @@ AXES: tuple[Axis, ...] = (
             request_values={"kv_transfer_params": kv_connectors.HARNESS_PLANS},
         )
         for policy in ("recompute", "fail")
+    ),
+    # Structured outputs (``conformance._core.grammars``): drawn grammars compile 0-2 steps
+    # after admission, the token source follows each bitmask but sometimes breaks it.
+    Axis(
+        "structured-outputs",
+        "xgrammar grammars (JSON schema, regex, choice, one that fails to compile): waiting for "
+        "compilation, bitmasks, grammar-rejected tokens, deferred sampling under async",
+        {"structured_outputs": "xgrammar", "log_stats": True},
+        request_values={"grammar": GRAMMAR_VALUES},
+    ),
+    Axis(
+        "structured-spec-decode",
+        "structured outputs with three drafts a step: drafts validated against the grammar "
+        "(sync), grammar-invalidated drafts and their statistics (async)",
+        {"structured_outputs": "xgrammar", "num_speculative_tokens": 3, "log_stats": True},
+        request_values={"grammar": GRAMMAR_VALUES},
     ),
 )
 

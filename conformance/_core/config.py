@@ -70,6 +70,10 @@ class HarnessConfig:
     kv_role: str = "kv_both"
     kv_load_failure_policy: str = "fail"
     kv_connector_extra: dict[str, Any] = field(default_factory=dict)
+    # Structured outputs: the grammar backend ("xgrammar"; "": off). On, the model gets the
+    # harness's tokenizer (``conformance._core.grammars``) and requests may name a grammar
+    # (``AddRequest.grammar``).
+    structured_outputs: str = ""
 
     def with_(self, **changes: Any) -> HarnessConfig:
         return replace(self, **changes)
@@ -106,6 +110,7 @@ _AXIS_DEFAULTS: dict[str, Any] = {
     "kv_role": "kv_both",
     "kv_load_failure_policy": "fail",
     "kv_connector_extra": {},
+    "structured_outputs": "",
 }
 
 _HASH_READY = False
@@ -145,7 +150,7 @@ def build_vllm_config(
     parallel_kw: dict[str, Any] = {} if worker_cls is None else {"worker_cls": worker_cls}
     model_config = ModelConfig(
         model=cfg.model,
-        skip_tokenizer_init=True,
+        **tokenizer_kw(cfg),
         max_model_len=cfg.max_model_len,
         dtype="float32",
         seed=cfg.seed,
@@ -180,6 +185,7 @@ def build_vllm_config(
         additional_config=dict(cfg.additional_config),
         **observability_kw(cfg),
         **kv_transfer_kw(cfg),
+        **structured_outputs_kw(cfg),
     )
     vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks
     if cfg.num_speculative_tokens:
@@ -221,6 +227,25 @@ def observability_kw(cfg: HarnessConfig) -> dict[str, Any]:
     return kw
 
 
+def tokenizer_kw(cfg: HarnessConfig) -> dict[str, Any]:
+    """``ModelConfig``'s tokenizer arguments: none loaded, unless grammars need one."""
+    if not cfg.structured_outputs:
+        return {"skip_tokenizer_init": True}
+    from conformance._core.grammars import tokenizer_folder
+
+    return {"skip_tokenizer_init": False, "tokenizer": str(tokenizer_folder(cfg))}
+
+
+def structured_outputs_kw(cfg: HarnessConfig) -> dict[str, Any]:
+    """``VllmConfig``'s structured-outputs arguments (none when the axis is off)."""
+    if not cfg.structured_outputs:
+        return {}
+    from vllm.config import StructuredOutputsConfig
+
+    backend: Any = cfg.structured_outputs  # checked by StructuredOutputsConfig
+    return {"structured_outputs_config": StructuredOutputsConfig(backend=backend)}
+
+
 def build_kv_cache_config(cfg: HarnessConfig):
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
@@ -246,7 +271,7 @@ def build_scheduler(
     """A scheduler of ``scheduler_cls`` built exactly as ``EngineCore`` builds one."""
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from conformance._core.vllm_compat import capture_kv_events
+    from conformance._core.vllm_compat import capture_kv_events, hold_grammar_compilation
 
     vllm_config = build_vllm_config(cfg)
     kv_cache_config = build_kv_cache_config(cfg)
@@ -259,4 +284,7 @@ def build_scheduler(
     )
     if cfg.kv_events:
         capture_kv_events(scheduler)
+    if cfg.structured_outputs:
+        # Grammars compile when the harness says, the same on both sides (``CompileClock``).
+        hold_grammar_compilation(scheduler)
     return scheduler

@@ -22,16 +22,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from conformance._core import vllm_compat as vc
 from conformance._core.observe import observe_schedule
 
 if TYPE_CHECKING:
-    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine import EngineCoreOutputs
     from vllm.v1.outputs import ModelRunnerOutput
 
 
 class Executor(Protocol):
+    # Optional: ``receive_grammar(grammar_output)``, the bitmask the next step samples under.
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput: ...
 
 
@@ -42,10 +44,23 @@ def collect(out: Any) -> ModelRunnerOutput:
     return get_output() if get_output is not None else out
 
 
-def submit(executor: Executor, so: SchedulerOutput) -> object:
-    """Run ``so`` on ``executor``, leaving its output uncollected where the executor can."""
+def submit(executor: Executor, so: SchedulerOutput, grammar: GrammarOutput | None = None) -> object:
+    """Run ``so`` on ``executor``, leaving its output uncollected where the executor can; a
+    step with structured requests samples under ``grammar`` (``get_grammar_bitmask``'s), which
+    the executor receives first (``receive_grammar``; wrappers pass it on as any attribute)."""
+    receive = getattr(executor, "receive_grammar", None)
+    if grammar is not None and receive is not None:
+        receive(grammar)
     method = getattr(executor, "submit", None)
     return method(so) if method is not None else executor.execute(so)
+
+
+def grammar_output(sched: Scheduler, so: SchedulerOutput, scheduled: dict[str, Any]) -> Any:
+    """``EngineCore``'s ``get_grammar_bitmask`` before sampling ``so``; its facts (and the
+    step's other grammar facts) join the step's observed ``scheduled``."""
+    grammar = sched.get_grammar_bitmask(so)
+    scheduled.update(vc.grammar_fields(so, grammar))
+    return grammar
 
 
 class Deferred:
@@ -67,13 +82,19 @@ class WorkerExecutor:
 
     def __init__(self, worker: Any) -> None:
         self.worker = worker
+        self._grammar: GrammarOutput | None = None
+
+    def receive_grammar(self, grammar: GrammarOutput) -> None:
+        """The grammar output the next step samples under."""
+        self._grammar = grammar
 
     def submit(self, so: SchedulerOutput) -> object:
         """Execute and sample; the output is returned as the worker gave it (an async output
         stays uncollected, like the uni executor's non-blocking future)."""
+        grammar, self._grammar = self._grammar, None
         out = self.worker.execute_model(so)
         if out is None:
-            out = self.worker.sample_tokens(None)
+            out = self.worker.sample_tokens(grammar)
         return out
 
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -109,9 +130,11 @@ class SyncDriver:
         sched = self.scheduler
         if not sched.has_requests():
             return StepObservation(None, None, False)
+        vc.settle_grammars(sched)
         so = sched.schedule()
         scheduled = observe_schedule(so)
-        mro = collect(submit(self.executor, so))
+        grammar = grammar_output(sched, so, scheduled)
+        mro = collect(submit(self.executor, so, grammar))
         outputs = sched.update_from_output(so, mro)
         if so.total_num_scheduled_tokens:
             post_step_drafts(sched, self.executor)
@@ -145,22 +168,46 @@ class AsyncDriver:
     def _step(self) -> StepObservation:
         sched = self.scheduler
         scheduled = None
+        deferred = None
         self._executed = False
         if sched.has_requests():
+            vc.settle_grammars(sched)
             so = sched.schedule()
             scheduled = observe_schedule(so)
-            # Collected when the batch leaves the queue (``EngineCore.step_with_batch_queue``
-            # calls the future's ``result()`` there), not now.
-            pending = submit(self.executor, so)
             executed = self._executed = so.total_num_scheduled_tokens > 0
-            self.queue.appendleft((so, pending))
-            if len(self.queue) < self.depth and (executed or sched.has_requests()):
-                return StepObservation(scheduled, None, False)
+            if executed and vc.defers_sampling(so):
+                # A structured request's grammar still lacks the tokens of the step in flight:
+                # ``EngineCore`` samples this one after processing that step's output.
+                deferred = so
+            else:
+                # Collected when the batch leaves the queue (``EngineCore.step_with_batch_queue``
+                # calls the future's ``result()`` there), not now.
+                grammar = grammar_output(sched, so, scheduled) if executed else None
+                self.queue.appendleft((so, submit(self.executor, so, grammar)))
+                if len(self.queue) < self.depth and (executed or sched.has_requests()):
+                    return StepObservation(scheduled, None, False)
         elif not self.queue:
             return StepObservation(None, None, False)
         so, pending = self.queue.pop()
         mro = collect(pending)
-        return StepObservation(scheduled, sched.update_from_output(so, mro), True)
+        outputs = sched.update_from_output(so, mro)
+        if deferred is not None:
+            assert scheduled is not None
+            self._sample_deferred(deferred, scheduled)
+        return StepObservation(scheduled, outputs, True)
+
+    def _sample_deferred(self, so: SchedulerOutput, scheduled: dict[str, Any]) -> None:
+        """``step_with_batch_queue``'s deferred sampling: the drafts the runner proposed meanwhile
+        are checked against the grammars (invalid ones become placeholders), then the step is
+        sampled under the bitmask and queued."""
+        sched = self.scheduler
+        take = getattr(self.executor, "take_draft_token_ids", None)
+        if sched.vllm_config.speculative_config is not None and take is not None:
+            drafts = take()
+            if drafts is not None:
+                sched.update_draft_token_ids_in_output(drafts, so)
+        grammar = grammar_output(sched, so, scheduled)
+        self.queue.appendleft((so, submit(self.executor, so, grammar)))
 
     def in_flight(self) -> int:
         return len(self.queue)

@@ -397,7 +397,8 @@ class Shrinker:
     aborts); delta-debugging removal of chunks of operations, halving the chunk down to single
     operations; collapse runs of repeated steps; drop aborted ids one at a time; simplify each
     request (no shared prefix, shorter prompt, fewer max_tokens, no stop ids, ignore_eos, no
-    final stage, no trace headers, the first client, not plain, no priority); move requests earlier (past the
+    final stage, no trace headers, the first client, not plain, no priority, no KV transfer
+    parameters, no grammar); move requests earlier (past the
     steps before them), which lets the steps that only waited for them go in the next round; trade a step for a block
     more of some earlier request's prompt (KV-cache pressure with fewer operations). Every
     candidate is strictly smaller (``_weight``) than the current trace, so the search ends, and

@@ -33,6 +33,7 @@ from conformance._core.capabilities import (
     SourceLayout,
 )
 from conformance._core.config import HarnessConfig, block_hasher, build_scheduler
+from conformance._core.vllm_compat import init_grammar
 from conformance._core.vllm_compat.state import (
     block_pool,
     live_request_ids,
@@ -179,6 +180,10 @@ def make_sampling_params(op: AddRequest, cfg: HarnessConfig) -> SamplingParams:
     if op.kv_transfer_params is not None:
         # Where the engine's input processor puts a client's ``kv_transfer_params``.
         sp.extra_args = {**(sp.extra_args or {}), "kv_transfer_params": dict(op.kv_transfer_params)}
+    if op.grammar is not None:
+        from conformance._core.grammars import constrain
+
+        constrain(sp, op.grammar, cfg)  # as the input processor validates and hands it on
     return sp
 
 
@@ -267,11 +272,13 @@ class BaseSubject:
     def admit(self, scheduler: Scheduler, request: Request) -> None:
         """Hand ``request`` (from ``make_request``) to ``scheduler`` as the runtime's engine does.
 
-        The harness admits every request through here. Upstream's engine calls
+        The harness admits every request through here. Upstream's engine starts a structured
+        request's grammar compiling (``EngineCore.preprocess_add_request``), then calls
         ``add_request``; a runtime with staged admission (requests cross to another process,
         then are released into the queue together) does here what its engine does, so that the
         request is in the scheduler's queue when this returns, as upstream's would be.
         """
+        init_grammar(scheduler, request)
         scheduler.add_request(request)
 
     def receive_outputs(

@@ -7,7 +7,9 @@ A sampled token is a pure function of (request id, position), so two schedulers 
 the same work get the same tokens. A fixed share of positions yields stop tokens where sampling
 allows them, and one in ``EDGE_PERIOD`` a token edge (``HarnessConfig.token_edges``). Under
 speculative decoding (``HarnessConfig.num_speculative_tokens``) it also drafts tokens and
-verifies the drafts vLLM scheduled, depending on positions only.
+verifies the drafts vLLM scheduled, depending on positions only. A structured request samples
+within the grammar bitmask the step gives it (``execute``'s ``grammar``), except at a fixed
+share of positions, where it takes a token the grammar forbids.
 
 How stops, edges, drafting and verification are chosen: docs/design.md, "Inside the gate".
 """
@@ -18,12 +20,14 @@ import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
+
 from conformance._core import vllm_compat as vc
 from conformance._core.harness_faults import harness_code
 from conformance._core.kv_connectors import WorkerStandIn
 
 if TYPE_CHECKING:
-    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
     from vllm.v1.outputs import DraftTokenIds, ModelRunnerOutput
 
 # One position in STOP_PERIOD emits a stop token when the request allows one.
@@ -36,6 +40,10 @@ EDGE_PERIOD = 5
 DRAFT_MISS_PERIOD = 3
 # The draft id async scheduling schedules in place of the drafts its runner keeps.
 PLACEHOLDER = -1
+# A structured request samples the first token its grammar allows at or after the one above,
+# except at one position in GRAMMAR_MISS_PERIOD, where it takes the first one the grammar
+# forbids (a runner that ignored the bitmask): vLLM then ends the request with an error.
+GRAMMAR_MISS_PERIOD = 19
 
 
 def token_at(request_id: str, position: int, vocab: int = 512) -> int:
@@ -48,6 +56,18 @@ class _ReqView:
     num_tokens: int
     stop_ids: tuple[int, ...]
     eos: int | None
+    # A structured request's allowed ids when it last sampled: the drafter keeps to them.
+    allowed: np.ndarray | None = None
+
+
+def _first(hits: np.ndarray, start: int) -> int:
+    """The first id at or after ``start`` whose entry in ``hits`` is true, wrapping around
+    (``start`` itself when none is)."""
+    found = np.flatnonzero(hits)
+    if not found.size:
+        return start
+    i = int(np.searchsorted(found, start))
+    return int(found[i if i < found.size else 0])
 
 
 class DeterministicTokenSource:
@@ -64,6 +84,7 @@ class DeterministicTokenSource:
         self.num_drafts = num_drafts
         self._reqs: dict[str, _ReqView] = {}
         self._drafted: list[str] = []  # the last step's requests, in its order
+        self._grammar: GrammarOutput | None = None  # for the next step (``receive_grammar``)
         self._kv = WorkerStandIn()  # a KV connector's worker half (none configured: idle)
 
     def choose(self, view: _ReqView, request_id: str, position: int) -> int:
@@ -80,13 +101,40 @@ class DeterministicTokenSource:
             tok = 3 + (tok + 1 - 3) % (self.vocab - 3)
         return tok
 
-    def guess(self, view: _ReqView, request_id: str, position: int) -> int:
-        """The drafter's token for ``position``: the one sampled there, except at one position
-        in ``DRAFT_MISS_PERIOD`` (a miss, which ends what a step accepts)."""
+    def expect(self, view: _ReqView, request_id: str, position: int) -> int:
+        """What the drafter expects at ``position``: ``choose``'s token, kept (for a structured
+        request) to the ids its grammar allowed when it last sampled."""
         token = self.choose(view, request_id, position)
+        if view.allowed is not None:
+            token = _first(view.allowed, token)
+        return token
+
+    def sample(
+        self, view: _ReqView, request_id: str, position: int, rows: vc.GrammarRows | None, i: int
+    ) -> int:
+        """The token sampled at ``position``, the ``i``-th the step samples for the request:
+        ``choose``'s, or for a structured request the first its bitmask row allows from there
+        (the first it forbids, at a ``GRAMMAR_MISS_PERIOD`` position)."""
+        token = self.choose(view, request_id, position)
+        if rows is None:
+            return token
+        view.allowed = rows.allowed[i]
+        if zlib.crc32(f"grammar:{request_id}:{position}".encode()) % GRAMMAR_MISS_PERIOD == 0:
+            return _first(~view.allowed, token)
+        return _first(view.allowed, token)
+
+    def guess(self, view: _ReqView, request_id: str, position: int) -> int:
+        """The drafter's token for ``position``: the one it expects there, except at one
+        position in ``DRAFT_MISS_PERIOD`` (a miss, which ends what a step accepts)."""
+        token = self.expect(view, request_id, position)
         if zlib.crc32(f"draft:{request_id}:{position}".encode()) % DRAFT_MISS_PERIOD == 0:
             return 3 + (token + 1 - 3) % (self.vocab - 3)
         return token
+
+    def receive_grammar(self, grammar: GrammarOutput) -> None:
+        """The grammar output (bitmask) the next ``execute`` samples its structured requests
+        under, as ``sample_tokens`` receives it after ``execute_model`` in a worker."""
+        self._grammar = grammar
 
     @harness_code
     def execute(self, so: SchedulerOutput) -> ModelRunnerOutput:
@@ -112,6 +160,8 @@ class DeterministicTokenSource:
         kv_output = self._kv.step(so, self._reqs)
         req_ids = list(so.num_scheduled_tokens)
         drafts = vc.scheduled_drafts(so)
+        grammar, self._grammar = self._grammar, None
+        grammar_rows = vc.grammar_rows(grammar, self.num_drafts, self.vocab)
         sampled: list[list[int]] = []
         for rid in req_ids:
             view = self._reqs.get(rid)
@@ -125,15 +175,18 @@ class DeterministicTokenSource:
                 # Async scheduling counted the step in flight as if all its drafts were
                 # accepted; a runner knows what it rejected and samples where it really is.
                 end = view.num_tokens
-            ids = [self.choose(view, rid, end)]
+            rows = grammar_rows.get(rid)
+            ids = [self.sample(view, rid, end, rows, 0)]
             for draft in proposed:
+                if rows is not None and len(ids) > rows.acceptable:
+                    break  # the grammar invalidated the drafts from here on
                 if draft == PLACEHOLDER:
                     # Async scheduling schedules placeholders: the runner drafted itself, as
                     # ``take_draft_token_ids`` would have (the guess for this position).
                     draft = self.guess(view, rid, end + len(ids) - 1)
                 if draft != ids[-1]:
                     break
-                ids.append(self.choose(view, rid, end + len(ids)))
+                ids.append(self.sample(view, rid, end + len(ids), rows, len(ids)))
             sampled.append(ids)
             view.num_tokens = end + len(ids)
         self._drafted = req_ids
@@ -160,7 +213,7 @@ class DeterministicTokenSource:
                     position = view.num_tokens + k
                     token = self.guess(view, rid, position)
                     proposed.append(token)
-                    if token != self.choose(view, rid, position):
+                    if token != self.expect(view, rid, position):
                         break
             drafts.append(proposed)
         return vc.draft_token_ids(self._drafted, drafts)

@@ -1729,6 +1729,83 @@ class PipelineTokensNotSent:
         return data
 
 
+# Structured-outputs mixins (``conformance._core.grammars``): the grammar paths of the scheduler.
+
+
+class GrammarRejectionIgnored:
+    """C-07/C-09: a sampled token the grammar rejects is kept: the runtime advances the grammar
+    but ignores its verdict, so the request runs on instead of ending with an error."""
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        manager = self.structured_output_manager  # type: ignore[attr-defined]
+        accept = manager.accept_tokens
+        manager.accept_tokens = lambda request, ids: accept(request, ids) or True
+        try:
+            return super().update_from_output(  # type: ignore[misc]
+                scheduler_output, model_runner_output
+            )
+        finally:
+            del manager.accept_tokens
+
+
+class GrammarNotAwaited:
+    """C-01/C-09: a structured request is admitted while its grammar still compiles (the runtime
+    checks that compilation started, not that it finished)."""
+
+    def _handle_blocked_waiting_request(self, request: Any) -> Any:
+        from vllm.v1.request import RequestStatus
+
+        structured = request.structured_output_request
+        if (
+            request.status == RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+            and structured is not None
+            and not structured.is_grammar_ready
+        ):
+            request.status = RequestStatus.WAITING
+            return True
+        return super()._handle_blocked_waiting_request(request)  # type: ignore[misc]
+
+
+class AbortWhileCompilingLeaks:
+    """C-01/C-06: an abort of a request whose grammar still compiles is dropped (the runtime
+    counts such a request as not admitted yet): it stays in the scheduler for good."""
+
+    def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
+        from vllm.v1.request import RequestStatus
+
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if finished_status == RequestStatus.FINISHED_ABORTED:
+            waiting = RequestStatus.WAITING_FOR_STRUCTURED_OUTPUT_GRAMMAR
+            held = self.requests  # type: ignore[attr-defined]
+            ids = [rid for rid in ids if rid not in held or held[rid].status != waiting]
+        return super().finish_requests(ids, finished_status)  # type: ignore[misc]
+
+
+class DraftsNotValidated:
+    """C-01/C-07: the drafter's proposals are scheduled without checking them against the
+    request's grammar (sync scheduling validates them when it takes them)."""
+
+    def update_draft_token_ids(self, draft_token_ids: Any) -> Any:
+        manager = self.structured_output_manager  # type: ignore[attr-defined]
+        manager.validate_tokens = lambda request, tokens: tokens
+        try:
+            return super().update_draft_token_ids(draft_token_ids)  # type: ignore[misc]
+        finally:
+            del manager.validate_tokens
+
+
+class InvalidDraftsUncounted:
+    """C-09: under async scheduling the drafts a grammar invalidates become placeholders but are
+    not recorded (``num_invalid_spec_tokens``), so the statistics count them as proposed."""
+
+    def update_draft_token_ids_in_output(self, draft_token_ids: Any, scheduler_output: Any) -> Any:
+        result = super().update_draft_token_ids_in_output(  # type: ignore[misc]
+            draft_token_ids, scheduler_output
+        )
+        scheduler_output.num_invalid_spec_tokens = {}
+        return result
+
+
 # KV-connector mixins (``conformance._core.kv_connectors``): the connector paths of the scheduler.
 
 
@@ -2479,6 +2556,41 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-pipeline-2-sync",
         "under pipeline parallelism the cached-request data carries no new token ids",
         _sub(scheduler_mixin=PipelineTokensNotSent),
+    ),
+    Mutant(
+        "grammar_rejected_token_kept",
+        "C-07/C-09",
+        "axis-structured-outputs-sync",
+        "a sampled token the grammar rejects is kept: the request is not ended with an error",
+        _sub(scheduler_mixin=GrammarRejectionIgnored),
+    ),
+    Mutant(
+        "grammar_not_awaited",
+        "C-01/C-09",
+        "axis-structured-outputs-async",
+        "a structured request is admitted while its grammar still compiles",
+        _sub(scheduler_mixin=GrammarNotAwaited),
+    ),
+    Mutant(
+        "abort_while_compiling_leaks",
+        "C-01/C-06",
+        "axis-structured-outputs-sync",
+        "an abort of a request whose grammar still compiles is dropped: the request stays",
+        _sub(scheduler_mixin=AbortWhileCompilingLeaks),
+    ),
+    Mutant(
+        "drafts_not_validated",
+        "C-01/C-07",
+        "axis-structured-spec-decode-sync",
+        "drafts are scheduled without checking them against the request's grammar",
+        _sub(scheduler_mixin=DraftsNotValidated),
+    ),
+    Mutant(
+        "invalid_drafts_uncounted",
+        "C-09",
+        "axis-structured-spec-decode-async",
+        "drafts the grammar invalidates (async) are not recorded as invalid",
+        _sub(scheduler_mixin=InvalidDraftsUncounted),
     ),
     Mutant(
         "connector_delayed_free_skipped",

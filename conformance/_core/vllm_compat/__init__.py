@@ -8,7 +8,8 @@
 ``scheduler_output``  what a ``SchedulerOutput`` says was scheduled, and from which position;
 ``stats``     statistics, request events and KV-cache events, as plain values;
 ``features``  which scheduler axes the installed release can drive;
-``kv_connector``  the shipped KV connectors' step metadata, read for the worker stand-in.
+``kv_connector``  the shipped KV connectors' step metadata, read for the worker stand-in;
+``structured``  grammars: compiling, bitmasks, state (in ``request_fields``, from there).
 
 Callers import this package (``from conformance._core import vllm_compat as vc``); the names below are
 its public surface. Supporting another vLLM release is a change inside this package.
@@ -53,9 +54,7 @@ from conformance._core.vllm_compat.state import (
     prefill_stats_fields,
     queue_ids,
     request_block_ids,
-    request_fields,
     same_outputs,
-    same_scheduler_state,
     scheduler_queues,
     set_none_hash,
     status_name,
@@ -66,6 +65,18 @@ from conformance._core.vllm_compat.stats import (
     request_events,
     spec_decode_metrics,
     take_kv_events,
+)
+from conformance._core.vllm_compat.structured import (
+    GrammarRows,
+    assign_backend,
+    defers_sampling,
+    grammar_fields,
+    grammar_rows,
+    hold_grammar_compilation,
+    init_grammar,
+    request_fields,
+    same_scheduler_state,
+    settle_grammars,
 )
 from conformance._core.vllm_compat.versions import (
     ALLOW_UNTESTED_ENV,
@@ -87,6 +98,14 @@ __all__ = [
     "SUPPORTED_VLLM",
     "ByRelease",
     "axis_unavailable",
+    "GrammarRows",
+    "assign_backend",
+    "defers_sampling",
+    "grammar_fields",
+    "grammar_rows",
+    "hold_grammar_compilation",
+    "init_grammar",
+    "settle_grammars",
     "offload_jobs",
     "offload_worker_meta",
     "Change",
