@@ -145,14 +145,15 @@ class WorkerStandIn:
 # The harness connector's per-request draws (``AddRequest.kv_transfer_params``; keys:
 # ``harness_connector.Plan``): no parameters first (the shrinker's simplest), then a sync hit,
 # a sync hit whose second block fails, async hits (one a P/D consumer's), async loads that fail
-# at a block or as a whole, a lookup that needs a step, and delayed frees.
+# at their second block (the first is kept) or as a whole, a lookup that needs a step, and
+# delayed frees.
 HARNESS_PLANS: tuple[tuple[tuple[str, Any], ...] | None, ...] = (
     None,
     (("hit_blocks", 1),),
     (("hit_blocks", 2), ("fail", 1)),
     (("hit_blocks", 2), ("load", "async"), ("load_steps", 1), ("do_remote_prefill", True)),
     (("hit_blocks", 3), ("load", "async")),
-    (("hit_blocks", 2), ("load", "async"), ("load_steps", 2), ("fail", 0)),
+    (("hit_blocks", 2), ("load", "async"), ("load_steps", 2), ("fail", 1)),
     (("hit_blocks", 1), ("load", "async"), ("fail", "request")),
     (("hit_blocks", 1), ("lookup_steps", 1), ("send_steps", 0)),
     (("send_steps", 2),),
