@@ -320,6 +320,9 @@ class ProcessStageSubject(OmniSubject):
         decoded = MsgpackDecoder(EngineCoreRequest).decode(frames)
         hasher = block_hasher(scheduler.cache_config.block_size)
         arrived = Request.from_engine_core_request(decoded, hasher)
+        if arrived.use_structured_output:
+            # ``preprocess_add_request`` starts the grammar compiling before admission.
+            scheduler.structured_output_manager.grammar_init(arrived)
         scheduler.add_request(arrived)
         scheduler("release")
         wire = self.wire(scheduler)
