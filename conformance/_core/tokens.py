@@ -161,7 +161,7 @@ class DeterministicTokenSource:
         req_ids = list(so.num_scheduled_tokens)
         drafts = vc.scheduled_drafts(so)
         grammar, self._grammar = self._grammar, None
-        grammar_rows = vc.grammar_rows(grammar, self.num_drafts, self.vocab)
+        grammar_rows = vc.grammar_rows(grammar, self.num_drafts, self.vocab, so)
         sampled: list[list[int]] = []
         for rid in req_ids:
             view = self._reqs.get(rid)

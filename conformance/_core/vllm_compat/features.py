@@ -6,10 +6,33 @@ listed with the release that brought it and the reason the report gives (not app
 
 from __future__ import annotations
 
-from conformance._core.vllm_compat.versions import ByRelease
+from conformance._core.vllm_compat.versions import ByRelease, Change
 
 # axis name -> why it cannot run; every axis runs on the releases after the last change.
-MISSING_AXES: ByRelease[dict[str, str]] = ByRelease("scheduler axes missing", {})
+_NO_FAILED_RECVING = (
+    "the harness connector reports a whole failed load as KVConnectorOutput.failed_recving, "
+    "which this release lacks (new in 0.30)"
+)
+_OLD_OFFLOAD = (
+    "the harness stands in for the offloading connector's worker as 0.33 reports jobs "
+    "(TransferJob.sync, completed job ids); this release's offloading protocol differs"
+)
+MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
+    "scheduler axes missing",
+    {
+        "kv-harness-recompute": _NO_FAILED_RECVING,
+        "kv-harness-fail": _NO_FAILED_RECVING,
+        "kv-offload": _OLD_OFFLOAD,
+    },
+    [
+        Change(
+            "0.30.0",
+            {"kv-offload": _OLD_OFFLOAD},
+            "KVConnectorOutput.failed_recving: a worker reports a failed load",
+        ),
+        Change("0.33.0", {}, "offloading TransferJob.sync: a load may block the step"),
+    ],
+)
 
 
 def axis_unavailable(name: str) -> str | None:

@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from conformance._core.vllm_compat import state
+from conformance._core.vllm_compat.versions import ByRelease, Change
 
 # A request's grammar compiles after 0, 1 or 2 ``schedule()`` calls (by its id's hash).
 COMPILE_DELAYS = 3
@@ -121,21 +122,47 @@ def allowed_tokens(row: np.ndarray, vocab: int) -> np.ndarray:
     return bits[:vocab].astype(bool)
 
 
-def grammar_rows(grammar_output: Any, num_drafts: int, vocab: int) -> dict[str, GrammarRows]:
-    """Per structured request of the step, its bitmask rows (``num_drafts + 1`` each)."""
+# How a step's bitmask lays out each structured request's rows.
+FIXED_BITMASK_BLOCKS: ByRelease[bool] = ByRelease(
+    "grammar bitmask rows",
+    False,
+    [
+        Change(
+            "0.33.0",
+            True,
+            "each structured request owns a fixed block of num_speculative_tokens + 1 rows; "
+            "before, 1 + its scheduled drafts, packed one request after the other",
+        )
+    ],
+)
+
+
+def grammar_rows(
+    grammar_output: Any, num_drafts: int, vocab: int, so: Any = None
+) -> dict[str, GrammarRows]:
+    """Per structured request of the step, its bitmask rows (one per scheduled draft, then the
+    bonus token's: ``num_drafts + 1`` in a fixed block, or packed before 0.33)."""
     if grammar_output is None:
         return {}
     ids = list(grammar_output.structured_output_request_ids)
     bitmask = np.asarray(grammar_output.grammar_bitmask)
-    acceptable = getattr(grammar_output, "num_acceptable_drafts", None) or [0] * len(ids)
-    stride = num_drafts + 1
-    return {
-        rid: GrammarRows(
-            [allowed_tokens(bitmask[j * stride + i], vocab) for i in range(stride)],
-            int(acceptable[j]),
-        )
-        for j, rid in enumerate(ids)
-    }
+    # ``num_acceptable_drafts`` None invalidates every draft; a release without the field
+    # constrains every scheduled draft's row (``rows - 1`` acceptable).
+    known = hasattr(grammar_output, "num_acceptable_drafts")
+    acceptable = grammar_output.num_acceptable_drafts if known else None
+    if known and acceptable is None:
+        acceptable = [0] * len(ids)
+    fixed = FIXED_BITMASK_BLOCKS.value()
+    spec = {} if so is None else so.scheduled_spec_decode_tokens
+    out: dict[str, GrammarRows] = {}
+    start = 0
+    for j, rid in enumerate(ids):
+        rows = num_drafts + 1 if fixed else 1 + len(spec.get(rid, ()))
+        first = j * (num_drafts + 1) if fixed else start
+        allowed = [allowed_tokens(bitmask[first + i], vocab) for i in range(rows)]
+        out[rid] = GrammarRows(allowed, rows - 1 if acceptable is None else int(acceptable[j]))
+        start = first + rows
+    return out
 
 
 def grammar_fields(so: Any, grammar_output: Any) -> dict[str, Any]:
