@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -266,14 +267,23 @@ def build_kv_cache_config(cfg: HarnessConfig):
 
 
 def build_scheduler(
-    scheduler_cls: type, cfg: HarnessConfig, *, log_stats: bool = False
+    scheduler_cls: type,
+    cfg: HarnessConfig,
+    *,
+    log_stats: bool = False,
+    adapt: Callable[[Any], None] | None = None,
 ) -> Scheduler:
-    """A scheduler of ``scheduler_cls`` built exactly as ``EngineCore`` builds one."""
+    """A scheduler of ``scheduler_cls`` built exactly as ``EngineCore`` builds one. ``adapt``
+    changes the ``VllmConfig`` first, for a runtime whose engine configures vLLM its own way
+    (its model config, say): everything else (statistics, captured KV events, grammars
+    compiled on the harness's clock) is then built as for the oracle."""
     from vllm.v1.structured_output import StructuredOutputManager
 
     from conformance._core.vllm_compat import capture_kv_events, hold_grammar_compilation
 
     vllm_config = build_vllm_config(cfg)
+    if adapt is not None:
+        adapt(vllm_config)
     kv_cache_config = build_kv_cache_config(cfg)
     scheduler = scheduler_cls(
         vllm_config=vllm_config,

@@ -24,8 +24,7 @@ from conformance.api import (
     DifferenceEntry,
     HarnessConfig,
     SubjectUnsupported,
-    build_kv_cache_config,
-    build_vllm_config,
+    build_scheduler,
     release,
     request_kwargs,
 )
@@ -235,17 +234,12 @@ class VllmOmniSubject(BaseSubject):
         self.omni_version = omni_version
 
     def build_scheduler(self, cfg: HarnessConfig) -> Any:
-        from vllm.v1.structured_output import StructuredOutputManager
+        def omni_model(vllm_config: Any) -> None:
+            vllm_config.model_config = omni_model_config(vllm_config.model_config)
 
-        vllm_config = build_vllm_config(cfg)
-        vllm_config.model_config = omni_model_config(vllm_config.model_config)
-        return self.scheduler_class(cfg)(
-            vllm_config=vllm_config,
-            kv_cache_config=build_kv_cache_config(cfg),
-            structured_output_manager=StructuredOutputManager(vllm_config),
-            block_size=cfg.block_size,
-            log_stats=False,
-        )
+        # As the oracle's is built (statistics, KV events, grammars per the configuration),
+        # with vllm-omni's model config.
+        return build_scheduler(self.scheduler_class(cfg), cfg, adapt=omni_model)
 
     def make_request(
         self, op: AddRequest, prompt: list[int], cfg: HarnessConfig, scheduler: Any, arrival: float
