@@ -39,8 +39,15 @@ WORKER = "worker"  # the pseudo-capability ``require_worker`` checks (``has_work
 HOOKS = (WORKER, *CAPABILITY_HOOKS)
 # The lock-step comparisons (plain and under speculative decoding) and the runtime audit: the
 # only tests that can see a bug in queue order.
-LOCKSTEP_TESTS = {"test_lockstep_parity", "test_lockstep_parity_speculative", "test_runtime_audit"}
-FIELD_PREFIXES = ("queues.", "sched_out.", "requests.")
+LOCKSTEP_TESTS = {
+    "test_lockstep_parity",
+    "test_lockstep_parity_speculative",
+    "test_runtime_audit",
+    "test_scheduler_axis",
+}
+# Where a queue-order bug first shows: the queues and what follows from them (on a statistics
+# axis, the step's counts; with KV events, the blocks the reordered requests store).
+FIELD_PREFIXES = ("queues.", "sched_out.", "requests.", "stats", "kv_events")
 NOT_APPLICABLE = ("not_applicable", "skipped")
 # What a report says when it lost the reason: not a reason.
 PLACEHOLDER_REASONS = {"", "skipped", "not applicable", "not_applicable"}
