@@ -154,27 +154,27 @@ class AsyncDriver:
         self.scheduler = scheduler
         self.executor = executor
         self.depth = depth or max(2, scheduler.vllm_config.max_concurrent_batches)
-        self._executed = False  # whether the last ``step`` submitted a batch that ran the model
         self.queue: deque[tuple[SchedulerOutput, object]] = deque()
 
     def step(self) -> StepObservation:
-        observed = self._step()
-        if self.mode == "pipelined" and self._executed:
+        observed, executed = self._step()
+        if self.mode == "pipelined" and executed:
             # ``EngineCore.post_step`` after the batch queue's step: a sync scheduler takes the
             # drafts then (an async one never: its runner keeps them).
             post_step_drafts(self.scheduler, self.executor)
         return observed
 
-    def _step(self) -> StepObservation:
+    def _step(self) -> tuple[StepObservation, bool]:
+        """One batch-queue step, and whether it submitted a batch that ran the model."""
         sched = self.scheduler
         scheduled = None
         deferred = None
-        self._executed = False
+        executed = False
         if sched.has_requests():
             vc.settle_grammars(sched)
             so = sched.schedule()
             scheduled = observe_schedule(so)
-            executed = self._executed = so.total_num_scheduled_tokens > 0
+            executed = so.total_num_scheduled_tokens > 0
             if executed and vc.defers_sampling(so):
                 # A structured request's grammar still lacks the tokens of the step in flight:
                 # ``EngineCore`` samples this one after processing that step's output.
@@ -185,16 +185,16 @@ class AsyncDriver:
                 grammar = grammar_output(sched, so, scheduled) if executed else None
                 self.queue.appendleft((so, submit(self.executor, so, grammar)))
                 if len(self.queue) < self.depth and (executed or sched.has_requests()):
-                    return StepObservation(scheduled, None, False)
+                    return StepObservation(scheduled, None, False), executed
         elif not self.queue:
-            return StepObservation(None, None, False)
+            return StepObservation(None, None, False), executed
         so, pending = self.queue.pop()
         mro = collect(pending)
         outputs = sched.update_from_output(so, mro)
         if deferred is not None:
             assert scheduled is not None
             self._sample_deferred(deferred, scheduled)
-        return StepObservation(scheduled, outputs, True)
+        return StepObservation(scheduled, outputs, True), executed
 
     def _sample_deferred(self, so: SchedulerOutput, scheduled: dict[str, Any]) -> None:
         """``step_with_batch_queue``'s deferred sampling: the drafts the runner proposed meanwhile

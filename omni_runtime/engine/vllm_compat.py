@@ -269,9 +269,8 @@ def add_request(core: EngineCore, request: Request) -> None:
     ``preprocess_add_request`` path starts from an ``EngineCoreRequest``, which has no room for
     the omni slot). A structured request's grammar starts compiling first, as that path does:
     without it the request would wait for a grammar nobody compiles."""
-    if request.use_structured_output and request.structured_output_request is not None:
-        if request.structured_output_request._grammar is None:
-            core.structured_output_manager.grammar_init(request)
+    if request.use_structured_output:
+        core.structured_output_manager.grammar_init(request)
     core.add_request(request, request_wave=0)
 
 

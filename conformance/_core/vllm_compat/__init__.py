@@ -9,18 +9,14 @@
 ``stats``     statistics, request events and KV-cache events, as plain values;
 ``features``  which scheduler axes the installed release can drive;
 ``kv_connector``  the shipped KV connectors' step metadata, read for the worker stand-in;
-``structured``  grammars: compiling, bitmasks, state (in ``request_fields``, from there).
+``structured``  grammars: compiling, bitmasks, each request's grammar state.
 
 Callers import this package (``from conformance._core import vllm_compat as vc``); the names below are
 its public surface. Supporting another vLLM release is a change inside this package.
 """
 
 from conformance._core.vllm_compat.features import axis_unavailable
-from conformance._core.vllm_compat.kv_connector import (
-    offload_jobs,
-    offload_worker_meta,
-    scheduler_stats,
-)
+from conformance._core.vllm_compat.kv_connector import offload_jobs, offload_worker_meta
 from conformance._core.vllm_compat.scheduler_output import (
     computed_before,
     draft_token_ids,
@@ -54,7 +50,9 @@ from conformance._core.vllm_compat.state import (
     prefill_stats_fields,
     queue_ids,
     request_block_ids,
+    request_fields,
     same_outputs,
+    same_scheduler_state,
     scheduler_queues,
     set_none_hash,
     status_name,
@@ -63,6 +61,7 @@ from conformance._core.vllm_compat.stats import (
     capture_kv_events,
     plain,
     request_events,
+    scheduler_stats,
     spec_decode_metrics,
     take_kv_events,
 )
@@ -74,8 +73,6 @@ from conformance._core.vllm_compat.structured import (
     grammar_rows,
     hold_grammar_compilation,
     init_grammar,
-    request_fields,
-    same_scheduler_state,
     settle_grammars,
 )
 from conformance._core.vllm_compat.versions import (

@@ -10,15 +10,8 @@ here, so a release that reshapes them is a change in this module only.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
-
-from conformance._core.vllm_compat import stats
-
-# Connector statistics that measure wall-clock time (the offloading connector's lookup delays,
-# ``vllm:kv_offload_lookup_sync_delay_seconds``): differ between two runs of one scheduler.
-_CLOCK_METRIC = re.compile(r"(_seconds|_time)$")
 
 
 @dataclass(frozen=True)
@@ -57,17 +50,3 @@ def offload_worker_meta(completed: set[int]) -> Any:
     )
 
     return OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(sorted(completed), 1))
-
-
-def scheduler_stats(outputs: dict[int, Any] | None) -> dict[str, Any] | None:
-    """``stats.scheduler_stats`` with the wall-clock metrics of connector statistics dropped."""
-    found = stats.scheduler_stats(outputs)
-    if found is not None and found.get("kv_connector_stats") is not None:
-        found["kv_connector_stats"] = _without_clock(found["kv_connector_stats"])
-    return found
-
-
-def _without_clock(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _without_clock(v) for k, v in value.items() if not _CLOCK_METRIC.search(k)}
-    return value

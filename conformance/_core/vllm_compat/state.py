@@ -16,6 +16,7 @@ from operator import attrgetter
 from typing import Any
 
 from conformance._core.vllm_compat.stats import request_events, spec_decode_metrics
+from conformance._core.vllm_compat.structured import grammar_state
 from conformance._core.vllm_compat.versions import ByRelease, Change
 
 # ---- block pool -------------------------------------------------------------------------
@@ -153,7 +154,15 @@ def request_fields(request: Any) -> dict[str, Any]:
     fields = dict(zip(REQUEST_FIELDS, row, strict=True))
     fields["status"] = row[_STATUS].name
     fields["output_token_ids"] = tuple(row[_OUTPUT_TOKENS])
+    structured = request.structured_output_request
+    if structured is not None:  # present only for a structured request: others read as before
+        fields["grammar"] = grammar_state(structured)
     return fields
+
+
+def _grammar_of(request: Any) -> dict[str, Any] | None:
+    structured = request.structured_output_request
+    return None if structured is None else grammar_state(structured)
 
 
 def queue_ids(queue: Any) -> list[str]:
@@ -344,6 +353,10 @@ def same_scheduler_state(a: Any, b: Any) -> bool:
         or x.num_in_flight_tokens != y.num_in_flight_tokens
         or x.num_preemptions != y.num_preemptions
         or x.stop_reason != y.stop_reason
+        or (
+            (x.structured_output_request is not None or y.structured_output_request is not None)
+            and _grammar_of(x) != _grammar_of(y)
+        )
     ]:
         return False
     kv_a, kv_b = a.kv_cache_manager, b.kv_cache_manager

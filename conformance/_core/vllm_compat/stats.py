@@ -11,10 +11,14 @@ that adds a field is compared on it without a change here.
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 # Fields that hold wall-clock measurements, not scheduler decisions.
 _CLOCK_FIELDS = frozenset({"iteration_details", "perf_stats", "cudagraph_stats", "ts", "timestamp"})
+# Connector statistics are named metrics; those that measure time (the offloading connector's
+# ``vllm:kv_offload_lookup_sync_delay_seconds``) differ between two runs of one scheduler.
+_CLOCK_METRIC = re.compile(r"(_seconds|_time)$")
 
 
 def plain(value: Any) -> Any:
@@ -46,12 +50,22 @@ def plain(value: Any) -> Any:
 
 
 def scheduler_stats(outputs: dict[int, Any] | None) -> dict[str, Any] | None:
-    """The step's ``SchedulerStats`` (on the first client's outputs), or None when it has none."""
+    """The step's ``SchedulerStats`` (on the first client's outputs), or None when it has none;
+    connector metrics that measure wall-clock time are dropped with the rest."""
     for client in sorted(outputs or {}):
         stats = getattr(outputs[client], "scheduler_stats", None)  # type: ignore[index]
         if stats is not None:
-            return {"client": client, **plain(stats)}
+            found = {"client": client, **plain(stats)}
+            if found.get("kv_connector_stats") is not None:
+                found["kv_connector_stats"] = _without_clock(found["kv_connector_stats"])
+            return found
     return None
+
+
+def _without_clock(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _without_clock(v) for k, v in value.items() if not _CLOCK_METRIC.search(k)}
+    return value
 
 
 def request_events(out: Any) -> list[str] | None:

@@ -20,7 +20,6 @@ from typing import Any
 
 import numpy as np
 
-from conformance._core.vllm_compat import state
 from conformance._core.vllm_compat.versions import ByRelease, Change
 
 # A request's grammar compiles after 0, 1 or 2 ``schedule()`` calls (by its id's hash).
@@ -210,27 +209,3 @@ def grammar_state(structured: Any) -> dict[str, Any]:
         "accepted": getattr(grammar, "num_processed_tokens", None),
         "terminated": bool(grammar.is_terminated()),
     }
-
-
-def request_fields(request: Any) -> dict[str, Any]:
-    """``state.request_fields`` plus, for a structured request only, its ``grammar`` state."""
-    fields = state.request_fields(request)
-    structured = request.structured_output_request
-    if structured is not None:
-        fields["grammar"] = grammar_state(structured)
-    return fields
-
-
-def same_scheduler_state(a: Any, b: Any) -> bool:
-    """``state.same_scheduler_state`` and the same grammar state for every structured request
-    (``request_fields``'s addition, compared in place as the rest is)."""
-    if not state.same_scheduler_state(a, b):
-        return False
-    held_b = b.requests
-    for rid, x in a.requests.items():
-        sx, sy = x.structured_output_request, held_b[rid].structured_output_request
-        if (sx is None) != (sy is None):
-            return False
-        if sx is not None and grammar_state(sx) != grammar_state(sy):
-            return False
-    return True
