@@ -437,3 +437,35 @@ def test_saved_traces_reproduce_against_a_pristine_oracle(trace):
             env, ["-m", "conformance.cli", "replay", str(trace), "--subject", "upstream"], 1800
         )
         assert clean.returncode == 3, clean.stdout[-2000:] + clean.stderr[-2000:]
+
+
+CONDITIONAL = sorted((Path(__file__).parent / "data" / "vllm_omni" / "conditional").glob("*.json"))
+
+
+def _vllm_minor(env: Path) -> str:
+    out = _run(env, ["-c", "from importlib.metadata import version; print(version('vllm'))"], 60)
+    return ".".join(out.stdout.strip().split(".")[:2])
+
+
+@pytest.mark.vllm_omni
+@pytest.mark.parametrize("trace", CONDITIONAL, ids=lambda p: p.stem)
+def test_release_specific_traces_reproduce_where_recorded(trace):
+    """The behaviours vLLM's own tests found on one vllm-omni release only (its statistics
+    throttle, a grammar error or an encoder stop 0.28 never finishes, metrics 0.30 never
+    records, ...): each trace names the releases it reproduces on (``meta.reproduces_on``);
+    there it replays with its recorded first difference and is clean against upstream."""
+    meta = json.loads(trace.read_text())["meta"]
+    envs = [env for env in _env_or_skip() if _vllm_minor(env) in meta["reproduces_on"]]
+    if not envs:
+        pytest.skip(f"no vllm-omni environment for {meta['reproduces_on']}")
+    recorded = meta["first_difference"]
+    for env in envs:
+        again = _run(env, ["-m", "conformance.cli", "replay", str(trace)], 1800)
+        headline = [line for line in again.stdout.splitlines() if "first difference" in line]
+        assert again.returncode == 1 and headline, (again.stdout + again.stderr)[-3000:]
+        assert f"step {recorded['step']} " in headline[-1], (env.name, headline[-1])
+        assert f"{recorded['path']}:" in headline[-1], (env.name, headline[-1])
+        clean = _run(
+            env, ["-m", "conformance.cli", "replay", str(trace), "--subject", "upstream"], 1800
+        )
+        assert clean.returncode == 3, clean.stdout[-2000:] + clean.stderr[-2000:]
