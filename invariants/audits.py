@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import ModelRunnerOutput
 
     from conformance._core.capabilities import Crossing
+    from conformance._core.sides import AttributeNames
 
 _SCALARS = frozenset({int, float, str, bytes, bool, type(None)})
 
@@ -66,16 +67,17 @@ def modality_kinds(declared: DeclaredAttributes) -> tuple[type, ...]:
 
 
 def audit_requests(
-    up_sched: Scheduler, sub_sched: Scheduler, declared: DeclaredAttributes
+    upstream: AttributeNames, sub_sched: Scheduler, declared: DeclaredAttributes
 ) -> list[str]:
-    """C-10..C-12 over every live request of the subject."""
+    """C-10..C-12 over every live request of the subject, against the attribute names of the
+    oracle's request of the same id (``upstream``: read in this process or sent by the oracle's)."""
     kinds = modality_kinds(declared)
     problems: list[str] = []
     for rid, req in sub_sched.requests.items():
-        up = up_sched.requests.get(rid)
+        up = upstream.requests.get(rid)
         if up is None:
             continue
-        added = set(vars(req)) - set(vars(up))
+        added = set(vars(req)) - up
         undeclared = added - set(declared.request)
         if undeclared:
             problems.append(
@@ -96,12 +98,12 @@ def audit_requests(
 
 
 def audit_scheduler(
-    up_sched: Scheduler, sub_sched: Scheduler, declared: DeclaredAttributes
+    upstream: AttributeNames, sub_sched: Scheduler, declared: DeclaredAttributes
 ) -> list[str]:
     """C-11/C-12 over the scheduler object: added attributes, and tensors outside the send path."""
     kinds = modality_kinds(declared)
     problems: list[str] = []
-    added = set(vars(sub_sched)) - set(vars(up_sched))
+    added = set(vars(sub_sched)) - upstream.scheduler
     if not added <= declared.scheduler:
         problems.append(
             f"C-12: scheduler attributes {sorted(added - declared.scheduler)} are not declared"

@@ -84,10 +84,9 @@ class AuditedLockstep(Lockstep):
         super().__init__(config, subject, use_worker=feature.use_worker, **kw)
         self.feature = feature
         self.audits = audits
-        # The declared-attribute audits compare the two sides' live request objects, so they
-        # run only with the oracle in this process (``clauses`` then credits them).
-        local = isinstance(self.up, Side)
-        self.declared = subject.declared_attributes() if local else None
+        # The declared-attribute audits need only the oracle's attribute names, which an oracle
+        # in its own process sends with each reply: they run wherever the oracle does.
+        self.declared = subject.declared_attributes()
         self.delivery = subject.chunk_delivery()
         self.boundary = subject.process_boundary()
         probes = subject.runner_probes() if feature.use_worker else None
@@ -155,8 +154,9 @@ class AuditedLockstep(Lockstep):
             problems.extend(self.sink.violations)
             self.sink.violations.clear()
         if self.declared is not None:
-            problems.extend(audit_requests(self.up.scheduler, self.sub.scheduler, self.declared))
-            problems.extend(audit_scheduler(self.up.scheduler, self.sub.scheduler, self.declared))
+            names = self.up.attribute_names()
+            problems.extend(audit_requests(names, self.sub.scheduler, self.declared))
+            problems.extend(audit_scheduler(names, self.sub.scheduler, self.declared))
         if self.boundary is not None:
             problems.extend(self.boundary_problems(f"after operation {len(self.trace.ops) - 1}"))
         return problems

@@ -14,7 +14,9 @@ that never imported the subject (``conformance._core.oracle_process``). What cou
   oracle: it must be a harness error naming the child's exit, and the next session restarts it;
 * ``omni-conformance check`` and ``replay`` do not use it: the gate run on the planted subject
   fails with the abort difference, its report says where the oracle ran, and the saved trace
-  reproduces on replay and is clean against upstream.
+  reproduces on replay and is clean against upstream;
+* the declared-attribute audits (C-10..C-12) go blind when the oracle is elsewhere: a wrong
+  declaration must fail them with the oracle in its own process as in this one.
 """
 
 from __future__ import annotations
@@ -207,3 +209,52 @@ def test_an_oracle_process_needs_a_fixed_hash_seed():
         timeout=120,
     )
     assert fixed.stdout.strip() == "None", fixed.stderr[-2000:]
+
+
+# ---- the declared-attribute audits under isolation (C-10..C-12) ----------------------------
+
+
+def _wrongly_declared(subject):
+    """``subject`` declaring that it adds nothing to vLLM's Request and scheduler: wrong for
+    the omni runtime, whose requests and scheduler carry attributes of their own."""
+    from conformance._core.capabilities import DeclaredAttributes
+
+    class Undeclared(type(subject)):  # type: ignore[misc]
+        def declared_attributes(self):
+            return DeclaredAttributes()
+
+    return Undeclared()
+
+
+def _audit_problems(subject, *, isolate: bool) -> list[str]:
+    from conformance._core.needs import features_of
+    from invariants.machines import AuditedLockstep
+
+    feature = features_of(subject, worker=False)[-1]
+    cfg = TIGHT.with_(enable_prefix_caching=True, additional_config=feature.additional_config)
+    if isolate:
+        pristine.isolate_oracle("requested by the test")
+    try:
+        session = AuditedLockstep(cfg, subject, feature=feature, prefixes=PREFIXES)
+        assert isinstance(session.up, ProcessSide if isolate else Side)
+        try:
+            for op in (AddRequest("r1", (11, 12, 13), max_tokens=4), Step(), Step()):
+                session.apply(op)
+            return list(session.problems)
+        finally:
+            session.shutdown()
+    finally:
+        pristine.reset_placement()
+
+
+def test_a_wrong_attribute_declaration_fails_with_the_oracle_in_its_own_process():
+    """The audits read only the oracle's attribute names, which its process sends with each
+    reply: a wrong declaration fails C-12 there as in process, and a right one passes."""
+    omni = load_subject("omni")
+    wrong = _wrongly_declared(omni)
+    local = _audit_problems(wrong, isolate=False)
+    isolated = _audit_problems(wrong, isolate=True)
+    assert any(p.startswith("C-12: r1: attributes added") for p in isolated), isolated
+    assert any(p.startswith("C-12: scheduler attributes") for p in isolated), isolated
+    assert isolated == local
+    assert _audit_problems(omni, isolate=True) == []

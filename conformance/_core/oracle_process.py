@@ -32,7 +32,7 @@ from conformance._core.observe import Observation
 from conformance._core.workload import Op
 
 if TYPE_CHECKING:
-    from conformance._core.sides import Side
+    from conformance._core.sides import AttributeNames, Side
 
 # How much of the child's log an error quotes.
 LOG_TAIL_CHARS = 2000
@@ -199,6 +199,9 @@ class ProcessSide:
     def omni_ids(self) -> set[str]:
         return set(self._status["omni_ids"])
 
+    def attribute_names(self) -> AttributeNames:
+        return self._status["attribute_names"]
+
 
 # ---- the child ---------------------------------------------------------------------------
 
@@ -210,6 +213,8 @@ def _status(side: Side) -> dict[str, Any]:
         "busy": side.busy(),
         "free_blocks": side.free_blocks(),
         "omni_ids": sorted(side.omni_ids()),
+        # The declared-attribute audits (C-10..C-12) compare the subject's objects with these.
+        "attribute_names": side.attribute_names(),
     }
 
 
