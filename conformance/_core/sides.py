@@ -156,6 +156,23 @@ class Side:
     def omni_ids(self) -> set[str]:
         return set(self.subject.live_omni_ids(self.scheduler))
 
+    def attribute_names(self) -> AttributeNames:
+        """The attribute names of the scheduler and of each live request: all the declared-
+        attribute audits need of the oracle, plain values an oracle process can send."""
+        return AttributeNames(
+            frozenset(vars(self.scheduler)),
+            {rid: frozenset(vars(req)) for rid, req in self.scheduler.requests.items()},
+        )
+
+
+@dataclass(frozen=True)
+class AttributeNames:
+    """What ``Side.attribute_names`` reads: the scheduler's attribute names and, per live
+    request id, the request's."""
+
+    scheduler: frozenset[str]
+    requests: dict[str, frozenset[str]]
+
 
 def make_side(subject: Subject, cfg: HarnessConfig, worker: Subject | None) -> Side:
     """A side for ``subject``: its scheduler, and ``worker``'s real worker when given, else the
