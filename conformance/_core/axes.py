@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from conformance._core import kv_connectors
+from conformance._core import ec_connectors, kv_connectors
 from conformance._core.config import HarnessConfig
 from conformance._core.grammars import GRAMMAR_VALUES
 
@@ -125,6 +125,22 @@ AXES: tuple[Axis, ...] = (
         "(sync), grammar-invalidated drafts and their statistics (async)",
         {"structured_outputs": "xgrammar", "num_speculative_tokens": 3, "log_stats": True},
         request_values={"grammar": GRAMMAR_VALUES},
+    ),
+    # Encoder-cache connectors (``conformance._core.ec_connectors``): vLLM's example connector.
+    *(
+        Axis(
+            f"ec-{role}",
+            f"vLLM's example EC connector as {role}: EC metadata every step, the connector's "
+            "finish hook and output"
+            + {
+                "producer": "; on 0.28 an encoder-only instance: nothing sampled, a request "
+                "stops once its prompt is consumed",
+                "consumer": "",
+                "both": "; ec_transfer_params from its producer half",
+            }[role],
+            {"ec_connector": ec_connectors.EXAMPLE, "ec_role": f"ec_{role}", "log_stats": True},
+        )
+        for role in ("producer", "consumer", "both")
     ),
 )
 

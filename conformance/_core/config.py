@@ -75,6 +75,12 @@ class HarnessConfig:
     # harness's tokenizer (``conformance._core.grammars``) and requests may name a grammar
     # (``AddRequest.grammar``).
     structured_outputs: str = ""
+    # An encoder-cache connector (``conformance._core.ec_connectors``): its name in vLLM's EC
+    # connector factory ("": none), role (ec_producer, ec_consumer, ec_both) and extra
+    # configuration (the example connector's storage folder is made per configuration).
+    ec_connector: str = ""
+    ec_role: str = "ec_producer"
+    ec_connector_extra: dict[str, Any] = field(default_factory=dict)
 
     def with_(self, **changes: Any) -> HarnessConfig:
         return replace(self, **changes)
@@ -112,6 +118,9 @@ _AXIS_DEFAULTS: dict[str, Any] = {
     "kv_load_failure_policy": "fail",
     "kv_connector_extra": {},
     "structured_outputs": "",
+    "ec_connector": "",
+    "ec_role": "ec_producer",
+    "ec_connector_extra": {},
 }
 
 _HASH_READY = False
@@ -145,6 +154,7 @@ def build_vllm_config(
         VllmConfig,
     )
 
+    from conformance._core.ec_connectors import ec_transfer_kw
     from conformance._core.kv_connectors import kv_transfer_kw
 
     sched_kw: dict[str, Any] = {} if scheduler_cls is None else {"scheduler_cls": scheduler_cls}
@@ -186,6 +196,7 @@ def build_vllm_config(
         additional_config=dict(cfg.additional_config),
         **observability_kw(cfg),
         **kv_transfer_kw(cfg),
+        **ec_transfer_kw(cfg),
         **structured_outputs_kw(cfg),
     )
     vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks

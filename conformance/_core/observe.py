@@ -64,7 +64,11 @@ def observe_state(scheduler: Scheduler, subject: Subject) -> dict[str, Any]:
 
 def observe_schedule(so: SchedulerOutput) -> dict[str, Any]:
     """The ``SchedulerOutput``, copied right after ``schedule()`` returned."""
-    return vc.schedule_fields(so)
+    fields = vc.schedule_fields(so)
+    ec_meta = vc.ec_metadata(so)
+    if ec_meta is not None:  # an EC connector's step metadata: absent without one
+        fields["ec_connector_metadata"] = ec_meta
+    return fields
 
 
 def observe_outputs(outputs: dict[int, EngineCoreOutputs] | None) -> dict[str, Any]:
@@ -102,6 +106,9 @@ def observe_outputs(outputs: dict[int, EngineCoreOutputs] | None) -> dict[str, A
                 entry["spec_decode_metrics"] = metrics
             if out.kv_transfer_params is not None:
                 entry["kv_transfer_params"] = vc.plain(out.kv_transfer_params)
+            ec_params = vc.ec_transfer_params(out)
+            if ec_params is not None:
+                entry["ec_transfer_params"] = ec_params
             extra = vc.output_extra_fields(out)
             if extra:
                 entry.update(extra)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from conformance._core import vllm_compat as vc
 from conformance._core.config import HarnessConfig
 from conformance._core.driver import AsyncDriver, Executor, SyncDriver, WorkerExecutor, make_driver
+from conformance._core.ec_connectors import runner_report
 from conformance._core.harness_faults import HarnessError, forget_pending, raise_pending
 from conformance._core.observe import Observation
 from conformance._core.subjects import Subject
@@ -184,6 +185,9 @@ def make_side(subject: Subject, cfg: HarnessConfig, worker: Subject | None) -> S
     else:
         vocab = int(cfg.model_shape().get("vocab_size", 512))
         executor = DeterministicTokenSource(
-            vocab=vocab, edges=cfg.token_edges, num_drafts=cfg.num_speculative_tokens
+            vocab=vocab,
+            edges=cfg.token_edges,
+            num_drafts=cfg.num_speculative_tokens,
+            report=runner_report(scheduler.vllm_config),
         )
     return Side(subject, scheduler, make_driver(scheduler, executor), executor)

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from conformance._core import vllm_compat as vc
+from conformance._core.ec_connectors import RunnerReport
 from conformance._core.harness_faults import harness_code
 from conformance._core.kv_connectors import WorkerStandIn
 
@@ -77,6 +78,7 @@ class DeterministicTokenSource:
         stop_period: int = STOP_PERIOD,
         edges: tuple[int, ...] = (),
         num_drafts: int = 0,
+        report: RunnerReport | None = None,
     ) -> None:
         self.vocab = vocab
         self.stop_period = stop_period
@@ -86,6 +88,9 @@ class DeterministicTokenSource:
         self._drafted: list[str] = []  # the last step's requests, in its order
         self._grammar: GrammarOutput | None = None  # for the next step (``receive_grammar``)
         self._kv = WorkerStandIn()  # a KV connector's worker half (none configured: idle)
+        # What the instance's runner returns besides tokens (an EC connector's output; none at
+        # all on an encoder-only instance).
+        self._report = report or RunnerReport()
 
     def choose(self, view: _ReqView, request_id: str, position: int) -> int:
         h = zlib.crc32(f"stop:{request_id}:{position}".encode())
@@ -168,8 +173,10 @@ class DeterministicTokenSource:
             # Drafts sit at the end of what is scheduled: the step verifies them.
             proposed = drafts.get(rid, ())
             end = computed.get(rid, 0) + so.num_scheduled_tokens[rid] - len(proposed)
-            if view is None or end < view.num_tokens:
-                sampled.append([])  # partial prefill chunk: nothing to sample yet
+            if view is None or end < view.num_tokens or not self._report.samples:
+                # A partial prefill chunk: nothing to sample yet. An encoder-only runner never
+                # samples: it publishes the prompt's encoder outputs.
+                sampled.append([])
                 continue
             if proposed and end > view.num_tokens:
                 # Async scheduling counted the step in flight as if all its drafts were
@@ -195,6 +202,8 @@ class DeterministicTokenSource:
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
             sampled_token_ids=sampled,
             kv_connector_output=kv_output,
+            # None (the default) unless the runner attaches its EC connector's output.
+            ec_connector_output=self._report.ec_connector_output(so),
         )
 
     @harness_code

@@ -1881,6 +1881,62 @@ class KvTransferParamsDropped:
         return None, result[1]
 
 
+class EncoderInstanceNeverStops:
+    """C-01/C-06: the step's update has no encoder-only stop (vllm-omni 0.28's own loop): on an
+    encoder-only instance (vLLM 0.28's EC producer) a request whose prompt is consumed samples
+    nothing and so never finishes; it stays running, holding its blocks."""
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        from conformance._core import vllm_compat as vc
+
+        flag = vc.encoder_only_flag()
+        _require(self, flag)
+        kept = getattr(self, flag)
+        setattr(self, flag, False)
+        try:
+            return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            setattr(self, flag, kept)
+
+
+class EcMetadataWithKvOnly:
+    """C-09: connector metadata is attached only when a KV connector is configured, so an
+    instance with an EC connector alone sends its workers no EC metadata (the worker-side EC
+    connector has nothing to bind: a multimodal runner's ``assert`` fails there)."""
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().schedule(*args, **kwargs)  # type: ignore[misc]
+        if self.connector is None:  # type: ignore[attr-defined]
+            out.ec_connector_metadata = None
+        return out
+
+
+class SamplingMasksNotRouted:
+    """C-09: the step's update never reads the runner's sampling masks (vllm-omni 0.30's own
+    update loop): the outputs of a configuration that asks for masks carry no
+    ``new_sampling_mask``."""
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        _require(self, "return_sampling_mask")
+        kept = self.return_sampling_mask  # type: ignore[has-type]
+        self.return_sampling_mask = False
+        try:
+            return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.return_sampling_mask = kept
+
+
+class RoutedExpertsPromptDropped:
+    """C-09: the block ids snapshotted at schedule time are gone when the update reads a
+    finished prefill's routing (a runtime's own schedule bookkeeping that rebuilds the
+    snapshot): a request's first output carries an empty prompt routing (vLLM 0.28-0.30)."""
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        _require(self, "_re_block_ids")
+        self._re_block_ids.clear()  # type: ignore[attr-defined]
+        return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+
+
 # ---- the catalogue ------------------------------------------------------------------------
 
 
@@ -2640,6 +2696,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-kv-harness-fail-sync",
         "a finished request's kv_transfer_params are dropped from its output",
         _sub(scheduler_mixin=KvTransferParamsDropped),
+    ),
+    Mutant(
+        "encoder_instance_never_stops",
+        "C-01/C-06",
+        "axis-ec-producer-sync",
+        "an encoder-only instance's request never stops once its prompt is consumed (0.28)",
+        _sub(scheduler_mixin=EncoderInstanceNeverStops),
+    ),
+    Mutant(
+        "ec_metadata_not_built",
+        "C-09",
+        "axis-ec-consumer-sync",
+        "an instance with only an EC connector gets no EC metadata on its steps",
+        _sub(scheduler_mixin=EcMetadataWithKvOnly),
     ),
 )
 

@@ -8,13 +8,20 @@
 ``scheduler_output``  what a ``SchedulerOutput`` says was scheduled, and from which position;
 ``stats``     statistics, request events and KV-cache events, as plain values;
 ``features``  which scheduler axes the installed release can drive;
-``kv_connector``  the shipped KV connectors' step metadata, read for the worker stand-in;
+``kv_connector``, ``ec_connector``  the shipped KV and encoder-cache connectors' step metadata;
 ``structured``  grammars: compiling, bitmasks, each request's grammar state.
 
 Callers import this package (``from conformance._core import vllm_compat as vc``); the names below are
 its public surface. Supporting another vLLM release is a change inside this package.
 """
 
+from conformance._core.vllm_compat.ec_connector import (
+    ec_metadata,
+    ec_transfer_params,
+    empty_ec_output,
+    encoder_only,
+    encoder_only_flag,
+)
 from conformance._core.vllm_compat.features import axis_unavailable
 from conformance._core.vllm_compat.kv_connector import offload_jobs, offload_worker_meta
 from conformance._core.vllm_compat.scheduler_output import (
@@ -95,6 +102,11 @@ __all__ = [
     "SUPPORTED_VLLM",
     "ByRelease",
     "axis_unavailable",
+    "ec_metadata",
+    "ec_transfer_params",
+    "empty_ec_output",
+    "encoder_only",
+    "encoder_only_flag",
     "GrammarRows",
     "assign_backend",
     "defers_sampling",

@@ -35,6 +35,24 @@ MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
 )
 
 
+# The encoder-cache connector axes, in a table of their own.
+_EC_PRODUCER_NEEDS_MM = (
+    "vLLM refuses an EC producer-only instance of a text model (encoder-only since 0.29 means "
+    "a multimodal model's encoder; the harness's model is text-only)"
+)
+EC_MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
+    "EC connector axes missing",
+    {},
+    [
+        Change(
+            "0.29.0",
+            {"ec-producer": _EC_PRODUCER_NEEDS_MM},
+            "an EC producer-only instance needs a multimodal model (mm_encoder_only)",
+        )
+    ],
+)
+
+
 def axis_unavailable(name: str) -> str | None:
     """Why the installed release cannot run axis ``name`` (None: it can)."""
-    return MISSING_AXES.value().get(name)
+    return MISSING_AXES.value().get(name) or EC_MISSING_AXES.value().get(name)

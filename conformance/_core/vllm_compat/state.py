@@ -486,6 +486,7 @@ def same_outputs(a: dict[int, Any] | None, b: dict[int, Any] | None) -> bool:
         )
         or ((x.events or y.events) and request_events(x) != request_events(y))
         or x.kv_transfer_params != y.kv_transfer_params
+        or x.ec_transfer_params != y.ec_transfer_params
         or spec_decode_metrics(x) != spec_decode_metrics(y)
     ]:
         return False
