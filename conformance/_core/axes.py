@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conformance._core import ec_connectors, kv_connectors
-from conformance._core.config import HarnessConfig
+from conformance._core.config import MOE_MODEL, HarnessConfig
 from conformance._core.grammars import GRAMMAR_VALUES
 
 
@@ -141,6 +141,20 @@ AXES: tuple[Axis, ...] = (
             {"ec_connector": ec_connectors.EXAMPLE, "ec_role": f"ec_{role}", "log_stats": True},
         )
         for role in ("producer", "consumer", "both")
+    ),
+    # Auxiliary outputs (``vllm_compat.aux_outputs``): what the runner returns beside tokens,
+    # which the scheduler must route to the right request's output.
+    Axis(
+        "sampling-masks",
+        "the runner returns each step's sampling masks (Model Runner V2): each output carries "
+        "its own request's mask as new_sampling_mask",
+        {"return_sampling_mask": True},
+    ),
+    Axis(
+        "routed-experts",
+        "a mixture-of-experts model whose runner returns the experts each scheduled token was "
+        "routed to: the whole prompt's routing on a request's first output, then per token",
+        {"return_routed_experts": True, "model": str(MOE_MODEL)},
     ),
 )
 

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 TINY_MODEL = Path(__file__).parents[1] / "assets" / "tiny-llama"
 BUNDLED_TINY = "conformance:assets/tiny-llama"
+# A mixture-of-experts shape (the routed-experts axis), named in traces as the tiny model is.
+MOE_MODEL = Path(__file__).parents[1] / "assets" / "tiny-moe"
+BUNDLED_MOE = "conformance:assets/tiny-moe"
 
 # V2 runner folds resumed requests into scheduled_new_reqs; both sides must agree on one flavour.
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -81,6 +84,11 @@ class HarnessConfig:
     ec_connector: str = ""
     ec_role: str = "ec_producer"
     ec_connector_extra: dict[str, Any] = field(default_factory=dict)
+    # Auxiliary outputs the runner returns and the scheduler routes to each request's output
+    # (``vllm_compat.aux_outputs``): sampling masks (``new_sampling_mask``), and routed experts
+    # (``routed_experts``, for a mixture-of-experts model such as ``MOE_MODEL``).
+    return_sampling_mask: bool = False
+    return_routed_experts: bool = False
 
     def with_(self, **changes: Any) -> HarnessConfig:
         return replace(self, **changes)
@@ -93,6 +101,8 @@ class HarnessConfig:
         # Saved traces must replay on another machine: name bundled models relative to us.
         if Path(self.model).resolve() == TINY_MODEL.resolve():
             d["model"] = BUNDLED_TINY
+        elif Path(self.model).resolve() == MOE_MODEL.resolve():
+            d["model"] = BUNDLED_MOE
         return d
 
     @classmethod
@@ -100,6 +110,8 @@ class HarnessConfig:
         data = dict(data)
         if data.get("model") == BUNDLED_TINY:
             data["model"] = str(TINY_MODEL)
+        elif data.get("model") == BUNDLED_MOE:
+            data["model"] = str(MOE_MODEL)
         data["token_edges"] = tuple(data.get("token_edges", ()))  # a list in JSON
         return cls(**data)
 
@@ -121,6 +133,8 @@ _AXIS_DEFAULTS: dict[str, Any] = {
     "ec_connector": "",
     "ec_role": "ec_producer",
     "ec_connector_extra": {},
+    "return_sampling_mask": False,
+    "return_routed_experts": False,
 }
 
 _HASH_READY = False
@@ -156,6 +170,17 @@ def build_vllm_config(
 
     from conformance._core.ec_connectors import ec_transfer_kw
     from conformance._core.kv_connectors import kv_transfer_kw
+    from conformance._core.vllm_compat import aux_outputs
+
+    if aux_outputs.needs_v2_runner(cfg.return_sampling_mask) and not aux_outputs.v2_runner_on():
+        # vLLM validates these outputs against the runner flavour (``runner_flavour``).
+        with aux_outputs.runner_flavour(True):
+            return build_vllm_config(
+                cfg,
+                scheduler_cls=scheduler_cls,
+                worker_cls=worker_cls,
+                num_gpu_blocks_override=num_gpu_blocks_override,
+            )
 
     sched_kw: dict[str, Any] = {} if scheduler_cls is None else {"scheduler_cls": scheduler_cls}
     parallel_kw: dict[str, Any] = {} if worker_cls is None else {"worker_cls": worker_cls}
@@ -165,6 +190,7 @@ def build_vllm_config(
         max_model_len=cfg.max_model_len,
         dtype="float32",
         seed=cfg.seed,
+        **aux_outputs.model_config_kw(cfg.return_sampling_mask, cfg.return_routed_experts),
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs,
@@ -290,8 +316,16 @@ def build_scheduler(
     compiled on the harness's clock) is then built as for the oracle."""
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from conformance._core.vllm_compat import capture_kv_events, hold_grammar_compilation
+    from conformance._core.vllm_compat import (
+        aux_outputs,
+        capture_kv_events,
+        hold_grammar_compilation,
+    )
 
+    if aux_outputs.needs_v2_runner(cfg.return_sampling_mask) and not aux_outputs.v2_runner_on():
+        # The scheduler reads the runner flavour when built, as its configuration was.
+        with aux_outputs.runner_flavour(True):
+            return build_scheduler(scheduler_cls, cfg, log_stats=log_stats, adapt=adapt)
     vllm_config = build_vllm_config(cfg)
     if adapt is not None:
         adapt(vllm_config)

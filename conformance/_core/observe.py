@@ -109,6 +109,11 @@ def observe_outputs(outputs: dict[int, EngineCoreOutputs] | None) -> dict[str, A
             ec_params = vc.ec_transfer_params(out)
             if ec_params is not None:
                 entry["ec_transfer_params"] = ec_params
+            # Sampling masks and routed experts: likewise present only when the runner returned
+            # them (``vllm_compat.aux_outputs``).
+            aux = vc.aux_output_fields(out)
+            if aux:
+                entry.update(aux)
             extra = vc.output_extra_fields(out)
             if extra:
                 entry.update(extra)

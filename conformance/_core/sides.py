@@ -189,5 +189,6 @@ def make_side(subject: Subject, cfg: HarnessConfig, worker: Subject | None) -> S
             edges=cfg.token_edges,
             num_drafts=cfg.num_speculative_tokens,
             report=runner_report(scheduler.vllm_config),
+            aux=vc.aux_runner(scheduler.vllm_config, vocab),
         )
     return Side(subject, scheduler, make_driver(scheduler, executor), executor)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
 
+from conformance._core import vllm_compat as vc
 from conformance._core.tokens import DeterministicTokenSource
 
 if TYPE_CHECKING:
@@ -62,7 +63,11 @@ class DeterministicTokenWorker(WorkerBase):
         kwargs.pop("shared_worker_lock", None)
         super().__init__(*args, **kwargs)
         hf = self.model_config.hf_config
-        self.source = DeterministicTokenSource(vocab=int(getattr(hf, "vocab_size", 512)))
+        vocab = int(getattr(hf, "vocab_size", 512))
+        # Sampling masks and routed experts too, when the engine's configuration asks for them.
+        self.source = DeterministicTokenSource(
+            vocab=vocab, aux=vc.aux_runner(self.vllm_config, vocab)
+        )
         self._pending: SchedulerOutput | None = None
         self.kv_cache_config: KVCacheConfig | None = None
 

@@ -79,6 +79,7 @@ class DeterministicTokenSource:
         edges: tuple[int, ...] = (),
         num_drafts: int = 0,
         report: RunnerReport | None = None,
+        aux: vc.AuxRunner | None = None,
     ) -> None:
         self.vocab = vocab
         self.stop_period = stop_period
@@ -88,6 +89,8 @@ class DeterministicTokenSource:
         self._drafted: list[str] = []  # the last step's requests, in its order
         self._grammar: GrammarOutput | None = None  # for the next step (``receive_grammar``)
         self._kv = WorkerStandIn()  # a KV connector's worker half (none configured: idle)
+        # Sampling masks and routed experts, when the configuration asks the runner for them.
+        self.aux = aux
         # What the instance's runner returns besides tokens (an EC connector's output; none at
         # all on an encoder-only instance).
         self._report = report or RunnerReport()
@@ -197,6 +200,7 @@ class DeterministicTokenSource:
             sampled.append(ids)
             view.num_tokens = end + len(ids)
         self._drafted = req_ids
+        aux = {} if self.aux is None else self.aux.outputs(so, req_ids, computed, sampled)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
@@ -204,6 +208,7 @@ class DeterministicTokenSource:
             kv_connector_output=kv_output,
             # None (the default) unless the runner attaches its EC connector's output.
             ec_connector_output=self._report.ec_connector_output(so),
+            **aux,
         )
 
     @harness_code

@@ -2719,3 +2719,17 @@ def by_name(name: str) -> Mutant:
         if m.name == name:
             return m
     raise KeyError(name)
+    Mutant(
+        "sampling_masks_not_routed",
+        "C-09",
+        "axis-sampling-masks-sync",
+        "the update never reads the runner's sampling masks: no output carries its mask",
+        _sub(scheduler_mixin=SamplingMasksNotRouted),
+    ),
+    Mutant(
+        "routed_experts_prompt_dropped",
+        "C-09",
+        "axis-routed-experts-sync",
+        "a request's first output carries no routing for its prompt (block-id snapshot lost)",
+        _sub(scheduler_mixin=RoutedExpertsPromptDropped),
+    ),

@@ -9,12 +9,18 @@
 ``stats``     statistics, request events and KV-cache events, as plain values;
 ``features``  which scheduler axes the installed release can drive;
 ``kv_connector``, ``ec_connector``  the shipped KV and encoder-cache connectors' step metadata;
-``structured``  grammars: compiling, bitmasks, each request's grammar state.
+``structured``, ``aux_outputs``  grammars and bitmasks; sampling masks and routed experts.
 
 Callers import this package (``from conformance._core import vllm_compat as vc``); the names below are
 its public surface. Supporting another vLLM release is a change inside this package.
 """
 
+from conformance._core.vllm_compat.aux_outputs import (
+    AuxRunner,
+    aux_output_fields,
+    aux_runner,
+    same_aux_outputs,
+)
 from conformance._core.vllm_compat.ec_connector import (
     ec_metadata,
     ec_transfer_params,
@@ -101,6 +107,10 @@ __all__ = [
     "ALLOW_UNTESTED_ENV",
     "SUPPORTED_VLLM",
     "ByRelease",
+    "AuxRunner",
+    "aux_output_fields",
+    "aux_runner",
+    "same_aux_outputs",
     "axis_unavailable",
     "ec_metadata",
     "ec_transfer_params",

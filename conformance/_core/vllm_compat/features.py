@@ -6,6 +6,7 @@ listed with the release that brought it and the reason the report gives (not app
 
 from __future__ import annotations
 
+from conformance._core.vllm_compat.aux_outputs import aux_axis_unavailable
 from conformance._core.vllm_compat.versions import ByRelease, Change
 
 # axis name -> why it cannot run; every axis runs on the releases after the last change.
@@ -55,4 +56,8 @@ EC_MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
 
 def axis_unavailable(name: str) -> str | None:
     """Why the installed release cannot run axis ``name`` (None: it can)."""
-    return MISSING_AXES.value().get(name) or EC_MISSING_AXES.value().get(name)
+    return (
+        MISSING_AXES.value().get(name)
+        or EC_MISSING_AXES.value().get(name)
+        or aux_axis_unavailable(name)
+    )

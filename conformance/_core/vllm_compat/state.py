@@ -15,6 +15,7 @@ from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
+from conformance._core.vllm_compat.aux_outputs import same_aux_outputs
 from conformance._core.vllm_compat.stats import request_events, spec_decode_metrics
 from conformance._core.vllm_compat.structured import grammar_state
 from conformance._core.vllm_compat.versions import ByRelease, Change
@@ -487,6 +488,7 @@ def same_outputs(a: dict[int, Any] | None, b: dict[int, Any] | None) -> bool:
         or ((x.events or y.events) and request_events(x) != request_events(y))
         or x.kv_transfer_params != y.kv_transfer_params
         or x.ec_transfer_params != y.ec_transfer_params
+        or not same_aux_outputs(x, y)
         or spec_decode_metrics(x) != spec_decode_metrics(y)
     ]:
         return False
