@@ -110,6 +110,38 @@ AXES: tuple[Axis, ...] = (
         )
         for policy in ("recompute", "fail")
     ),
+    # Hybrid KV-cache layouts (``vllm_compat.kv_layout``): several KV-cache groups, grouped by
+    # vLLM's planner, with KV events (each stored block names its group) and statistics.
+    Axis(
+        "hybrid-swa",
+        "full attention beside a sliding-window group: blocks out of the window freed as "
+        "requests run, hits the window group must also cover, events of two groups",
+        {"kv_layout": "hybrid-swa", "kv_events": True, "log_stats": True},
+    ),
+    Axis(
+        "hybrid-mamba",
+        "full attention beside a Mamba group in align mode: chunks split at Mamba blocks, "
+        "hits inside a Mamba block (a 16-token hash unit in 32-token blocks), state copies",
+        {"kv_layout": "hybrid-mamba", "kv_events": True, "log_stats": True},
+    ),
+    Axis(
+        "hybrid-mamba-connector",
+        "the Mamba layout with the harness connector as a P/D producer that restores Mamba "
+        "state: divergent local hits, boundary-state and partial-tail offloads at finish",
+        {
+            "kv_layout": "hybrid-mamba",
+            "kv_connector": kv_connectors.HARNESS_HYBRID,
+            "kv_role": "kv_producer",
+            "kv_connector_extra": {"divergent_hybrid_hits": True},
+            "kv_events": True,
+            "log_stats": True,
+            # Enough blocks that no admission runs the pool dry: under pressure 0.33 admits a
+            # synchronous external hit its Mamba group then cannot allocate ("Cannot get 1
+            # free blocks"), on both sides alike.
+            "num_blocks": 64,
+        },
+        request_values={"kv_transfer_params": kv_connectors.HARNESS_HYBRID_PLANS},
+    ),
     # Structured outputs (``conformance._core.grammars``): drawn grammars compile 0-2 steps
     # after admission, the token source follows each bitmask but sometimes breaks it.
     Axis(

@@ -89,6 +89,10 @@ class HarnessConfig:
     # (``routed_experts``, for a mixture-of-experts model such as ``MOE_MODEL``).
     return_sampling_mask: bool = False
     return_routed_experts: bool = False
+    # A hybrid model's KV-cache layout (``vllm_compat.kv_layout``): "hybrid-swa" (full
+    # attention beside sliding-window layers) or "hybrid-mamba" (beside Mamba layers cached in
+    # "align" mode), grouped by vLLM's planner into several KV-cache groups ("": one group).
+    kv_layout: str = ""
 
     def with_(self, **changes: Any) -> HarnessConfig:
         return replace(self, **changes)
@@ -135,6 +139,7 @@ _AXIS_DEFAULTS: dict[str, Any] = {
     "ec_connector_extra": {},
     "return_sampling_mask": False,
     "return_routed_experts": False,
+    "kv_layout": "",
 }
 
 _HASH_READY = False
@@ -204,7 +209,7 @@ def build_vllm_config(
         **sched_kw,
     )
     cache_config = CacheConfig(
-        block_size=cfg.block_size,
+        **kv_layout_cache_kw(cfg),
         enable_prefix_caching=cfg.enable_prefix_caching,
         prefix_caching_hash_algo="sha256",
         num_gpu_blocks_override=num_gpu_blocks_override,
@@ -225,6 +230,10 @@ def build_vllm_config(
         **ec_transfer_kw(cfg),
         **structured_outputs_kw(cfg),
     )
+    if cfg.kv_layout:
+        from conformance._core.vllm_compat import kv_layout
+
+        kv_layout.configure(vllm_config, cfg.kv_layout, cfg.model_shape())
     vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks
     if cfg.num_speculative_tokens:
         from vllm.config import SpeculativeConfig
@@ -244,6 +253,19 @@ def build_vllm_config(
             # only with drafts); "detailed" adds the per-step arrays, the most to get wrong.
             vllm_config.observability_config.per_request_spec_decode_metrics = "detailed"
     return vllm_config
+
+def kv_layout_cache_kw(cfg: HarnessConfig) -> dict[str, Any]:
+    """``CacheConfig``'s block arguments: a hybrid layout may set its own cache block and
+    prefix-match unit (``vllm_compat.kv_layout``), as a user's flags would."""
+    if not cfg.kv_layout:
+        return {"block_size": cfg.block_size}
+    from conformance._core.vllm_compat import kv_layout
+
+    return {
+        "block_size": kv_layout.cache_block_size(cfg.kv_layout, cfg.block_size),
+        "prefix_match_unit": kv_layout.prefix_match_unit(cfg.kv_layout, cfg.block_size),
+    }
+
 
 
 def spec_metrics_field() -> bool:
@@ -284,7 +306,11 @@ def structured_outputs_kw(cfg: HarnessConfig) -> dict[str, Any]:
     return {"structured_outputs_config": StructuredOutputsConfig(backend=backend)}
 
 
-def build_kv_cache_config(cfg: HarnessConfig):
+def build_kv_cache_config(cfg: HarnessConfig, vllm_config: Any = None):
+    """The scheduler's ``KVCacheConfig``: one full-attention group, or a hybrid layout's groups
+    as vLLM's planner makes them (updating ``vllm_config``, built here when not given)."""
+    if cfg.kv_layout:
+        return build_hybrid_kv_cache(cfg, vllm_config).kv_cache_config
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
@@ -301,6 +327,15 @@ def build_kv_cache_config(cfg: HarnessConfig):
         kv_cache_tensors=[],
         kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
     )
+
+def build_hybrid_kv_cache(cfg: HarnessConfig, vllm_config: Any = None) -> Any:
+    """``cfg.kv_layout``'s KV cache and block sizes (``vllm_compat.kv_layout.BuiltLayout``)."""
+    from conformance._core.vllm_compat import kv_layout
+
+    if vllm_config is None:
+        vllm_config = build_vllm_config(cfg)
+    return kv_layout.build(vllm_config, cfg.kv_layout, cfg.model_shape(), cfg.num_blocks)
+
 
 
 def build_scheduler(
@@ -329,12 +364,22 @@ def build_scheduler(
     vllm_config = build_vllm_config(cfg)
     if adapt is not None:
         adapt(vllm_config)
-    kv_cache_config = build_kv_cache_config(cfg)
+    blocks: dict[str, Any] = {"block_size": cfg.block_size}
+    if cfg.kv_layout:
+        # The scheduler and hash block sizes ``EngineCore`` resolves for the layout's groups.
+        built = build_hybrid_kv_cache(cfg, vllm_config)
+        kv_cache_config = built.kv_cache_config
+        blocks = {
+            "block_size": built.scheduler_block_size,
+            "hash_block_size": built.hash_block_size,
+        }
+    else:
+        kv_cache_config = build_kv_cache_config(cfg)
     scheduler = scheduler_cls(
         vllm_config=vllm_config,
         kv_cache_config=kv_cache_config,
         structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=cfg.block_size,
+        **blocks,
         log_stats=log_stats or cfg.log_stats,
     )
     if cfg.kv_events:

@@ -11,6 +11,7 @@ finishes while the KV is "sent". No worker runs: each step's ``HarnessConnectorM
 what the worker side reports in that step's output, and the token source echoes it
 (``conformance._core.kv_connectors.WorkerStandIn``). Its scheduler-side state (loads in flight,
 pending sends) is published as its connector statistics, so sides compare it with ``log_stats``.
+``HybridHarnessConnector`` is the same store for hybrid layouts (several KV-cache groups).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
+    SupportsHMA,
 )
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.request import RequestStatus
@@ -150,6 +152,17 @@ class HarnessConnector(KVConnectorBase_V1):
         self._recv_reported: set[str] = set()
         self._send_reported: set[str] = set()
         self._counts: dict[str, int] = {}
+        # The KV-cache group the store loads into: the first full-attention group (the only
+        # group, or a hybrid model's dense one, whose blocks cover every prompt token).
+        self._load_group = _full_attention_group(kv_cache_config)
+        extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
+        # Whether the store also holds a hybrid model's recurrent (Mamba) state, so that an
+        # external hit may complete a local hit whose full-attention part ran deeper.
+        self._divergent_hits = bool(extra.get("divergent_hybrid_hits", False))
+
+    @property
+    def supports_divergent_local_hybrid_hits(self) -> bool:
+        return self._divergent_hits
 
     # ---- scheduler side -----------------------------------------------------------------
 
@@ -182,7 +195,7 @@ class HarnessConnector(KVConnectorBase_V1):
             return
         rid = request.request_id
         plan = Plan.of(request.kv_transfer_params) or Plan()
-        (ids,) = blocks.get_block_ids()
+        ids = blocks.get_block_ids()[self._load_group]
         first = self._local.get(rid, 0) // self._block_size
         last = (self._local.get(rid, 0) + num_external_tokens - 1) // self._block_size
         loaded = tuple(ids[first : last + 1])
@@ -297,3 +310,26 @@ class HarnessConnector(KVConnectorBase_V1):
 
     def wait_for_save(self) -> None:
         return None
+
+
+class HybridHarnessConnector(HarnessConnector, SupportsHMA):
+    """The harness connector for hybrid KV-cache layouts (several KV-cache groups): vLLM keeps
+    its hybrid KV-cache manager on only with a connector that supports it, and then hands a
+    finished request's blocks of every group. The store sends what the full-attention group
+    holds, as the single-group connector sends its one group."""
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished(request, block_ids[self._load_group])
+
+
+def _full_attention_group(kv_cache_config: KVCacheConfig | None) -> int:
+    """Index of the first full-attention KV-cache group (0 when there is none or one group)."""
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups if kv_cache_config is not None else ()
+    for i, group in enumerate(groups):
+        if isinstance(group.kv_cache_spec, FullAttentionSpec):
+            return i
+    return 0

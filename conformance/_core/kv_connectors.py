@@ -42,6 +42,9 @@ class ConnectorFields(Protocol):
 
 # The harness's own connector (``conformance._core.harness_connector``) as vLLM's factory knows it.
 HARNESS = "OmniConformanceHarnessConnector"
+# The same for hybrid KV-cache layouts (``HarnessConfig.kv_layout``): it supports vLLM's hybrid
+# KV-cache manager, which vLLM turns off for a connector that does not.
+HARNESS_HYBRID = "OmniConformanceHybridHarnessConnector"
 # Fixed, so nothing a connector derives from it (keys, events) differs between the two sides.
 ENGINE_ID = "omni-conformance"
 
@@ -64,12 +67,11 @@ def register_harness_connector() -> None:
         return
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    try:
-        KVConnectorFactory.register_connector(
-            HARNESS, "conformance._core.harness_connector", "HarnessConnector"
-        )
-    except ValueError:  # registered by an earlier import of this module (a reload)
-        pass
+    for name, cls in ((HARNESS, "HarnessConnector"), (HARNESS_HYBRID, "HybridHarnessConnector")):
+        try:
+            KVConnectorFactory.register_connector(name, "conformance._core.harness_connector", cls)
+        except ValueError:  # registered by an earlier import of this module (a reload)
+            pass
     _registered = True
 
 
@@ -79,7 +81,7 @@ def kv_transfer_kw(cfg: ConnectorFields) -> dict[str, Any]:
         return {}
     from vllm.config import KVTransferConfig
 
-    if cfg.kv_connector == HARNESS:
+    if cfg.kv_connector in (HARNESS, HARNESS_HYBRID):
         register_harness_connector()
     extra = {**_MACHINE_EXTRA.get(cfg.kv_connector, {}), **cfg.kv_connector_extra}
     return {
@@ -157,4 +159,11 @@ HARNESS_PLANS: tuple[tuple[tuple[str, Any], ...] | None, ...] = (
     (("hit_blocks", 1), ("load", "async"), ("fail", "request")),
     (("hit_blocks", 1), ("lookup_steps", 1), ("send_steps", 0)),
     (("send_steps", 2),),
+)
+# The hybrid connector's draws: vLLM refuses block-level load failures with several KV-cache
+# groups (a failed load fails the request as a whole), so the plans failing one block are left out.
+HARNESS_HYBRID_PLANS: tuple[tuple[tuple[str, Any], ...] | None, ...] = tuple(
+    plan
+    for plan in HARNESS_PLANS
+    if not any(key == "fail" and isinstance(value, int) for key, value in plan or ())
 )

@@ -1664,6 +1664,36 @@ class StatsCountedBeforePreemption:
         return stats
 
 
+class WindowBlocksKept:
+    """C-01/C-06: blocks that fell out of a sliding window are never given back: a runtime
+    whose KV-cache manager skips the window eviction (``remove_skipped_blocks``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        coordinator = self.kv_cache_manager.coordinator  # type: ignore[attr-defined]
+        coordinator.remove_skipped_blocks = lambda *a, **k: None
+
+
+class MambaSplitSkipped:
+    """C-01/C-07: prefill chunks of a Mamba model in "align" cache mode are not cut at Mamba
+    block boundaries, so a chunk ends where no state can be cached."""
+
+    def _mamba_block_aligned_split(self, request: Any, num_new_tokens: int, *args: Any) -> int:
+        return num_new_tokens
+
+
+class DivergentHitNotReconciled:
+    """C-01: a hybrid local hit whose full-attention part ran deeper than its Mamba part is
+    kept although the connector loads nothing to restore the state (never reconciled to the
+    boundary every group agrees on)."""
+
+    def _get_local_prefix_cache_hit(self, *args: Any, **kwargs: Any) -> Any:
+        blocks, num_local, boundary, _ = super()._get_local_prefix_cache_hit(  # type: ignore[misc]
+            *args, **kwargs
+        )
+        return blocks, num_local, boundary, False
+
+
 class KvEventsDroppedOnReset:
     """C-09: ``reset_prefix_cache`` drains the KV-cache manager's events after the reset, so the
     "all blocks cleared" event the reset queued is never published."""
@@ -2696,6 +2726,27 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-kv-harness-fail-sync",
         "a finished request's kv_transfer_params are dropped from its output",
         _sub(scheduler_mixin=KvTransferParamsDropped),
+    ),
+    Mutant(
+        "window_blocks_kept",
+        "C-01/C-06",
+        "axis-hybrid-swa-sync",
+        "blocks that fell out of the sliding window are never freed",
+        _sub(scheduler_mixin=WindowBlocksKept),
+    ),
+    Mutant(
+        "mamba_split_skipped",
+        "C-01/C-07",
+        "axis-hybrid-mamba-sync",
+        "Mamba align mode: prefill chunks are not cut at Mamba block boundaries",
+        _sub(scheduler_mixin=MambaSplitSkipped),
+    ),
+    Mutant(
+        "divergent_hit_not_reconciled",
+        "C-01",
+        "axis-hybrid-mamba-connector-sync",
+        "a hybrid hit deeper in full attention than in Mamba is kept with nothing loaded",
+        _sub(scheduler_mixin=DivergentHitNotReconciled),
     ),
     Mutant(
         "encoder_instance_never_stops",
