@@ -471,7 +471,9 @@ def test_an_axis_one_release_cannot_run_is_a_change_without_a_trace(
 
     lines = _lines(corpus["first"])
     older = copy.deepcopy(lines)
-    line = older[1]
+    # A workload the installed release runs in sync mode (which axis a workload draws depends
+    # on the catalogue, and some axes are not applicable on some releases).
+    line = next(x for x in older[1:] if "not_applicable" not in x["modes"]["sync"])
     line["modes"]["sync"] = {"ops": [], "drain": 0, "steps": [], "not_applicable": "absent"}
     a = _write(tmp_path / "older.jsonl", older)
     result = diff_recordings(load_recording(a), load_recording(corpus["first"]))
