@@ -125,6 +125,19 @@ AXES: tuple[Axis, ...] = (
         {"kv_layout": "hybrid-mamba", "kv_events": True, "log_stats": True},
     ),
     Axis(
+        "hybrid-swa-connector",
+        "the sliding-window layout with the harness connector (both roles): external hits "
+        "into two groups, out-of-window blocks freed before a hand-off, the divergent-hit "
+        "lookup falling back where no Mamba group is",
+        {
+            "kv_layout": "hybrid-swa",
+            "kv_connector": kv_connectors.HARNESS_HYBRID,
+            "kv_connector_extra": {"divergent_hybrid_hits": True},
+            "log_stats": True,
+        },
+        request_values={"kv_transfer_params": kv_connectors.HARNESS_HYBRID_PLANS},
+    ),
+    Axis(
         "hybrid-mamba-connector",
         "the Mamba layout with the harness connector as a P/D producer that restores Mamba "
         "state: divergent local hits, boundary-state and partial-tail offloads at finish",

@@ -1682,6 +1682,19 @@ class MambaSplitSkipped:
         return num_new_tokens
 
 
+class HandoffKeepsWindowBlocks:
+    """C-01/C-06: a finished request is handed to its KV connector with the blocks that fell
+    out of the sliding window since its last step: a delayed free then holds them too."""
+
+    def _connector_finished(self, request: Any) -> Any:
+        manager = self.kv_cache_manager  # type: ignore[attr-defined]
+        manager.remove_skipped_blocks = lambda *a, **k: None
+        try:
+            return super()._connector_finished(request)  # type: ignore[misc]
+        finally:
+            del manager.remove_skipped_blocks
+
+
 class DivergentHitNotReconciled:
     """C-01: a hybrid local hit whose full-attention part ran deeper than its Mamba part is
     kept although the connector loads nothing to restore the state (never reconciled to the
@@ -2747,6 +2760,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-hybrid-mamba-connector-sync",
         "a hybrid hit deeper in full attention than in Mamba is kept with nothing loaded",
         _sub(scheduler_mixin=DivergentHitNotReconciled),
+    ),
+    Mutant(
+        "handoff_keeps_window_blocks",
+        "C-01/C-06",
+        "axis-hybrid-swa-connector-sync",
+        "a finished request reaches its connector still holding out-of-window blocks",
+        _sub(scheduler_mixin=HandoffKeepsWindowBlocks),
     ),
     Mutant(
         "encoder_instance_never_stops",

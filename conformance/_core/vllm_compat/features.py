@@ -23,6 +23,8 @@ MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
     {
         "kv-harness-recompute": _NO_FAILED_RECVING,
         "kv-harness-fail": _NO_FAILED_RECVING,
+        "hybrid-swa-connector": _NO_FAILED_RECVING,
+        "hybrid-mamba-connector": _NO_FAILED_RECVING,
         "kv-offload": _OLD_OFFLOAD,
     },
     [
