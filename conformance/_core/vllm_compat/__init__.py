@@ -7,8 +7,7 @@
               equal, made in place on both at once;
 ``scheduler_output``  what a ``SchedulerOutput`` says was scheduled, and from which position;
 ``stats``     statistics, request events and KV-cache events, as plain values;
-``features``  which scheduler axes the installed release can drive;
-``kv_layout``  hybrid KV-cache layouts: per-layer specs grouped and sized by vLLM's planner;
+``features``, ``kv_layout``  the axes the release can drive; hybrid layouts by vLLM's planner;
 ``kv_connector``, ``ec_connector``  the shipped KV and encoder-cache connectors' step metadata;
 ``structured``, ``aux_outputs``  grammars and bitmasks; sampling masks and routed experts.
 
