@@ -49,7 +49,8 @@ V2_RUNNER_NEEDS_TRITON: ByRelease[bool] = ByRelease(
 )
 SAMPLING_MASKS_UNAVAILABLE = (
     "vLLM returns sampling masks only with Model Runner V2, which this release refuses "
-    "without Triton (not installed here)"
+    "without a usable Triton (vllm.triton_utils.HAS_TRITON is false here: Triton missing, or "
+    "no active GPU driver)"
 )
 
 
