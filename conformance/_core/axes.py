@@ -19,6 +19,12 @@ from conformance._core import ec_connectors, kv_connectors
 from conformance._core.config import MOE_MODEL, HarnessConfig
 from conformance._core.grammars import GRAMMAR_VALUES
 
+# Per-request draws of the KV-cache manager's request options (``AddRequest``): a client that
+# wants every reused block re-published as an event ("full"), and one that skips reading the
+# prefix cache (local and connector hits), as a prompt-logprobs request does. Default first.
+REPORT_MODES: tuple[str | None, ...] = (None, "full")
+SKIP_READING: tuple[bool, ...] = (False, False, True)
+
 
 @dataclass(frozen=True)
 class Axis:
@@ -44,8 +50,13 @@ class Axis:
 AXES: tuple[Axis, ...] = (
     Axis(
         "stats-events",
-        "log_stats on (SchedulerStats, request events) and KV-cache events published",
+        "log_stats on (SchedulerStats, request events) and KV-cache events published; "
+        "requests that re-publish the blocks their hits reuse, or skip reading the prefix cache",
         {"log_stats": True, "kv_events": True},
+        request_values={
+            "kv_cache_report_mode": REPORT_MODES,
+            "skip_reading_prefix_cache": SKIP_READING,
+        },
     ),
     Axis(
         "spec-decode",
@@ -106,7 +117,10 @@ AXES: tuple[Axis, ...] = (
                 "kv_load_failure_policy": policy,
                 "log_stats": True,
             },
-            request_values={"kv_transfer_params": kv_connectors.HARNESS_PLANS},
+            request_values={
+                "kv_transfer_params": kv_connectors.HARNESS_PLANS,
+                "skip_reading_prefix_cache": SKIP_READING,
+            },
         )
         for policy in ("recompute", "fail")
     ),
@@ -153,7 +167,11 @@ AXES: tuple[Axis, ...] = (
             # free blocks"), on both sides alike.
             "num_blocks": 64,
         },
-        request_values={"kv_transfer_params": kv_connectors.HARNESS_HYBRID_PLANS},
+        request_values={
+            "kv_transfer_params": kv_connectors.HARNESS_HYBRID_PLANS,
+            "kv_cache_report_mode": REPORT_MODES,
+            "skip_reading_prefix_cache": SKIP_READING,
+        },
     ),
     # Structured outputs (``conformance._core.grammars``): drawn grammars compile 0-2 steps
     # after admission, the token source follows each bitmask but sometimes breaks it.

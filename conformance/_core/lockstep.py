@@ -334,6 +334,8 @@ def _weight(ops: list[Op]) -> tuple[int, int, int]:
             detail += op.arrival is not None
             detail += op.kv_transfer_params is not None
             detail += op.grammar is not None
+            detail += op.kv_cache_report_mode is not None
+            detail += op.skip_reading_prefix_cache
         elif isinstance(op, Abort):
             detail += len(op.request_ids)
         elif isinstance(op, ResetPrefixCache):
@@ -387,6 +389,10 @@ def _simplifications(op: AddRequest) -> list[list[dict[str, Any]]]:
         groups.append([{"kv_transfer_params": None}])
     if op.grammar is not None:
         groups.append([{"grammar": None}])
+    if op.kv_cache_report_mode is not None:
+        groups.append([{"kv_cache_report_mode": None}])
+    if op.skip_reading_prefix_cache:
+        groups.append([{"skip_reading_prefix_cache": False}])
     return [g for g in groups if g]
 
 
@@ -398,7 +404,7 @@ class Shrinker:
     operations; collapse runs of repeated steps; drop aborted ids one at a time; simplify each
     request (no shared prefix, shorter prompt, fewer max_tokens, no stop ids, ignore_eos, no
     final stage, no trace headers, the first client, not plain, no priority, no KV transfer
-    parameters, no grammar); move requests earlier (past the
+    parameters, no grammar, no KV report mode, reading the prefix cache); move requests earlier (past the
     steps before them), which lets the steps that only waited for them go in the next round; trade a step for a block
     more of some earlier request's prompt (KV-cache pressure with fewer operations). Every
     candidate is strictly smaller (``_weight``) than the current trace, so the search ends, and

@@ -180,6 +180,11 @@ def make_sampling_params(op: AddRequest, cfg: HarnessConfig) -> SamplingParams:
     if op.kv_transfer_params is not None:
         # Where the engine's input processor puts a client's ``kv_transfer_params``.
         sp.extra_args = {**(sp.extra_args or {}), "kv_transfer_params": dict(op.kv_transfer_params)}
+    if op.kv_cache_report_mode is not None:
+        # Read from the same extra arguments when vLLM builds the request.
+        sp.extra_args = {**(sp.extra_args or {}), "kv_cache_report_mode": op.kv_cache_report_mode}
+    if op.skip_reading_prefix_cache:
+        sp.skip_reading_prefix_cache = True
     if op.grammar is not None:
         from conformance._core.grammars import constrain
 

@@ -57,6 +57,15 @@ class AddRequest:
     # The grammar the request's output must follow (``SamplingParams.structured_outputs``): a
     # name in ``conformance._core.grammars.CATALOGUE``. None: unconstrained.
     grammar: str | None = None
+    # How the request's prefix-cache hits are published as KV events
+    # (``SamplingParams.extra_args["kv_cache_report_mode"]``): "full" re-publishes the blocks a
+    # hit reuses as stored, for a consumer that learns the cache from one request. None: the
+    # client sent no mode (vLLM's "incremental": only newly stored blocks).
+    kv_cache_report_mode: str | None = None
+    # ``SamplingParams.skip_reading_prefix_cache``: the request computes its whole prompt, with
+    # no local prefix-cache hit and no external (KV connector) hit, as a request for prompt
+    # log-probabilities does; its blocks are still cached for others.
+    skip_reading_prefix_cache: bool = False
 
     def headers(self) -> dict[str, str] | None:
         """The trace headers as the mapping vLLM's ``Request.trace_headers`` holds."""
@@ -79,6 +88,12 @@ class AddRequest:
                 else ""
             )
             + (f" grammar={self.grammar}" if self.grammar is not None else "")
+            + (
+                f" kv_cache_report_mode={self.kv_cache_report_mode}"
+                if self.kv_cache_report_mode is not None
+                else ""
+            )
+            + (" skip_reading_prefix_cache" if self.skip_reading_prefix_cache else "")
         )
 
 
@@ -147,6 +162,8 @@ def op_to_dict(op: Op) -> dict[str, Any]:
             ("arrival", None),
             ("kv_transfer_params", None),
             ("grammar", None),
+            ("kv_cache_report_mode", None),
+            ("skip_reading_prefix_cache", False),
         ):
             continue
         d[k] = _as_lists(v)

@@ -1717,6 +1717,38 @@ class KvEventsDroppedOnReset:
         return result
 
 
+class SkipReadingPrefixCacheIgnored:
+    """C-01/C-07: a request that asked to skip reading the prefix cache (as a prompt-logprobs
+    request does) gets a local hit anyway: the runtime's lookup ignores the request's flag, so
+    it computes fewer prompt tokens than upstream."""
+
+    def _get_local_prefix_cache_hit(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        skip = request.skip_reading_prefix_cache
+        request.skip_reading_prefix_cache = False
+        try:
+            return super()._get_local_prefix_cache_hit(  # type: ignore[misc]
+                request, *args, **kwargs
+            )
+        finally:
+            request.skip_reading_prefix_cache = skip
+
+
+class FullReportEventsDropped:
+    """C-09: a request whose client asked for the "full" KV-cache report mode gets the
+    incremental one: the runtime's lookup ignores the mode, so the blocks its hit reuses are
+    never re-published as stored."""
+
+    def _get_local_prefix_cache_hit(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        mode = request.kv_cache_report_mode
+        request.kv_cache_report_mode = "incremental"
+        try:
+            return super()._get_local_prefix_cache_hit(  # type: ignore[misc]
+                request, *args, **kwargs
+            )
+        finally:
+            request.kv_cache_report_mode = mode
+
+
 class BonusCountedAccepted:
     """C-09: the spec-decoding statistics count the bonus token as an accepted draft (an
     off-by-one where accepted = sampled, not sampled - 1)."""
@@ -2627,6 +2659,20 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-stats-events-sync",
         "reset_prefix_cache drains the event it queued: no 'all blocks cleared' is published",
         _sub(scheduler_mixin=KvEventsDroppedOnReset),
+    ),
+    Mutant(
+        "skip_reading_prefix_cache_ignored",
+        "C-01/C-07",
+        "axis-stats-events-sync",
+        "a request that skips reading the prefix cache gets a local hit anyway",
+        _sub(scheduler_mixin=SkipReadingPrefixCacheIgnored),
+    ),
+    Mutant(
+        "full_report_events_dropped",
+        "C-09",
+        "axis-stats-events-sync",
+        "a request's 'full' KV-cache report mode is ignored: reused blocks are not re-published",
+        _sub(scheduler_mixin=FullReportEventsDropped),
     ),
     Mutant(
         "bonus_counted_accepted",
