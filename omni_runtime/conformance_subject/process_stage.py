@@ -318,7 +318,9 @@ class ProcessStageSubject(OmniSubject):
         # its own decoder and rebuilds the request as ``EngineCore.preprocess_add_request`` does.
         frames = _as_sent(MsgpackEncoder().encode(message))
         decoded = MsgpackDecoder(EngineCoreRequest).decode(frames)
-        hasher = block_hasher(scheduler.cache_config.block_size)
+        # EngineCore hashes at the scheduler's hash block size, which a hybrid KV layout sets
+        # apart from the cache's block size (the attention page).
+        hasher = block_hasher(getattr(scheduler, "hash_block_size", scheduler.block_size))
         arrived = Request.from_engine_core_request(decoded, hasher)
         if arrived.use_structured_output:
             # ``preprocess_add_request`` starts the grammar compiling before admission.
