@@ -117,10 +117,7 @@ AXES: tuple[Axis, ...] = (
                 "kv_load_failure_policy": policy,
                 "log_stats": True,
             },
-            request_values={
-                "kv_transfer_params": kv_connectors.HARNESS_PLANS,
-                "skip_reading_prefix_cache": SKIP_READING,
-            },
+            request_values={"kv_transfer_params": kv_connectors.HARNESS_PLANS},
         )
         for policy in ("recompute", "fail")
     ),
