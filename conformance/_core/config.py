@@ -186,7 +186,6 @@ def build_vllm_config(
                 worker_cls=worker_cls,
                 num_gpu_blocks_override=num_gpu_blocks_override,
             )
-
     sched_kw: dict[str, Any] = {} if scheduler_cls is None else {"scheduler_cls": scheduler_cls}
     parallel_kw: dict[str, Any] = {} if worker_cls is None else {"worker_cls": worker_cls}
     model_config = ModelConfig(
@@ -230,11 +229,11 @@ def build_vllm_config(
         **ec_transfer_kw(cfg),
         **structured_outputs_kw(cfg),
     )
+    vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks
     if cfg.kv_layout:
         from conformance._core.vllm_compat import kv_layout
 
         kv_layout.configure(vllm_config, cfg.kv_layout, cfg.model_shape())
-    vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks
     if cfg.num_speculative_tokens:
         from vllm.config import SpeculativeConfig
 
@@ -254,6 +253,7 @@ def build_vllm_config(
             vllm_config.observability_config.per_request_spec_decode_metrics = "detailed"
     return vllm_config
 
+
 def kv_layout_cache_kw(cfg: HarnessConfig) -> dict[str, Any]:
     """``CacheConfig``'s block arguments: a hybrid layout may set its own cache block and
     prefix-match unit (``vllm_compat.kv_layout``), as a user's flags would."""
@@ -265,7 +265,6 @@ def kv_layout_cache_kw(cfg: HarnessConfig) -> dict[str, Any]:
         "block_size": kv_layout.cache_block_size(cfg.kv_layout, cfg.block_size),
         "prefix_match_unit": kv_layout.prefix_match_unit(cfg.kv_layout, cfg.block_size),
     }
-
 
 
 def spec_metrics_field() -> bool:
@@ -328,6 +327,7 @@ def build_kv_cache_config(cfg: HarnessConfig, vllm_config: Any = None):
         kv_cache_groups=[KVCacheGroupSpec(layers, spec)],
     )
 
+
 def build_hybrid_kv_cache(cfg: HarnessConfig, vllm_config: Any = None) -> Any:
     """``cfg.kv_layout``'s KV cache and block sizes (``vllm_compat.kv_layout.BuiltLayout``)."""
     from conformance._core.vllm_compat import kv_layout
@@ -335,7 +335,6 @@ def build_hybrid_kv_cache(cfg: HarnessConfig, vllm_config: Any = None) -> Any:
     if vllm_config is None:
         vllm_config = build_vllm_config(cfg)
     return kv_layout.build(vllm_config, cfg.kv_layout, cfg.model_shape(), cfg.num_blocks)
-
 
 
 def build_scheduler(

@@ -2828,14 +2828,6 @@ MUTANTS: tuple[Mutant, ...] = (
         "an instance with only an EC connector gets no EC metadata on its steps",
         _sub(scheduler_mixin=EcMetadataWithKvOnly),
     ),
-)
-
-
-def by_name(name: str) -> Mutant:
-    for m in MUTANTS:
-        if m.name == name:
-            return m
-    raise KeyError(name)
     Mutant(
         "sampling_masks_not_routed",
         "C-09",
@@ -2850,3 +2842,11 @@ def by_name(name: str) -> Mutant:
         "a request's first output carries no routing for its prompt (block-id snapshot lost)",
         _sub(scheduler_mixin=RoutedExpertsPromptDropped),
     ),
+)
+
+
+def by_name(name: str) -> Mutant:
+    for m in MUTANTS:
+        if m.name == name:
+            return m
+    raise KeyError(name)
