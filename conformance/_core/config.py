@@ -177,7 +177,8 @@ def build_vllm_config(
     from conformance._core.kv_connectors import kv_transfer_kw
     from conformance._core.vllm_compat import aux_outputs
 
-    if aux_outputs.needs_v2_runner(cfg.return_sampling_mask) and not aux_outputs.v2_runner_on():
+    v2 = aux_outputs.needs_v2_runner(cfg.return_sampling_mask, cfg.return_routed_experts)
+    if v2 and not aux_outputs.v2_runner_on():
         # vLLM validates these outputs against the runner flavour (``runner_flavour``).
         with aux_outputs.runner_flavour(True):
             return build_vllm_config(
@@ -228,6 +229,7 @@ def build_vllm_config(
         **kv_transfer_kw(cfg),
         **ec_transfer_kw(cfg),
         **structured_outputs_kw(cfg),
+        **aux_outputs.vllm_config_kw(cfg.return_routed_experts),
     )
     vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks
     if cfg.kv_layout:
@@ -356,7 +358,8 @@ def build_scheduler(
         hold_grammar_compilation,
     )
 
-    if aux_outputs.needs_v2_runner(cfg.return_sampling_mask) and not aux_outputs.v2_runner_on():
+    v2 = aux_outputs.needs_v2_runner(cfg.return_sampling_mask, cfg.return_routed_experts)
+    if v2 and not aux_outputs.v2_runner_on():
         # The scheduler reads the runner flavour when built, as its configuration was.
         with aux_outputs.runner_flavour(True):
             return build_scheduler(scheduler_cls, cfg, log_stats=log_stats, adapt=adapt)

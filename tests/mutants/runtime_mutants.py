@@ -2012,6 +2012,23 @@ class RoutedExpertsPromptDropped:
         return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
 
 
+class AuxOutputNotTaken:
+    """C-09: the update never takes the aux-output connector's share of the runner output (a
+    runtime's own update loop that predates the connector): no output carries routed experts
+    (vLLM 0.31+, where routed experts come through the connector)."""
+
+    def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
+        _require(self, "aux_output_connector")
+        connector = self.aux_output_connector  # type: ignore[attr-defined]
+        if connector is None:
+            return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+        connector.take_output = lambda request, output: None
+        try:
+            return super().update_from_output(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            del connector.take_output
+
+
 # ---- the catalogue ------------------------------------------------------------------------
 
 
@@ -2019,6 +2036,26 @@ def _sub(**kw: Any) -> Callable[[], contextlib.AbstractContextManager[Any]]:
     return lambda: _subject(
         _subject_with(**{k: (v() if k == "runner_cls" else v) for k, v in kw.items()})
     )
+
+
+def _on_routed_path(
+    path: str, apply: Callable[[], contextlib.AbstractContextManager[Any]]
+) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """``apply`` where the installed vLLM routes experts by ``path`` ("slots" or "connector",
+    ``vllm_compat.aux_outputs.ROUTED_EXPERTS_PATH``); elsewhere the mutant's code is absent
+    and its self-test is skipped as not applicable."""
+
+    def gated() -> contextlib.AbstractContextManager[Any]:
+        from conformance._core.vllm_compat.aux_outputs import ROUTED_EXPERTS_PATH
+
+        if ROUTED_EXPERTS_PATH.value() != path:
+            import pytest
+
+            why = f"this release routes experts by {ROUTED_EXPERTS_PATH.value()}, not {path}"
+            pytest.skip(f"not applicable: {why}")
+        return apply()
+
+    return gated
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -2840,7 +2877,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "C-09",
         "axis-routed-experts-sync",
         "a request's first output carries no routing for its prompt (block-id snapshot lost)",
-        _sub(scheduler_mixin=RoutedExpertsPromptDropped),
+        _on_routed_path("slots", _sub(scheduler_mixin=RoutedExpertsPromptDropped)),
+    ),
+    Mutant(
+        "aux_output_not_taken",
+        "C-09",
+        "axis-routed-experts-sync",
+        "the update never takes the aux-output connector's output: no routed experts (0.31+)",
+        _on_routed_path("connector", _sub(scheduler_mixin=AuxOutputNotTaken)),
     ),
 )
 

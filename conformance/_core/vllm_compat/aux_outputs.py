@@ -22,8 +22,9 @@ import numpy as np
 from conformance._core.vllm_compat.versions import ByRelease, Change
 
 # How the scheduler receives routed experts: "slots" (the runner returns rows with their KV-cache
-# slots and the scheduler's RoutedExpertsManager keeps them) or "connector" (the aux-output
-# connector's worker half keeps them, which the token source does not stand in for).
+# slots and the scheduler's RoutedExpertsManager keeps them) or "connector" (the scheduler's
+# aux-output connector tells the worker which requests to emit from where; the worker returns
+# each emitting request's rows from its emit cursor, which ``AuxRunner`` stands in for).
 ROUTED_EXPERTS_PATH: ByRelease[str] = ByRelease(
     "routed experts path",
     "slots",
@@ -37,8 +38,9 @@ ROUTED_EXPERTS_PATH: ByRelease[str] = ByRelease(
     ],
 )
 ROUTED_EXPERTS_UNAVAILABLE = (
-    "routed experts reach the scheduler through the aux-output connector from 0.31, whose "
-    "worker half (block-hash keyed store, emit cursors) the token source does not stand in for"
+    "routed experts reach the scheduler through the aux-output connector from 0.31, which "
+    "vLLM allows only with Model Runner V2, refused on this release without a usable Triton "
+    "(vllm.triton_utils.HAS_TRITON is false here)"
 )
 
 # Before 0.33 vLLM refuses Model Runner V2 (so sampling masks) where Triton is missing.
@@ -57,13 +59,17 @@ SAMPLING_MASKS_UNAVAILABLE = (
 def aux_axis_unavailable(name: str) -> str | None:
     """Why the installed release cannot run the auxiliary-output axis ``name`` (None: it can,
     or it is another axis)."""
-    if name == "routed-experts" and ROUTED_EXPERTS_PATH.value() != "slots":
-        return ROUTED_EXPERTS_UNAVAILABLE
-    if name == "sampling-masks" and V2_RUNNER_NEEDS_TRITON.value():
+    if name == "routed-experts":
+        v2 = ROUTED_EXPERTS_PATH.value() == "connector"
+        why = ROUTED_EXPERTS_UNAVAILABLE
+    else:
+        v2 = name == "sampling-masks"
+        why = SAMPLING_MASKS_UNAVAILABLE
+    if v2 and V2_RUNNER_NEEDS_TRITON.value():
         from vllm.triton_utils import HAS_TRITON
 
         if not HAS_TRITON:
-            return SAMPLING_MASKS_UNAVAILABLE
+            return why
     return None
 
 
@@ -83,10 +89,21 @@ def model_config_kw(sampling_masks: bool, routed_experts: bool) -> dict[str, Any
     return kw
 
 
-def needs_v2_runner(sampling_masks: bool) -> bool:
+def vllm_config_kw(routed_experts: bool) -> dict[str, Any]:
+    """``VllmConfig`` arguments for routed experts on the connector path (as
+    ``--enable-return-routed-experts`` sets ``AuxOutputConfig``; none otherwise)."""
+    if not routed_experts or ROUTED_EXPERTS_PATH.value() != "connector":
+        return {}
+    from vllm.config import AuxOutputConfig  # from 0.31
+
+    return {"aux_output_config": AuxOutputConfig(enable_return_routed_experts=True)}
+
+
+def needs_v2_runner(sampling_masks: bool, routed_experts: bool = False) -> bool:
     """Whether vLLM accepts the configuration only with Model Runner V2: sampling masks are
-    "sampling distribution replay", which every supported release refuses on the V1 runner."""
-    return sampling_masks
+    "sampling distribution replay", which every supported release refuses on the V1 runner,
+    and the aux-output connector (routed experts from 0.31) is wired to V2 only."""
+    return sampling_masks or (routed_experts and ROUTED_EXPERTS_PATH.value() == "connector")
 
 
 def v2_runner_on() -> bool:
@@ -156,6 +173,11 @@ class AuxRunner:
         self.sampling_masks = sampling_masks
         self.routed = routed
         self._blocks: dict[str, list[int]] = {}
+        # Connector path: the worker half's per-request cursors (next position to emit, end
+        # of what it captured) and the metadata generation they belong to.
+        self._emit: dict[str, int] = {}
+        self._captured: dict[str, int] = {}
+        self._generation = 0
 
     def mask(self, request_id: str, position: int, sampled: int | None) -> list[int]:
         """The ids sampling kept at ``position``: the sampled one (when there is one) and up to
@@ -218,7 +240,11 @@ class AuxRunner:
             offsets = np.cumsum([0, *map(len, rows)], dtype=np.int64)
             flat = np.array([t for row in rows for t in row], dtype=np.int32)
             kw["sampling_masks"] = SamplingMaskLists(flat, offsets, None)
-        if self.routed is not None:
+        if self.routed is not None and ROUTED_EXPERTS_PATH.value() == "connector":
+            kw["aux_output_connector_output"] = self._connector_output(
+                so, req_ids, computed, sampled, drafts
+            )
+        elif self.routed is not None:
             # 0.28-0.30 only (ROUTED_EXPERTS_PATH "slots"); the installed release may lack it.
             from vllm.v1.outputs import RoutedExpertsLists  # type: ignore[attr-defined]
 
@@ -239,12 +265,62 @@ class AuxRunner:
             )
         return kw
 
+    def _connector_output(
+        self,
+        so: Any,
+        req_ids: list[str],
+        computed: dict[str, int],
+        sampled: list[list[int]],
+        drafts: dict[str, Any],
+    ) -> dict[str, Any] | None:
+        """The aux-output connector's worker half for one step, from the metadata the
+        scheduler's connector attached: requests start at the emit position it names (kept
+        across preemption, dropped when it reports them finished or starts a new generation),
+        and a request that sampled gets its rows from its emit cursor to the end of the
+        tokens it now holds (rejected drafts excluded). Rows are ``routing`` of (request id,
+        position), so a prefix-cached token's rows are as if stored by block hash."""
+        meta = getattr(so, "aux_output_connector_metadata", None)
+        if meta is None:
+            return None  # a scheduler without the connector asks for none
+        from vllm.distributed.aux_output_connector.connector import AuxRequestOutput  # 0.31+
+
+        if meta.generation > self._generation:  # a prefix-cache reset: start afresh
+            self._emit.clear()
+            self._captured.clear()
+            self._generation = meta.generation
+        for rid, emit_start in meta.requests.items():
+            self._emit.setdefault(rid, emit_start)
+        for rid in meta.finished_requests:
+            self._emit.pop(rid, None)
+            self._captured.pop(rid, None)
+        assert self.routed is not None
+        _, experts, _ = self.routed
+        dtype = np.uint8 if experts <= 256 else np.uint16  # as vLLM's capturer stores them
+        out: dict[str, Any] = {}
+        for rid, ids in zip(req_ids, sampled, strict=True):
+            num = so.num_scheduled_tokens[rid]
+            rejected = len(drafts.get(rid, ())) + 1 - len(ids) if ids else 0
+            # The runner captures from where it really is: after an optimistic (async) step
+            # whose drafts were rejected, that is behind the scheduler's count.
+            start = computed.get(rid, 0)
+            start = min(start, self._captured.get(rid, start))
+            end = start + num - rejected
+            self._captured[rid] = end
+            emit = self._emit.get(rid, start)
+            if ids and emit <= end:
+                rows = self.routing(rid, emit, end).astype(dtype)
+                out[rid] = AuxRequestOutput(emit, rows)
+                self._emit[rid] = end
+        return out
+
 
 def aux_runner(vllm_config: Any, vocab: int) -> AuxRunner | None:
     """The auxiliary outputs ``vllm_config`` asks a runner for (None: neither)."""
     model_config = vllm_config.model_config
     masks = bool(model_config.return_sampling_mask)
     routed = bool(getattr(model_config, "enable_return_routed_experts", False))
+    aux_config = getattr(vllm_config, "aux_output_config", None)  # the connector path, 0.31+
+    routed = routed or bool(aux_config is not None and aux_config.enabled)
     if not masks and not routed:
         return None
     return AuxRunner(
