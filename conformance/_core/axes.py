@@ -226,3 +226,19 @@ def axis(name: str) -> Axis:
         return BY_NAME[name]
     except KeyError:
         raise ValueError(f"unknown scheduler axis {name!r}; known {sorted(BY_NAME)}") from None
+    Axis(
+        "routed-experts-hybrid-connector",
+        "routed experts (the aux-output connector, 0.31+) with the Mamba layout and the harness "
+        "connector as a P/D producer: the connector caps local and external hits at what it "
+        "can emit routing for",
+        {
+            "return_routed_experts": True,
+            "model": str(MOE_MODEL),
+            "kv_layout": "hybrid-mamba",
+            "kv_connector": kv_connectors.HARNESS_HYBRID,
+            "kv_role": "kv_producer",
+            "kv_connector_extra": {"divergent_hybrid_hits": True},
+            "num_blocks": 64,  # as hybrid-mamba-connector: no admission runs the pool dry
+        },
+        request_values={"kv_transfer_params": kv_connectors.HARNESS_HYBRID_PLANS},
+    ),

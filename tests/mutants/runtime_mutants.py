@@ -2043,6 +2043,23 @@ def _on_routed_path(
 ) -> Callable[[], contextlib.AbstractContextManager[Any]]:
     """``apply`` where the installed vLLM routes experts by ``path`` ("slots" or "connector",
     ``vllm_compat.aux_outputs.ROUTED_EXPERTS_PATH``); elsewhere the mutant's code is absent
+class ExternalHitNotCapped:
+    """C-09: admission keeps the KV connector's whole external hit although the aux-output
+    connector holds no routing for it (a runtime whose own admission skips the cap): the
+    request loads and skips tokens whose routed experts nobody can emit (vLLM 0.31+)."""
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        _require(self, "aux_output_connector")
+        connector = self.aux_output_connector  # type: ignore[attr-defined]
+        if connector is None:
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        connector.cap_external_hit = lambda request, local, external: external
+        try:
+            return super().schedule(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            del connector.cap_external_hit
+
+
     and its self-test is skipped as not applicable."""
 
     def gated() -> contextlib.AbstractContextManager[Any]:
@@ -2894,3 +2911,10 @@ def by_name(name: str) -> Mutant:
         if m.name == name:
             return m
     raise KeyError(name)
+    Mutant(
+        "external_hit_not_capped",
+        "C-09",
+        "axis-routed-experts-hybrid-connector-sync",
+        "admission keeps an external hit the aux-output connector has no routing for (0.31+)",
+        _sub(scheduler_mixin=ExternalHitNotCapped),
+    ),

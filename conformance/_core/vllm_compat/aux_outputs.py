@@ -42,6 +42,10 @@ ROUTED_EXPERTS_UNAVAILABLE = (
     "vLLM allows only with Model Runner V2, refused on this release without a usable Triton "
     "(vllm.triton_utils.HAS_TRITON is false here)"
 )
+HIT_CAPPING_UNAVAILABLE = (
+    "routed experts cap prefix and external hits (the aux-output connector's max_cache_hit, "
+    "cap_external_hit) from 0.31; before, the routed-experts axis covers them"
+)
 
 # Before 0.33 vLLM refuses Model Runner V2 (so sampling masks) where Triton is missing.
 V2_RUNNER_NEEDS_TRITON: ByRelease[bool] = ByRelease(
@@ -59,7 +63,9 @@ SAMPLING_MASKS_UNAVAILABLE = (
 def aux_axis_unavailable(name: str) -> str | None:
     """Why the installed release cannot run the auxiliary-output axis ``name`` (None: it can,
     or it is another axis)."""
-    if name == "routed-experts":
+    if name == "routed-experts-hybrid-connector" and ROUTED_EXPERTS_PATH.value() == "slots":
+        return HIT_CAPPING_UNAVAILABLE
+    if name.startswith("routed-experts"):
         v2 = ROUTED_EXPERTS_PATH.value() == "connector"
         why = ROUTED_EXPERTS_UNAVAILABLE
     else:
