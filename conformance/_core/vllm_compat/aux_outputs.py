@@ -3,8 +3,8 @@
 Owns, per release, how they are switched on (``model_config_kw``, ``vllm_config_kw``, the
 runner flavour vLLM demands for them: ``needs_v2_runner``, ``runner_flavour``), what the runner
 hands the scheduler (``AuxRunner``: a ``SamplingMaskLists`` with one mask per scheduled request,
-and routed experts as ``RoutedExpertsLists`` rows for every scheduled token, keyed by KV slot),
-and how an output's ``new_sampling_mask`` and ``routed_experts`` read as plain values
+and routed experts as ``RoutedExpertsLists`` rows keyed by KV slot on 0.28-0.30, or from 0.31 as
+the aux-output connector's worker half answers the metadata its scheduler half sends), and how an output's ``new_sampling_mask`` and ``routed_experts`` read as plain values
 (``aux_output_fields``). Masks and routing are pure functions of (request id, position), so two
 schedulers that schedule the same work get the same runner outputs.
 """
