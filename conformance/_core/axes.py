@@ -170,6 +170,32 @@ AXES: tuple[Axis, ...] = (
             "skip_reading_prefix_cache": SKIP_READING,
         },
     ),
+    Axis(
+        "hybrid-mamba-connector-chunked",
+        "hybrid-mamba-connector with 16-token prefill chunks (half a Mamba block): requests "
+        "stop at the prompt's sub-block checkpoint, and one aborted there hands its safe "
+        "partial Mamba tail to the producer at finish",
+        {
+            "kv_layout": "hybrid-mamba",
+            "kv_connector": kv_connectors.HARNESS_HYBRID,
+            "kv_role": "kv_producer",
+            "kv_connector_extra": {"divergent_hybrid_hits": True},
+            "kv_events": True,
+            "log_stats": True,
+            "num_blocks": 64,  # as hybrid-mamba-connector: no admission runs the pool dry
+            # A sibling rather than the axis's own budget: smaller chunks steer its draws away
+            # from branches of the Mamba chunk split that hybrid-mamba-connector reaches.
+            "long_prefill_token_threshold": 16,
+        },
+        request_values={
+            "kv_transfer_params": kv_connectors.HARNESS_HYBRID_PLANS,
+            "kv_cache_report_mode": REPORT_MODES,
+            "skip_reading_prefix_cache": SKIP_READING,
+        },
+        # The tail survives only from the step that ends at the checkpoint to the next
+        # schedule; async scheduling schedules the next chunk before the abort can come.
+        modes=("sync",),
+    ),
     # Structured outputs (``conformance._core.grammars``): drawn grammars compile 0-2 steps
     # after admission, the token source follows each bitmask but sometimes breaks it.
     Axis(

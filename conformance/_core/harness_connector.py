@@ -323,6 +323,20 @@ class HybridHarnessConnector(HarnessConnector, SupportsHMA):
     ) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished(request, block_ids[self._load_group])
 
+    def register_finished_partial_tail(
+        self,
+        request: Request,
+        block_ids: tuple[list[int], ...],
+        partial_tail_offloads: list[tuple[int, int, int]],
+    ) -> bool:
+        # A kv_producer is handed a finished request's Mamba state at the prompt's sub-block
+        # checkpoint (0.33). The store takes no copy of it (no worker), so the blocks are freed
+        # at once; counting what it was handed, per group and boundary, makes a tail vLLM
+        # drops, or hands from another block, a difference in the connector's statistics.
+        for group, _block, boundary in partial_tail_offloads:
+            self._count(f"partial_tails_g{group}_at{boundary}")
+        return False
+
 
 def _full_attention_group(kv_cache_config: KVCacheConfig | None) -> int:
     """Index of the first full-attention KV-cache group (0 when there is none or one group)."""

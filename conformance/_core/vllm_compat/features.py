@@ -25,6 +25,7 @@ MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
         "kv-harness-fail": _NO_FAILED_RECVING,
         "hybrid-swa-connector": _NO_FAILED_RECVING,
         "hybrid-mamba-connector": _NO_FAILED_RECVING,
+        "hybrid-mamba-connector-chunked": _NO_FAILED_RECVING,
         "kv-offload": _OLD_OFFLOAD,
     },
     [
