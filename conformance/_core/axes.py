@@ -174,7 +174,8 @@ AXES: tuple[Axis, ...] = (
         "hybrid-mamba-connector-chunked",
         "hybrid-mamba-connector with 16-token prefill chunks (half a Mamba block): requests "
         "stop at the prompt's sub-block checkpoint, and one aborted there hands its safe "
-        "partial Mamba tail to the producer at finish",
+        "partial Mamba tail to the producer at finish; 16 blocks, so a Mamba hit outlives "
+        "its full-attention blocks",
         {
             "kv_layout": "hybrid-mamba",
             "kv_connector": kv_connectors.HARNESS_HYBRID,
@@ -182,13 +183,16 @@ AXES: tuple[Axis, ...] = (
             "kv_connector_extra": {"divergent_hybrid_hits": True},
             "kv_events": True,
             "log_stats": True,
-            "num_blocks": 64,  # as hybrid-mamba-connector: no admission runs the pool dry
+            # 16 blocks: evictions take a prefix's full-attention blocks while a Mamba state
+            # of it survives, a lookup then reconciles the deeper Mamba hit; no synchronous
+            # external hit is drawn, which 0.33 cannot allocate under such pressure.
+            "num_blocks": 16,
             # A sibling rather than the axis's own budget: smaller chunks steer its draws away
             # from branches of the Mamba chunk split that hybrid-mamba-connector reaches.
             "long_prefill_token_threshold": 16,
         },
         request_values={
-            "kv_transfer_params": kv_connectors.HARNESS_HYBRID_PLANS,
+            "kv_transfer_params": kv_connectors.HARNESS_HYBRID_PRESSURE_PLANS,
             "kv_cache_report_mode": REPORT_MODES,
             "skip_reading_prefix_cache": SKIP_READING,
         },

@@ -167,3 +167,15 @@ HARNESS_HYBRID_PLANS: tuple[tuple[tuple[str, Any], ...] | None, ...] = tuple(
     for plan in HARNESS_PLANS
     if not any(key == "fail" and isinstance(value, int) for key, value in plan or ())
 )
+# The hybrid connector's draws under block pressure: no synchronous external hit (0.33 admits one
+# whose Mamba group then cannot allocate, "Cannot get 1 free blocks", on both sides alike) and no
+# failed load, so completed async hits, local hits and delayed frees compete for a small pool.
+HARNESS_HYBRID_PRESSURE_PLANS: tuple[tuple[tuple[str, Any], ...] | None, ...] = tuple(
+    plan
+    for plan in HARNESS_HYBRID_PLANS
+    if plan is None
+    or (
+        not any(key == "fail" for key, _ in plan)
+        and (dict(plan).get("load") == "async" or "hit_blocks" not in dict(plan))
+    )
+)
