@@ -246,16 +246,6 @@ AXES: tuple[Axis, ...] = (
         "routed to: the whole prompt's routing on a request's first output, then per token",
         {"return_routed_experts": True, "model": str(MOE_MODEL)},
     ),
-)
-
-BY_NAME: dict[str, Axis] = {a.name: a for a in AXES}
-
-
-def axis(name: str) -> Axis:
-    try:
-        return BY_NAME[name]
-    except KeyError:
-        raise ValueError(f"unknown scheduler axis {name!r}; known {sorted(BY_NAME)}") from None
     Axis(
         "routed-experts-hybrid-connector",
         "routed experts (the aux-output connector, 0.31+) with the Mamba layout and the harness "
@@ -272,3 +262,13 @@ def axis(name: str) -> Axis:
         },
         request_values={"kv_transfer_params": kv_connectors.HARNESS_HYBRID_PLANS},
     ),
+)
+
+BY_NAME: dict[str, Axis] = {a.name: a for a in AXES}
+
+
+def axis(name: str) -> Axis:
+    try:
+        return BY_NAME[name]
+    except KeyError:
+        raise ValueError(f"unknown scheduler axis {name!r}; known {sorted(BY_NAME)}") from None

@@ -2029,20 +2029,6 @@ class AuxOutputNotTaken:
             del connector.take_output
 
 
-# ---- the catalogue ------------------------------------------------------------------------
-
-
-def _sub(**kw: Any) -> Callable[[], contextlib.AbstractContextManager[Any]]:
-    return lambda: _subject(
-        _subject_with(**{k: (v() if k == "runner_cls" else v) for k, v in kw.items()})
-    )
-
-
-def _on_routed_path(
-    path: str, apply: Callable[[], contextlib.AbstractContextManager[Any]]
-) -> Callable[[], contextlib.AbstractContextManager[Any]]:
-    """``apply`` where the installed vLLM routes experts by ``path`` ("slots" or "connector",
-    ``vllm_compat.aux_outputs.ROUTED_EXPERTS_PATH``); elsewhere the mutant's code is absent
 class ExternalHitNotCapped:
     """C-09: admission keeps the KV connector's whole external hit although the aux-output
     connector holds no routing for it (a runtime whose own admission skips the cap): the
@@ -2060,6 +2046,20 @@ class ExternalHitNotCapped:
             del connector.cap_external_hit
 
 
+# ---- the catalogue ------------------------------------------------------------------------
+
+
+def _sub(**kw: Any) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    return lambda: _subject(
+        _subject_with(**{k: (v() if k == "runner_cls" else v) for k, v in kw.items()})
+    )
+
+
+def _on_routed_path(
+    path: str, apply: Callable[[], contextlib.AbstractContextManager[Any]]
+) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """``apply`` where the installed vLLM routes experts by ``path`` ("slots" or "connector",
+    ``vllm_compat.aux_outputs.ROUTED_EXPERTS_PATH``); elsewhere the mutant's code is absent
     and its self-test is skipped as not applicable."""
 
     def gated() -> contextlib.AbstractContextManager[Any]:
@@ -2903,6 +2903,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "the update never takes the aux-output connector's output: no routed experts (0.31+)",
         _on_routed_path("connector", _sub(scheduler_mixin=AuxOutputNotTaken)),
     ),
+    Mutant(
+        "external_hit_not_capped",
+        "C-09",
+        "axis-routed-experts-hybrid-connector-sync",
+        "admission keeps an external hit the aux-output connector has no routing for (0.31+)",
+        _sub(scheduler_mixin=ExternalHitNotCapped),
+    ),
 )
 
 
@@ -2911,10 +2918,3 @@ def by_name(name: str) -> Mutant:
         if m.name == name:
             return m
     raise KeyError(name)
-    Mutant(
-        "external_hit_not_capped",
-        "C-09",
-        "axis-routed-experts-hybrid-connector-sync",
-        "admission keeps an external hit the aux-output connector has no routing for (0.31+)",
-        _sub(scheduler_mixin=ExternalHitNotCapped),
-    ),
