@@ -2046,6 +2046,20 @@ class ExternalHitNotCapped:
             del connector.cap_external_hit
 
 
+class PartialTailNotOffloaded:
+    """C-09: a producer's finish hook drops the partial Mamba tail the KV-cache manager hands it
+    (a runtime whose own finish path skips ``finalize_partial_tail_offloads``): the connector
+    never offers the state, so a later request cannot hit that prefix."""
+
+    def _connector_finished(self, request: Any) -> Any:
+        manager = self.kv_cache_manager  # type: ignore[attr-defined]
+        manager.finalize_partial_tail_offloads = lambda request: []
+        try:
+            return super()._connector_finished(request)  # type: ignore[misc]
+        finally:
+            del manager.finalize_partial_tail_offloads
+
+
 # ---- the catalogue ------------------------------------------------------------------------
 
 
@@ -2909,6 +2923,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-routed-experts-hybrid-connector-sync",
         "admission keeps an external hit the aux-output connector has no routing for (0.31+)",
         _sub(scheduler_mixin=ExternalHitNotCapped),
+    ),
+    Mutant(
+        "partial_tail_not_offloaded",
+        "C-09",
+        "axis-hybrid-mamba-connector-chunked-sync",
+        "a producer's finish hook drops the partial Mamba tail it is handed",
+        _sub(scheduler_mixin=PartialTailNotOffloaded),
     ),
 )
 
