@@ -47,6 +47,17 @@ class Axis:
         return axis_unavailable(self.name)
 
 
+# The Mamba layout with the harness connector as a P/D producer restoring Mamba state, with KV
+# events and statistics: what the hybrid-mamba connector axes share.
+MAMBA_PRODUCER: dict[str, Any] = {
+    "kv_layout": "hybrid-mamba",
+    "kv_connector": kv_connectors.HARNESS_HYBRID,
+    "kv_role": "kv_producer",
+    "kv_connector_extra": {"divergent_hybrid_hits": True},
+    "kv_events": True,
+    "log_stats": True,
+}
+
 AXES: tuple[Axis, ...] = (
     Axis(
         "stats-events",
@@ -153,12 +164,7 @@ AXES: tuple[Axis, ...] = (
         "the Mamba layout with the harness connector as a P/D producer that restores Mamba "
         "state: divergent local hits, boundary-state and partial-tail offloads at finish",
         {
-            "kv_layout": "hybrid-mamba",
-            "kv_connector": kv_connectors.HARNESS_HYBRID,
-            "kv_role": "kv_producer",
-            "kv_connector_extra": {"divergent_hybrid_hits": True},
-            "kv_events": True,
-            "log_stats": True,
+            **MAMBA_PRODUCER,
             # Enough blocks that no admission runs the pool dry: under pressure 0.33 admits a
             # synchronous external hit its Mamba group then cannot allocate ("Cannot get 1
             # free blocks"), on both sides alike.
@@ -177,12 +183,7 @@ AXES: tuple[Axis, ...] = (
         "partial Mamba tail to the producer at finish; 16 blocks, so a Mamba hit outlives "
         "its full-attention blocks",
         {
-            "kv_layout": "hybrid-mamba",
-            "kv_connector": kv_connectors.HARNESS_HYBRID,
-            "kv_role": "kv_producer",
-            "kv_connector_extra": {"divergent_hybrid_hits": True},
-            "kv_events": True,
-            "log_stats": True,
+            **MAMBA_PRODUCER,
             # 16 blocks: evictions take a prefix's full-attention blocks while a Mamba state
             # of it survives, a lookup then reconciles the deeper Mamba hit; no synchronous
             # external hit is drawn, which 0.33 cannot allocate under such pressure.
