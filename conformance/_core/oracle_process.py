@@ -200,22 +200,29 @@ class ProcessSide:
         return set(self._status["omni_ids"])
 
     def attribute_names(self) -> AttributeNames:
+        """The names as of the last reply. Only an audited session asks: the first call fetches
+        them and has the child send them with every later reply, so sessions without the
+        declared-attribute audits never pay for reading every live request's attributes."""
+        if "attribute_names" not in self._status:
+            self._status = self._proc.call("names", self._id)
         return self._status["attribute_names"]
 
 
 # ---- the child ---------------------------------------------------------------------------
 
 
-def _status(side: Side) -> dict[str, Any]:
-    return {
+def _status(side: Side, with_names: bool) -> dict[str, Any]:
+    status = {
         "mode": side.mode,
         "live_ids": side.live_ids(),
         "busy": side.busy(),
         "free_blocks": side.free_blocks(),
         "omni_ids": sorted(side.omni_ids()),
-        # The declared-attribute audits (C-10..C-12) compare the subject's objects with these.
-        "attribute_names": side.attribute_names(),
     }
+    if with_names:
+        # The declared-attribute audits (C-10..C-12) compare the subject's objects with these.
+        status["attribute_names"] = side.attribute_names()
+    return status
 
 
 def serve(inbox: Connection, outbox: Connection) -> int:
@@ -227,6 +234,7 @@ def serve(inbox: Connection, outbox: Connection) -> int:
 
     sides: dict[int, Side] = {}
     configs: dict[int, HarnessConfig] = {}
+    audited: set[int] = set()  # sessions that asked for attribute names (``"names"``)
     while True:
         try:
             message = inbox.recv()
@@ -235,6 +243,7 @@ def serve(inbox: Connection, outbox: Connection) -> int:
         kind = message[0]
         if kind == "close":
             sides.pop(message[1], None)
+            audited.discard(message[1])
             configs.pop(message[1], None)
             continue
         try:
@@ -246,13 +255,17 @@ def serve(inbox: Connection, outbox: Connection) -> int:
                 _, sid, config = message
                 sides[sid] = make_side(UpstreamSubject(), config, None)
                 configs[sid] = config
-                reply = _status(sides[sid])
+                reply = _status(sides[sid], False)
             elif kind == "apply":
                 _, sid, op, prompt, arrival = message
                 side = sides[sid]
                 side.last_abort_states = {}
                 snap = side.apply(op, prompt, configs[sid], arrival)
-                reply = (snap, _status(side), side.last_abort_states)
+                reply = (snap, _status(side, sid in audited), side.last_abort_states)
+            elif kind == "names":
+                _, sid = message
+                audited.add(sid)
+                reply = _status(sides[sid], True)
             else:
                 raise ValueError(f"unknown message {kind!r}")
         except Exception as exc:  # reported to the parent, which raises OracleProcessError
