@@ -20,9 +20,12 @@ from typing import Any
 from conformance.api import (
     AddRequest,
     BaseSubject,
+    DeclaredAttributes,
     Difference,
     DifferenceEntry,
+    DifferenceWitness,
     HarnessConfig,
+    SourceLayout,
     SubjectUnsupported,
     build_scheduler,
     release,
@@ -271,3 +274,25 @@ def vllm_omni_subject() -> VllmOmniSubject:
 
 
 vllm_omni_subject.environment_requirements = environment_requirements  # type: ignore[attr-defined]
+    # ---- what vllm-omni declares (``vllm_omni_declarations``, imported where used) ----
+
+    def declared_attributes(self) -> DeclaredAttributes:
+        from . import vllm_omni_declarations as declarations
+
+        return declarations.declared_attributes(_minor_of(self.omni_version)[1])
+
+    def input_adapter(self) -> Any:
+        from . import vllm_omni_declarations as declarations
+
+        return declarations.VllmOmniInputProbe(self)
+
+    def source_layout(self) -> SourceLayout:
+        from . import vllm_omni_declarations as declarations
+
+        return declarations.source_layout()
+
+    def difference_witnesses(self) -> tuple[DifferenceWitness, ...]:
+        from . import vllm_omni_declarations as declarations
+
+        return declarations.difference_witnesses()
+
