@@ -253,27 +253,6 @@ class VllmOmniSubject(BaseSubject):
             external_req_id=op.request_id, **request_kwargs(op, prompt, cfg, arrival)
         )
 
-    def differences(self) -> Sequence[DifferenceEntry]:
-        return DIFFERENCES
-
-    def scheduler_facts(self, scheduler: Any) -> dict[str, dict[str, Any]]:
-        # VLLM-OMNI-ABORT-001's condition: ids finished but not yet reported to their client.
-        pending = getattr(scheduler, "finished_req_ids_dict", None) or {}
-        return {rid: {AWAITING_FINISH_REPORT: True} for ids in pending.values() for rid in ids}
-
-    def __repr__(self) -> str:
-        return f"<subject {self.name} (vllm-omni {self.omni_version})>"
-
-
-def vllm_omni_subject() -> VllmOmniSubject:
-    """The subject, after checking the environment; imports vllm-omni's scheduler module (and
-    with it ``vllm_omni.patch``) so that the loader's pristine guard sees what that changes."""
-    omni_version = check_environment()
-    importlib.import_module(SCHEDULER_MODULE)
-    return VllmOmniSubject(omni_version)
-
-
-vllm_omni_subject.environment_requirements = environment_requirements  # type: ignore[attr-defined]
     # ---- what vllm-omni declares (``vllm_omni_declarations``, imported where used) ----
 
     def declared_attributes(self) -> DeclaredAttributes:
@@ -296,3 +275,24 @@ vllm_omni_subject.environment_requirements = environment_requirements  # type: i
 
         return declarations.difference_witnesses()
 
+    def differences(self) -> Sequence[DifferenceEntry]:
+        return DIFFERENCES
+
+    def scheduler_facts(self, scheduler: Any) -> dict[str, dict[str, Any]]:
+        # VLLM-OMNI-ABORT-001's condition: ids finished but not yet reported to their client.
+        pending = getattr(scheduler, "finished_req_ids_dict", None) or {}
+        return {rid: {AWAITING_FINISH_REPORT: True} for ids in pending.values() for rid in ids}
+
+    def __repr__(self) -> str:
+        return f"<subject {self.name} (vllm-omni {self.omni_version})>"
+
+
+def vllm_omni_subject() -> VllmOmniSubject:
+    """The subject, after checking the environment; imports vllm-omni's scheduler module (and
+    with it ``vllm_omni.patch``) so that the loader's pristine guard sees what that changes."""
+    omni_version = check_environment()
+    importlib.import_module(SCHEDULER_MODULE)
+    return VllmOmniSubject(omni_version)
+
+
+vllm_omni_subject.environment_requirements = environment_requirements  # type: ignore[attr-defined]
