@@ -110,8 +110,11 @@ def _resolve(dotted: str) -> type:
     return getattr(importlib.import_module(module), name)  # type: ignore[no-any-return]
 
 
-def declared_attributes(minor: int) -> DeclaredAttributes:
-    """What vllm-omni ``0.<minor>`` adds to vLLM's requests and schedulers."""
+def declared_attributes(minor: int) -> DeclaredAttributes | None:
+    """What vllm-omni ``0.<minor>`` adds to vLLM's requests and schedulers; None for a release
+    whose source was not read (the audits are then not applicable there, not guessed)."""
+    if minor not in REQUEST_ATTRIBUTES:
+        return None
     import vllm_omni.engine as engine
 
     return DeclaredAttributes(
