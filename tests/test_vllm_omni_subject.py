@@ -194,12 +194,29 @@ def test_abort_entry_tolerates_only_the_synthesized_output_of_an_unreported_fini
     assert not ok(_ctx("outputs.r1.finish_reason", "length", "abort", facts=fact))
 
 
-def test_subject_provides_no_capability_beyond_lockstep_parity():
+# The capabilities the subject provides; its worker is GPU-only (no real-worker checks here).
+PROVIDED = {
+    "declared_attributes",
+    "input_adapter",
+    "source_layout",
+    "difference_witnesses",
+    "chunk_delivery",
+}
+
+
+def test_subject_provides_only_what_vllm_omni_has():
     subject = adapter.VllmOmniSubject("0.30.0")
     assert subject.name == "vllm-omni"
     assert not subject.has_worker()
-    for hook in CAPABILITY_HOOKS:
+    for hook in set(CAPABILITY_HOOKS) - PROVIDED:
         assert getattr(subject, hook)() is None, hook
+
+
+def test_every_registry_entry_has_a_witness_in_each_mode():
+    witnesses = adapter.VllmOmniSubject("0.30.0").difference_witnesses()
+    got = sorted((w.entry, w.mode) for w in witnesses)
+    ids = sorted(e.id for e in adapter.DIFFERENCES)
+    assert got == sorted((i, m) for i in ids for m in ("sync", "async"))
 
 
 # ---- in environments with vllm-omni (opt in: -m vllm_omni) ------------------------------------
@@ -469,3 +486,68 @@ def test_release_specific_traces_reproduce_where_recorded(trace):
             env, ["-m", "conformance.cli", "replay", str(trace), "--subject", "upstream"], 1800
         )
         assert clean.returncode == 3, clean.stdout[-2000:] + clean.stderr[-2000:]
+
+
+# In an environment: the declared attributes against live objects and vllm-omni's source, and a
+# planted wrong declaration (nothing declared) failing C-12 under the isolated oracle.
+AUDIT = textwrap.dedent(
+    """
+    import json, pathlib, sys
+    from conformance._core.capabilities import DeclaredAttributes
+    from conformance._core.machine import PREFIXES, TIGHT
+    from conformance._core.oracle_process import ProcessSide
+    from conformance._core.subjects import load_subject
+    from conformance._core.workload import Abort, AddRequest, Step
+    from invariants.machines import AuditedLockstep
+
+    subject = load_subject("vllm-omni")  # before anything imports vllm-omni: the guard sees it
+    import vllm_omni
+
+    class Undeclared(type(subject)):
+        def declared_attributes(self):
+            return DeclaredAttributes()
+
+    def problems(s, mode):
+        cfg = TIGHT.with_(enable_prefix_caching=True, async_scheduling=mode == "async")
+        session = AuditedLockstep(cfg, s, prefixes=PREFIXES)
+        assert isinstance(session.up, ProcessSide)
+        try:
+            ops = [AddRequest("r1", (11, 12, 13), max_tokens=4),
+                   AddRequest("r2", tuple(range(20, 40)), max_tokens=6), Step(), Step(),
+                   Abort(("r2",)), Step(), Step()]
+            for op in ops:
+                session.apply(op)
+            return list(session.problems)
+        finally:
+            session.shutdown()
+
+    declared = subject.declared_attributes()
+    if declared is None:  # a release whose source the adapter's declarations were not read from
+        print(json.dumps({"read": False}))
+        sys.exit(0)
+    wrong = Undeclared(subject.omni_version)
+    root = pathlib.Path(vllm_omni.__file__).parent
+    source = "".join(p.read_text() for p in root.rglob("*.py"))
+    unread = [n for n in [*declared.request, *declared.scheduler] if n not in source]
+    out = {m: {"right": problems(subject, m), "wrong": problems(wrong, m)}
+           for m in ("sync", "async")}
+    print(json.dumps({"read": True, "runs": out, "unread": unread}))
+    """
+)
+
+
+@pytest.mark.vllm_omni
+def test_declared_attributes_hold_and_a_wrong_declaration_fails():
+    for env in _env_or_skip():
+        proc = _run(env, ["-c", AUDIT], 1800)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        if not got["read"]:
+            assert _omni_version(env)[1] not in (28, 30), env.name
+            continue
+        assert got["unread"] == [], (env.name, got["unread"])
+        for mode, runs in got["runs"].items():
+            assert runs["right"] == [], (env.name, mode, runs["right"])
+            wrong = runs["wrong"]
+            assert any(p.startswith("C-12: r1: attributes added") for p in wrong), wrong
+            assert any(p.startswith("C-12: scheduler attributes") for p in wrong), wrong

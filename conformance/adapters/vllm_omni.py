@@ -255,7 +255,7 @@ class VllmOmniSubject(BaseSubject):
 
     # ---- what vllm-omni declares (``vllm_omni_declarations``, imported where used) ----
 
-    def declared_attributes(self) -> DeclaredAttributes:
+    def declared_attributes(self) -> DeclaredAttributes | None:
         from . import vllm_omni_declarations as declarations
 
         return declarations.declared_attributes(_minor_of(self.omni_version)[1])
