@@ -52,6 +52,7 @@ __all__ = sorted(
         "StageInputSpec",
         "Step",
         "Subject",
+        "SubjectAreas",
         "SubjectUnsupported",
         "TIGHT",
         "Trace",

@@ -33,6 +33,7 @@ from conformance._core.capabilities import (
     RunnerProbes,
     SourceLayout,
     StageInputSpec,
+    SubjectAreas,
 )
 from conformance._core.compare import FieldDifference
 from conformance._core.config import (
@@ -87,6 +88,7 @@ __all__ = [
     "DeclaredAttributes",
     "SourceLayout",
     "StageInputSpec",
+    "SubjectAreas",
     "ChunkView",
     "PayloadView",
     "DifferenceWitness",

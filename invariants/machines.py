@@ -93,6 +93,7 @@ class AuditedLockstep(Lockstep):
         self.ledger: dict[str, RequestLedger] = {}
         self.terminal = TerminalOutcomes()
         self.problems: list[str] = []
+        self.requests_audited = 0  # request audits of C-10..C-12 run (``audit``)
         self.ref_problems: list[str] = []  # C-43: outputs against the chunks of their step
         self.checkers: list[CheckingExecutor] = []
         for side in self.local_sides():
@@ -155,6 +156,8 @@ class AuditedLockstep(Lockstep):
             self.sink.violations.clear()
         if self.declared is not None:
             names = self.up.attribute_names()
+            # Requests the audit compares (live on both sides): none at all is no audit.
+            self.requests_audited += len(set(names.requests) & set(self.sub.scheduler.requests))
             problems.extend(audit_requests(names, self.sub.scheduler, self.declared))
             problems.extend(audit_scheduler(names, self.sub.scheduler, self.declared))
         if self.boundary is not None:
@@ -277,6 +280,8 @@ class MachineRun:
     clauses: set[str] = field(default_factory=set)
     # The last session whose audits failed, and its problems (saved as a trace at the end).
     audit_failure: tuple[AuditedLockstep, list[str]] | None = None
+    # The sessions this run opened (what their audits covered is read after the run).
+    sessions: list[AuditedLockstep] = field(default_factory=list)
 
     def open_session(self) -> AuditedLockstep:
         """An audited session registered with the recorder so its steps are counted."""
@@ -284,6 +289,7 @@ class MachineRun:
             self.config, self.subject, feature=self.feature, prefixes=PREFIXES
         )
         self.recorder.sessions.append(session)
+        self.sessions.append(session)
         self.recorder.examples += 1
         self.clauses |= session.clauses()
         if self.check_reference:

@@ -48,6 +48,17 @@ def test_runtime_audit(conformance, conformance_subject, mode):
         conformance, conformance_subject, feature, f"AR-INV-002-{mode}", mode=mode, prefix=True
     )
     check_machine(run, suite_settings(10))
+    require_audited(run)
+
+
+def require_audited(run: Any) -> None:
+    """``NotApplicable`` when no session of ``run`` audited a live request: the request audits
+    (C-10, C-12, most of C-11) iterated over nothing, which is no pass."""
+    if not sum(s.requests_audited for s in run.sessions):
+        raise NotApplicable(
+            f"the run's {len(run.sessions)} programs never audited a live request "
+            "(no request was live on both sides at any operation)"
+        )
 
 
 # ---- malformed inputs ---------------------------------------------------------------------
@@ -283,6 +294,18 @@ def layout_constructions(layout: SourceLayout, root: Path | None = None) -> list
     )
 
 
+def require_constructed(layout: SourceLayout) -> None:
+    """``NotApplicable`` when nothing under the payload root constructs the payload type, in
+    the builders or outside them: the check would scan for a name no code uses, which is no
+    pass (a misspelt or renamed type, or an empty root)."""
+    if layout.payload_root is None or layout.payload_type is None:
+        return  # ``layout_constructions`` says so
+    if not payload_constructions(layout.payload_root, layout.payload_type, (), {}):
+        raise NotApplicable(
+            f"no module under {layout.payload_root} constructs {layout.payload_type}"
+        )
+
+
 def _called_name(fn: ast.expr) -> str | None:
     if isinstance(fn, ast.Name):
         return fn.id
@@ -305,6 +328,7 @@ def _own_nodes(scope: ast.AST) -> Iterator[ast.AST]:
 @pytest.mark.clauses("C-10", "C-11")
 def test_only_adapters_build_payloads(conformance_subject):
     layout = require(conformance_subject, "source_layout", "source layout")
+    require_constructed(layout)
     offenders = layout_constructions(layout)
     assert not offenders, (
         f"C-11: {layout.payload_type} constructed outside {layout.payload_builders}: {offenders}"

@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from conformance import api
 from conformance._core import schemas
 from conformance._core.render import render
-from conformance.release import reach
+from conformance.release import reach, reach_subject
 
 
 def _fake_vllm(root: Path) -> Path:
@@ -84,7 +85,8 @@ def _side(schedule_lines: int, untouched_lines: int) -> dict:
 
 def test_the_report_names_what_only_one_run_reaches_and_fits_its_schema():
     sides = {"gate": _side(2, 0), "upstream tests": _side(0, 1)}
-    report = reach.build_report(sides, {"vllm": "0.33.0", "subject": "upstream", "profile": "ci"})
+    env = {"vllm": "0.33.0", "subject": "upstream", "profile": "ci"}
+    report = reach.build_report(sides, env, reach_subject.section(_upstream_plan(), {}))
     schemas.validate("reach", report)
     assert report["only"] == {
         "gate": {"v1/core/sched/scheduler.py": ["schedule"]},
@@ -104,6 +106,165 @@ def test_the_targets_are_the_installed_release_s_scheduler_modules():
     assert "v1/request.py" in files
 
 
+def _upstream_plan() -> reach_subject.Plan:
+    from conformance._core.subjects import UpstreamSubject
+
+    return reach_subject.plan(UpstreamSubject())
+
+
+def _fake_runtime(root: Path) -> Path:
+    """A subject's package: a scheduler subpackage, a worker module, a data folder."""
+    (root / "sched").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "sched" / "__init__.py").write_text("")
+    (root / "sched" / "scheduler.py").write_text(
+        textwrap.dedent(
+            """
+            def schedule(n):
+                if n:
+                    return 1
+                return 0
+
+
+            def big_unreached(n):
+                a = n
+                b = a + 1
+                return b
+            """
+        )
+    )
+    (root / "worker.py").write_text("def run():\n    return 3\n")
+    (root / "configs").mkdir()
+    (root / "configs" / "pipeline.json").write_text("{}")
+    return root
+
+
+def test_without_the_hook_each_first_level_module_of_the_schedulers_package_is_an_area(
+    tmp_path, monkeypatch
+):
+    root = _fake_runtime(tmp_path / "fakeruntime")
+    monkeypatch.syspath_prepend(str(tmp_path))
+
+    class Subject:
+        sync_scheduler = "fakeruntime.sched.scheduler.Scheduler"
+
+    planned = reach_subject.plan(Subject())
+    assert planned.reason is None and not planned.declared
+    assert planned.package == "fakeruntime" and planned.root == root.resolve()
+    # The data folder holds no module: no area.
+    assert dict(planned.paths) == {
+        "__init__": ("__init__.py",),
+        "sched": ("sched/",),
+        "worker": ("worker.py",),
+    }
+    assert [p.name for p in planned.files["sched"]] == ["__init__.py", "scheduler.py"]
+    # A class rather than a dotted name: its module's package.
+    Subject.sync_scheduler = type("S", (), {"__module__": "fakeruntime.sched.scheduler"})
+    assert reach_subject.plan(Subject()).package == "fakeruntime"
+
+
+def test_a_declared_area_with_a_missing_path_reports_it_and_a_shared_file_counts_once(tmp_path):
+    root = _fake_runtime(tmp_path / "fakeruntime")
+    areas = api.SubjectAreas(
+        package="fakeruntime",
+        areas={
+            "scheduler": ("sched/scheduler.py", "sched/gone.py"),
+            "everything": ("sched/", "worker.py"),
+            "absent": ("transfer/",),
+        },
+    )
+    planned = reach_subject.resolve(areas, root.resolve())
+    assert planned.missing == {
+        "scheduler": ("sched/gone.py",),
+        "everything": (),
+        "absent": ("transfer/",),
+    }
+    names = {a: [p.name for p in files] for a, files in planned.files.items()}
+    assert names == {
+        "scheduler": ["scheduler.py"],
+        "everything": ["__init__.py", "worker.py"],
+        "absent": [],
+    }
+
+
+def test_a_subject_returning_something_else_than_subject_areas_is_refused():
+    """Planted wrong declaration: a plain mapping is not read as areas."""
+
+    class Subject:
+        sync_scheduler = "x.Scheduler"
+
+        def reach_areas(self):
+            return {"scheduler": ("sched/",)}
+
+    with pytest.raises(TypeError, match="SubjectAreas"):
+        reach_subject.plan(Subject())
+
+
+def test_the_subject_section_is_measured_rendered_and_fits_the_schema(tmp_path):
+    root = _fake_runtime(tmp_path / "fakeruntime").resolve()
+    areas = api.SubjectAreas(
+        package="fakeruntime",
+        areas={"scheduler": ("sched/scheduler.py", "sched/gone.py"), "worker": ("worker.py",)},
+    )
+    planned = reach_subject.resolve(areas, root)
+    rc = reach.write_config(tmp_path / "data", planned.all_files())
+    script = tmp_path / "run.py"
+    script.write_text(
+        f"import sys; sys.path.insert(0, {str(root / 'sched')!r}); "
+        "import scheduler; scheduler.schedule(1)\n"
+    )
+    subprocess.run([*reach.launcher(rc)[:-1], str(script)], check=True)
+    section = reach_subject.section(planned, reach.combined(rc, planned.all_files()))
+    scheduler = section["areas"]["scheduler"]
+    assert scheduler["missing"] == ["sched/gone.py"]
+    assert scheduler["files"]["sched/scheduler.py"]["branches"] == 1
+    assert scheduler["files"]["sched/scheduler.py"]["branch_total"] == 2
+    assert scheduler["unreached"] == [
+        {"file": "sched/scheduler.py", "function": "big_unreached", "statements": 3}
+    ]
+    # Never imported: there, with nothing covered.
+    assert section["areas"]["worker"]["totals"] == {
+        "lines": 0, "statements": 2, "branches": 0, "branch_total": 0,
+    }  # fmt: skip
+    assert section["totals"]["statements"] == scheduler["totals"]["statements"] + 2
+    env = {"vllm": "0.33.0", "subject": "fake", "profile": "ci"}
+    report = reach.build_report({"gate": _side(2, 0)}, env, section)
+    schemas.validate("reach", report)
+    md = render("reach.md.j2", report=report)
+    assert "What the gate run executed of `fakeruntime`" in md
+    assert "| worker | 1 | 0/2 (0.0%) | 0/0 (-%) | 1 |" in md
+    assert "not in this installation: `sched/gone.py`" in md
+    assert "`sched/scheduler.py` `big_unreached` (3)" in md
+    # An area without figures is not a valid section.
+    broken = {**section, "areas": {"scheduler": {"paths": ["sched/"]}}}
+    assert schemas.problem("reach", {**report, "subject": broken}) is not None
+
+
+def test_upstream_has_no_package_of_its_own_its_section_says_why():
+    section = reach_subject.section(_upstream_plan(), {})
+    assert section["status"] == "not_applicable"
+    assert "vLLM's own" in section["reason"]
+    env = {"vllm": "0.33.0", "subject": "upstream", "profile": "ci"}
+    report = reach.build_report({"gate": _side(1, 0)}, env, section)
+    schemas.validate("reach", report)
+    assert "Not applicable: the subject's scheduler is vLLM's own" in render(
+        "reach.md.j2", report=report
+    )
+    # Never an empty pass: a "measured" section with no areas does not fit the schema.
+    empty = {"status": "measured", "side": "gate", "package": "x", "declared": False,
+             "areas": {}, "totals": report["sides"]["gate"]["totals"]}  # fmt: skip
+    assert schemas.problem("reach", {**report, "subject": empty}) is not None
+
+
+def test_the_runtimes_declared_areas_exist_in_this_checkout():
+    from omni_runtime.conformance_subject.subjects import OmniSubject
+
+    planned = reach_subject.plan(OmniSubject())
+    assert planned.declared and planned.package == "omni_runtime"
+    assert all(not lacking for lacking in planned.missing.values()), planned.missing
+    assert all(planned.files[a] for a in planned.paths)
+
+
 @pytest.mark.slow
 def test_reach_measures_the_gate_on_upstream(tmp_path):
     out = tmp_path / "reach"
@@ -115,6 +276,7 @@ def test_reach_measures_the_gate_on_upstream(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads((out / "reach.json").read_text())
     schemas.validate("reach", report)
+    assert report["subject"]["status"] == "not_applicable"
     scheduler = report["sides"]["gate"]["files"]["v1/core/sched/scheduler.py"]
     assert scheduler["functions"]["Scheduler.schedule"]["lines"] > 0
     assert scheduler["functions"]["Scheduler.update_from_output"]["branches"] > 0

@@ -218,6 +218,18 @@ class SourceLayout:
 
 
 @dataclass(frozen=True)
+class SubjectAreas:
+    """The parts of a subject's own package that ``omni-conformance reach`` reports coverage of,
+    returned by the optional ``reach_areas()`` hook (read with ``getattr``: not a ``Subject``
+    member). ``package``: the importable package the paths are relative to; ``areas``: area
+    name -> files or folders (``"worker/"``: every module in it), in report order. A file two
+    areas name belongs to the first; a path the installed release lacks is reported as such."""
+
+    package: str
+    areas: Mapping[str, tuple[str, ...]]
+
+
+@dataclass(frozen=True)
 class StageInputSpec:
     """The shapes a stage input must have, for generating malformed ones (C-13)."""
 

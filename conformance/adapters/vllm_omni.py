@@ -230,6 +230,43 @@ class VllmOmniSubject(BaseSubject):
     """vllm-omni's ``OmniARScheduler`` / ``OmniARAsyncScheduler`` on a plain AR text stage."""
 
     name = "vllm-omni"
+# What ``omni-conformance reach`` reports of vllm-omni's own code, area by area, relative to the
+# installed ``vllm_omni`` package; a path a release lacks (0.28 has no connector model_runner/)
+# is reported as missing there.
+_CONNECTORS = "distributed/omni_connectors/"
+REACH_AREAS: dict[str, tuple[str, ...]] = {
+    "AR scheduler": tuple(
+        f"core/sched/{m}.py"
+        for m in (
+            "omni_ar_scheduler",
+            "omni_scheduler_mixin",
+            "omni_scheduling_coordinator",
+            "output",
+            "utils",
+        )
+    ),
+    "chunk transfer adapter": (f"{_CONNECTORS}transfer_adapter/",),
+    "connector and payload path": (
+        *(
+            _CONNECTORS + m
+            for m in (
+                "connectors/shm_connector.py",
+                "connectors/base.py",
+                "factory.py",
+                "adapter.py",
+                "utils/serialization.py",
+                "utils/config.py",
+                "model_runner/omni_connector_payload_transport.py",
+                "model_runner/omni_connector_runtime.py",
+            )
+        ),
+        "engine/serialization.py",
+    ),
+    "worker": ("worker/",),
+    "request and engine types": ("request.py", "engine/__init__.py", "outputs/__init__.py"),
+}
+
+
     sync_scheduler = f"{SCHEDULER_MODULE}.OmniARScheduler"
     async_scheduler = f"{SCHEDULER_MODULE}.OmniARAsyncScheduler"
 
@@ -296,3 +333,9 @@ def vllm_omni_subject() -> VllmOmniSubject:
 
 
 vllm_omni_subject.environment_requirements = environment_requirements  # type: ignore[attr-defined]
+    def reach_areas(self) -> Any:
+        """The parts of vllm-omni that ``omni-conformance reach`` reports (``REACH_AREAS``)."""
+        from conformance.api import SubjectAreas
+
+        return SubjectAreas(package=PACKAGE, areas=REACH_AREAS)
+

@@ -1,7 +1,9 @@
 """``omni-conformance reach``: what the gate's suite executes of vLLM's scheduler code (line and
 branch coverage per file and per function, ``conformance.release.reach``), and with
 ``--upstream-tests`` the same figures for the installed release's own ``tests/v1/core``, side by
-side, with the functions only one of them reaches.
+side, with the functions only one of them reaches. The gate's run also measures the subject's
+own package, area by area (``conformance.release.reach_subject``): the areas its
+``reach_areas()`` hook declares, or one per first-level module of its schedulers' package.
 
 Writes ``reach.json`` (schema ``conformance/schemas/reach.schema.json``) and ``reach.md`` into
 ``--out``, and the gate run's compat report into ``--out``/compat-report. Exit 0 when the
@@ -24,7 +26,7 @@ from conformance._core.preflight import check_environment, fail_environment, fol
 from conformance._core.render import render
 from conformance.cli._options import PROFILES, add_release_tests_options, add_timeout_option
 from conformance.cli.check import pytest_command as check_command
-from conformance.release import reach
+from conformance.release import reach, reach_subject
 from conformance.release.upstream_tests import (
     RunProblem,
     TestsUnavailable,
@@ -36,9 +38,21 @@ from conformance.release.upstream_tests import (
 GATE, UPSTREAM = "gate", "upstream tests"
 
 
-def _gate_run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
-    """The gate's suite against the subject under coverage.py; its measured files."""
-    files = reach.target_files()
+def _subject_plan(spec: str) -> reach_subject.Plan:
+    """The subject's own areas as installed here (loading the subject, under the pristine
+    guard, as the gate's run will)."""
+    from conformance._core.subjects import load_subject
+
+    return reach_subject.plan(load_subject(spec))
+
+
+def _gate_run(
+    args: argparse.Namespace, folder: Path, planned: reach_subject.Plan
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The gate's suite against the subject under coverage.py, measuring vLLM's targets and the
+    subject's own files in the same run; the targets' figures and the subject's section."""
+    targets = reach.target_files()
+    files = [*targets, *planned.all_files()]
     rc = reach.write_config(folder / "gate", files)
     gate = argparse.Namespace(
         subject=args.subject,
@@ -60,7 +74,8 @@ def _gate_run(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
         raise processes.Interrupted(done.interrupted_by)
     if done.returncode not in (0, 1):  # 1: the suite found something; still measured
         raise RunProblem(f"the gate's suite ended with exit code {done.returncode}")
-    return reach.measure(rc)
+    entries = reach.combined(rc, files)
+    return reach.measure(rc, entries=entries), reach_subject.section(planned, entries, GATE)
 
 
 def _upstream_run(args: argparse.Namespace, version: str, folder: Path) -> dict[str, Any]:
@@ -83,6 +98,7 @@ def _upstream_run(args: argparse.Namespace, version: str, folder: Path) -> dict[
 
 
 def cmd_reach(args: argparse.Namespace) -> int:
+    from conformance._core.subjects import SubjectUnsupported
     from conformance._core.vllm_compat import EnvironmentProblem, check_vllm, environment_versions
 
     problem = check_environment(args.subject)
@@ -98,7 +114,13 @@ def cmd_reach(args: argparse.Namespace) -> int:
     work = Path(args.out) / "coverage-data"
     sides: dict[str, Any] = {}
     try:
-        sides[GATE] = _gate_run(args, work)
+        planned = _subject_plan(args.subject)
+    except SubjectUnsupported as exc:
+        return fail_environment(str(exc))
+    except (ImportError, LookupError, TypeError) as exc:
+        return fail_environment(f"subject {args.subject}: {exc}")
+    try:
+        sides[GATE], subject = _gate_run(args, work, planned)
         if args.upstream_tests:
             sides[UPSTREAM] = _upstream_run(args, version, work)
     except (TestsUnavailable, OSError, tarfile.TarError) as exc:
@@ -110,7 +132,7 @@ def cmd_reach(args: argparse.Namespace) -> int:
         "subject": args.subject,
         "profile": args.profile,
     }
-    report = reach.build_report(sides, environment)
+    report = reach.build_report(sides, environment, subject)
     schemas.validate("reach", report)
     out = Path(args.out)
     (out / "reach.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")

@@ -4,7 +4,8 @@ function, of the modules a runtime that subclasses vLLM's scheduler can break (`
 A run (the gate's suite, or the release's own ``tests/v1/core``) is measured by starting its
 pytest under coverage.py (``launcher``) with a configuration that follows every child process
 (xdist workers, an oracle process), then combining the data (``measure``). ``compare`` sets two
-measurements side by side and names the functions only one of them reaches. The command is
+measurements side by side and names the functions only one of them reaches; the gate's run
+also measures the subject's own package (``reach_subject``). The command is
 ``omni-conformance reach``; the report's fields: docs/design.md, "Reach".
 """
 
@@ -105,21 +106,30 @@ class Figures:
         }
 
 
-def measure(rc: Path, root: Path | None = None) -> dict[str, Any]:
-    """Combine the data a measured run left beside ``rc``: ``{file relative to vllm: {"total":
-    figures, "functions": {qualified name: figures}}}`` for every target file, reached or not."""
+def combined(rc: Path, files: Sequence[Path]) -> dict[str, Any]:
+    """Combine the data a measured run left beside ``rc`` once, and return coverage.py's JSON
+    entry of each of ``files`` keyed by its resolved path (every file named, so one no process
+    imported is there with nothing covered; one coverage.py cannot read is left out)."""
     import coverage
 
-    root = root or vllm_root()
-    files = target_files(root)
     cov = coverage.Coverage(config_file=str(rc))
     cov.combine(strict=False)
     out = rc.parent / "coverage.json"
-    # Every target named, so one no process imported is reported with nothing covered.
     cov.json_report(morfs=[str(p) for p in files], outfile=str(out), ignore_errors=True)
     data = json.loads(out.read_text())["files"]
+    return {str(Path(name).resolve()): entry for name, entry in data.items()}
+
+
+def measure(
+    rc: Path, root: Path | None = None, entries: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
+    """``{file relative to vllm: {"total": figures, "functions": {qualified name: figures}}}``
+    for every target file, reached or not, from the data a measured run left beside ``rc``
+    (or from ``entries``, ``combined``'s result, when the run measured more than the targets)."""
+    root = root or vllm_root()
+    files = target_files(root)
+    by_path = entries if entries is not None else combined(rc, files)
     measured: dict[str, Any] = {}
-    by_path = {str(Path(name).resolve()): entry for name, entry in data.items()}
     for path in files:
         rel = path.relative_to(root).as_posix()
         entry = by_path[str(path)]
@@ -171,9 +181,12 @@ def compare(sides: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def build_report(
-    sides: Mapping[str, Mapping[str, Any]], environment: Mapping[str, Any]
+    sides: Mapping[str, Mapping[str, Any]],
+    environment: Mapping[str, Any],
+    subject: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """The ``reach.json`` document: each side's files and totals, and what only one reaches."""
+    """The ``reach.json`` document: each side's files and totals, what only one reaches, and
+    the subject's own package by area (``conformance.release.reach_subject.section``)."""
     return {
         "schema": REPORT_SCHEMA,
         "environment": dict(environment),
@@ -184,6 +197,7 @@ def build_report(
         },
         "parts": {area: reach_areas.PART.get(area, 2) for area in reach_areas.ORDER},
         "only": compare(sides),
+        "subject": dict(subject),
     }
 
 

@@ -19,6 +19,7 @@ from conformance.api import (
     DifferenceWitness,
     HarnessConfig,
     SourceLayout,
+    SubjectAreas,
     SubjectUnsupported,
     block_hasher,
     build_kv_cache_config,
@@ -36,6 +37,22 @@ from omni_runtime.conformance_subject.stages import (
     WORKER_FEATURES,
 )
 from omni_runtime.conformance_subject.witnesses import difference_witnesses
+
+# The runtime's layers (docs/design.md, "The runtime") that ``omni-conformance reach`` reports,
+# relative to the package; a file two areas name counts in the first, so the connectors leave
+# the rest of ``engine/`` to the orchestrator's area. This package's own subject code, the CLI
+# and the text and audio helpers are not the runtime's serving path and are left out.
+REACH_AREAS: dict[str, tuple[str, ...]] = {
+    "scheduler": ("sched/scheduler.py", "sched/process_stage.py", "sched/__init__.py"),
+    "chunk path": ("sched/transfer.py", "sched/processors.py"),
+    "payloads": ("payload.py", "adapters/output.py"),
+    "inputs": ("adapters/input.py", "adapters/__init__.py"),
+    "worker and runner": ("worker/",),
+    "models": ("models/",),
+    "connectors": ("engine/connectors.py", "engine/_relay.py", "adapters/shm_wire.py"),
+    "engine and orchestrator": ("engine/",),
+    "config and platform": ("config.py", "platform.py", "vllm_support.py"),
+}
 
 
 class OmniSchedulerSubject(BaseSubject):
@@ -144,6 +161,9 @@ class OmniSchedulerSubject(BaseSubject):
 
     def difference_witnesses(self) -> tuple[DifferenceWitness, ...]:
         return difference_witnesses()
+
+    def reach_areas(self) -> SubjectAreas:
+        return SubjectAreas(package="omni_runtime", areas=REACH_AREAS)
 
 
 class OmniSubject(OmniSchedulerSubject):
