@@ -28,7 +28,6 @@ from hypothesis.stateful import initialize
 
 from conformance._core.capabilities import ChunkDelivery, ChunkView, NotApplicable
 from conformance._core.needs import require
-from conformance._core.pristine import require_oracle_in_process
 from conformance._core.workload import AddRequest, ResetPrefixCache, Step
 from conformance.plugin import covers
 from invariants.machines import (
@@ -63,9 +62,7 @@ class ChunkMachine(InvariantMachine):
     def __init__(self, run: MachineRun) -> None:
         super().__init__(run)
         self.delivery: ChunkDelivery = require(run.subject, "chunk_delivery", "chunk delivery")
-        for side in (self.session.up, self.session.sub):
-            side.executor.inner = PayloadTokenSource(self.delivery)  # under the CheckingExecutor
-        self.source: PayloadTokenSource = self.session.sub.executor.inner
+        self.source: PayloadTokenSource = payload_sources(self.session, self.delivery)
         self.spec: ProcessorSpec | None = None
         self.processor: RecordingProcessor | None = None
 
@@ -104,6 +101,23 @@ def chunk_machine(shapes: tuple[str, ...]) -> type[ChunkMachine]:
 
     ShapedChunkMachine.__name__ = f"ChunkMachine[{','.join(shapes)}]"
     return ShapedChunkMachine
+
+
+def payload_sources(session: Any, delivery: ChunkDelivery) -> PayloadTokenSource:
+    """Give each side in this process a payload-carrying token source (under its
+    ``CheckingExecutor``); the subject's. An oracle in its own process keeps its deterministic
+    source: upstream reads no payload, and both draw the same tokens (checked here)."""
+    for side in session.local_sides():
+        base = side.executor.inner
+        source = PayloadTokenSource(delivery, vocab=base.vocab)
+        if (base.edges, base.num_drafts, base.aux) != ((), 0, None):
+            # The payload source draws plain tokens only; the oracle across the pipe would not.
+            raise NotApplicable(
+                "the chunk machine's payload source draws no token edges, drafts or auxiliary "
+                "outputs, which this configuration asks for"
+            )
+        side.executor.inner = source
+    return session.sub.executor.inner
 
 
 def attach_processor(
@@ -208,7 +222,14 @@ def processor_problems(
                 "per request"
             )
         finals = [c for c in calls if c.is_final]
-        if len(finals) != 1 or not calls or not calls[-1].is_final:
+        if entry.aborted and not getattr(delivery, "abort_eof", True):
+            # The caller that aborted ends the request downstream: no final call is owed, and
+            # at most one may come (the request finished in the step the abort met).
+            if len(finals) > 1 or (finals and not calls[-1].is_final):
+                problems.append(
+                    f"C-43: {rid} (aborted): {len(finals)} final processor calls of {len(calls)}"
+                )
+        elif len(finals) != 1 or not calls or not calls[-1].is_final:
             problems.append(f"C-43: {rid}: {len(finals)} final processor calls of {len(calls)}")
         problems.extend(returned_data_problems(rid, delivery, calls, views.get(rid, [])))
         problems.extend(eof_reason_problems(rid, entry, views.get(rid, []), reasons_required))
@@ -279,8 +300,6 @@ def processor_problems(
 def chunk_run(recorder: Any, subject: Any, mode: str) -> MachineRun:
     """The property's run for ``subject`` (``run_machine(run, settings, ChunkMachine)``)."""
     delivery: ChunkDelivery = require(subject, "chunk_delivery", "chunk delivery")
-    # Both sides step through one generated payload source, handed to each side's executor.
-    require_oracle_in_process("the chunk machine's payload-carrying steps")
     feature = delivery.processor_feature
     if feature is None:
         raise NotApplicable(f"subject {subject.name!r} provides no processor feature")
@@ -297,22 +316,37 @@ def chunk_run(recorder: Any, subject: Any, mode: str) -> MachineRun:
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_chunk_contracts(request, conformance, conformance_subject, mode):
     for run, outcome in runs_per_shape(
-        lambda: chunk_run(conformance, conformance_subject, mode), suite_settings(40)
+        lambda: chunk_run(conformance, conformance_subject, mode),
+        suite_settings(40),
+        delivery_shapes(conformance_subject),
     ):
         # What the sessions really checked beyond the marker (C-46 where chunks cross a process).
         covers(request.node, run.clauses)
         raise_failure(outcome, run)
 
 
+def delivery_shapes(subject: Any) -> tuple[str, ...]:
+    """The processor shapes the subject's delivery takes (``processor_shapes``, optional: every
+    shape); shapes it does not take are not drawn, since its runtime has no such processor."""
+    delivery = subject.chunk_delivery()
+    shapes = tuple(getattr(delivery, "processor_shapes", PROCESSOR_SHAPES))
+    unknown = sorted(set(shapes) - set(PROCESSOR_SHAPES))
+    if unknown or not shapes:
+        raise ValueError(f"chunk delivery declares unknown processor shapes {unknown or shapes}")
+    return shapes
+
+
 def runs_per_shape(
-    make_run: Callable[[], MachineRun], budget: settings
+    make_run: Callable[[], MachineRun],
+    budget: settings,
+    shapes: tuple[str, ...] = PROCESSOR_SHAPES,
 ) -> Iterator[tuple[MachineRun, MachineOutcome]]:
     """The chunk machine once per processor shape, each with ``budget``'s examples: drawn among
     all processors, the shapes that take the token-update paths (one declaration value of seven)
     would meet a small budget's examples only by chance, and a share of the budget per shape
     met preemption with trimming too rarely in the payload-driven one. Stops after the first
     failing run."""
-    for shape in PROCESSOR_SHAPES:
+    for shape in shapes:
         run = make_run()
         outcome = run_machine(run, budget, chunk_machine((shape,)))
         yield run, outcome
@@ -328,16 +362,13 @@ def check_rows_survive_a_reset(
     drain; raises AssertionError on a C-45 violation (or any other audited one). Returns the
     operations run."""
     delivery: ChunkDelivery = require(subject, "chunk_delivery", "chunk delivery")
-    require_oracle_in_process("the chunk machine's payload-carrying steps")
     feature = delivery.processor_feature
     if feature is None:
         raise NotApplicable(f"subject {subject.name!r} provides no processor feature")
     cfg = harness_config(feature, mode="async", prefix=True)
     session = AuditedLockstep(cfg, subject, feature=feature, prefixes=PREFIXES)
     try:
-        for side in (session.up, session.sub):
-            side.executor.inner = PayloadTokenSource(delivery)
-        source: PayloadTokenSource = session.sub.executor.inner
+        source = payload_sources(session, delivery)
         processor = spec.build()
         attach_processor(delivery, session, source, processor)
         ops = [
@@ -370,7 +401,7 @@ def test_rows_survive_a_reset_with_steps_in_flight(conformance_subject):
     @given(
         st.lists(st.integers(1, 40), min_size=1, max_size=3),
         st.integers(1, 4),
-        processor_specs,
+        processor_specs_of(delivery_shapes(conformance_subject)),
     )
     def prop(lengths: list[int], steps: int, spec: ProcessorSpec) -> None:
         check_rows_survive_a_reset(conformance_subject, lengths, steps, spec)

@@ -32,6 +32,8 @@ from conformance.api import (
     request_kwargs,
 )
 
+from . import vllm_omni_chunks as chunks
+
 DISTRIBUTION = "vllm-omni"
 PACKAGE = "vllm_omni"
 SCHEDULER_MODULE = "vllm_omni.core.sched.omni_ar_scheduler"
@@ -217,19 +219,17 @@ DIFFERENCES: tuple[Difference, ...] = (
 # ---- the subject ------------------------------------------------------------------------------
 
 
-def omni_model_config(model_config: Any) -> Any:
-    """The harness's ``ModelConfig`` as the ``OmniModelConfig`` of a plain AR text stage."""
+def omni_model_config(model_config: Any, overrides: Mapping[str, Any] | None = None) -> Any:
+    """The harness's ``ModelConfig`` as the ``OmniModelConfig`` of a plain AR text stage, with a
+    feature's stage ``overrides`` (``vllm_omni_chunks.CHUNK_STAGE``: a stage that streams)."""
     from vllm_omni.config import OmniModelConfig
 
     known = getattr(OmniModelConfig, "__dataclass_fields__", {})
-    stage = {k: v for k, v in TEXT_STAGE.items() if k in known}
+    fields = {**TEXT_STAGE, **(overrides or {})}
+    stage = {k: v for k, v in fields.items() if k in known}
     return OmniModelConfig.from_vllm_model_config(model_config, **stage)
 
 
-class VllmOmniSubject(BaseSubject):
-    """vllm-omni's ``OmniARScheduler`` / ``OmniARAsyncScheduler`` on a plain AR text stage."""
-
-    name = "vllm-omni"
 # What ``omni-conformance reach`` reports of vllm-omni's own code, area by area, relative to the
 # installed ``vllm_omni`` package; a path a release lacks (0.28 has no connector model_runner/)
 # is reported as missing there.
@@ -267,6 +267,10 @@ REACH_AREAS: dict[str, tuple[str, ...]] = {
 }
 
 
+class VllmOmniSubject(BaseSubject):
+    """vllm-omni's ``OmniARScheduler`` / ``OmniARAsyncScheduler`` on a plain AR text stage."""
+
+    name = "vllm-omni"
     sync_scheduler = f"{SCHEDULER_MODULE}.OmniARScheduler"
     async_scheduler = f"{SCHEDULER_MODULE}.OmniARAsyncScheduler"
 
@@ -274,12 +278,44 @@ REACH_AREAS: dict[str, tuple[str, ...]] = {
         self.omni_version = omni_version
 
     def build_scheduler(self, cfg: HarnessConfig) -> Any:
+        overrides = cfg.additional_config.get(chunks.FEATURE_KEY)
+        if overrides:
+            chunks.register_connector()
+
         def omni_model(vllm_config: Any) -> None:
-            vllm_config.model_config = omni_model_config(vllm_config.model_config)
+            vllm_config.model_config = omni_model_config(vllm_config.model_config, overrides)
 
         # As the oracle's is built (statistics, KV events, grammars per the configuration),
         # with vllm-omni's model config.
-        return build_scheduler(self.scheduler_class(cfg), cfg, adapt=omni_model)
+        scheduler = build_scheduler(self.scheduler_class(cfg), cfg, adapt=omni_model)
+        adapter = chunks.transfer_adapter(scheduler)
+        if adapter is not None:
+            chunks.step_driven(adapter)
+        return scheduler
+
+    # ---- the chunk path (``vllm_omni_chunks``) ----
+
+    def chunk_delivery(self) -> chunks.VllmOmniChunkDelivery:
+        return chunks.VllmOmniChunkDelivery()
+
+    def feature_configs(self) -> dict[str, dict[str, Any]]:
+        feature = chunks.VllmOmniChunkDelivery.processor_feature
+        return {feature.name: {"additional_config": dict(feature.additional_config)}}
+
+    def receive_outputs(self, scheduler: Any, outputs: Any) -> Any:
+        # The adapter's sender runs after the step that queued its chunks (one pass).
+        adapter = chunks.transfer_adapter(scheduler)
+        if adapter is not None:
+            chunks.pump(adapter)
+        return outputs
+
+    def drain_chunks(self, scheduler: Any) -> list[Any]:
+        adapter = chunks.transfer_adapter(scheduler)
+        if adapter is None:
+            return []
+        chunks.pump(adapter)
+        drain = getattr(adapter.connector.sink, "drain", None)
+        return list(drain()) if drain is not None else []
 
     def make_request(
         self, op: AddRequest, prompt: list[int], cfg: HarnessConfig, scheduler: Any, arrival: float
@@ -318,10 +354,21 @@ REACH_AREAS: dict[str, tuple[str, ...]] = {
     def scheduler_facts(self, scheduler: Any) -> dict[str, dict[str, Any]]:
         # VLLM-OMNI-ABORT-001's condition: ids finished but not yet reported to their client.
         pending = getattr(scheduler, "finished_req_ids_dict", None) or {}
-        return {rid: {AWAITING_FINISH_REPORT: True} for ids in pending.values() for rid in ids}
+        facts = {rid: {AWAITING_FINISH_REPORT: True} for ids in pending.values() for rid in ids}
+        if chunks.transfer_adapter(scheduler) is not None:
+            # A streaming stage sends every request's outputs and end downstream.
+            for rid in scheduler.requests:
+                facts.setdefault(rid, {})["has_downstream"] = True
+        return facts
 
     def __repr__(self) -> str:
         return f"<subject {self.name} (vllm-omni {self.omni_version})>"
+
+    def reach_areas(self) -> Any:
+        """The parts of vllm-omni that ``omni-conformance reach`` reports (``REACH_AREAS``)."""
+        from conformance.api import SubjectAreas
+
+        return SubjectAreas(package=PACKAGE, areas=REACH_AREAS)
 
 
 def vllm_omni_subject() -> VllmOmniSubject:
@@ -333,9 +380,3 @@ def vllm_omni_subject() -> VllmOmniSubject:
 
 
 vllm_omni_subject.environment_requirements = environment_requirements  # type: ignore[attr-defined]
-    def reach_areas(self) -> Any:
-        """The parts of vllm-omni that ``omni-conformance reach`` reports (``REACH_AREAS``)."""
-        from conformance.api import SubjectAreas
-
-        return SubjectAreas(package=PACKAGE, areas=REACH_AREAS)
-

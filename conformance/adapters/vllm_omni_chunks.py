@@ -1,0 +1,273 @@
+"""vllm-omni's chunk transfer path as the gate's chunk delivery (C-21, C-40..C-45, C-51, C-61).
+
+An AR stage with ``async_chunk`` builds vllm-omni's ``OmniChunkTransferAdapter``: each step's
+``update_from_output`` hands a request's inter-stage output (or its end) to ``save_async``, a
+background thread runs the stage's ``custom_process_next_stage_input_func`` over it and puts the
+resulting ``OmniPayloadStruct`` through the stage's connector. Here that connector is vllm-omni's
+own ``SharedMemoryConnector``, registered in process under ``CONNECTOR_NAME``: every chunk is
+written to shared memory and read back as the next stage reads it, and what was read goes to the
+gate's sink. The adapter's two background loops are stopped at construction and run one pass at
+a time on the harness's thread after every step (``pump``), so a run is deterministic: the
+sender has sent everything a step queued before the next operation. Nothing here imports
+vllm-omni at import time.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from conformance.api import ChunkView, Feature, PayloadView
+
+CONNECTOR_NAME = "OmniConformanceSharedMemoryConnector"
+FEATURE_KEY = "vllm_omni_stage"
+# The flat inter-stage key the harness's synthetic rows travel under (``OmniPayloadStruct.hidden``).
+HIDDEN_KEY = "hidden"
+
+# A thinker stage that streams to a downstream stage through the connector: vllm-omni then calls
+# ``save_async`` for every request's inter-stage outputs and its end.
+CHUNK_STAGE: dict[str, Any] = {
+    "async_chunk": True,
+    "final_output": False,
+    "stage_connector_config": {"name": CONNECTOR_NAME, "extra": {"role": "sender"}},
+}
+
+# vllm-omni's processors have no token-update declaration: it calls one on a step that carried
+# an inter-stage output for the request, and at the request's end (``save_async``), passing the
+# step's ids to one whose signature names ``new_token_ids``.
+PAYLOAD_DRIVEN_ONLY = (
+    "vllm-omni calls a stage's processor only for a step with an inter-stage output and at the "
+    "request's end; it has no requires_token_updates declaration"
+)
+
+
+class ChunkInbox:
+    """Where chunks go while the gate installed no sink of its own."""
+
+    def __init__(self) -> None:
+        self.chunks: list[Any] = []
+
+    def send(self, chunk: Any) -> None:
+        self.chunks.append(chunk)
+
+    def drain(self) -> list[Any]:
+        out, self.chunks = self.chunks, []
+        return out
+
+
+class ReadChunk:
+    """One chunk as the next stage read it back from shared memory: its connector key
+    (``<external id>_<stage>_<chunk index>``) and the decoded ``OmniPayloadStruct`` (a dict)."""
+
+    def __init__(self, key: str, data: Any) -> None:
+        self.key = key
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"ReadChunk({self.key!r})"
+
+
+def register_connector() -> None:
+    """Register ``CONNECTOR_NAME`` with vllm-omni's connector factory (once per process)."""
+    from vllm_omni.distributed.omni_connectors.connectors.shm_connector import (
+        SharedMemoryConnector,
+    )
+    from vllm_omni.distributed.omni_connectors.factory import OmniConnectorFactory
+
+    if CONNECTOR_NAME in OmniConnectorFactory.list_registered_connectors():
+        return
+
+    class ReadBackConnector(SharedMemoryConnector):  # type: ignore[misc]
+        """vllm-omni's shared-memory connector whose every put is read back, as the next stage
+        would read it, and handed to ``sink``; a sink that raises is a failed put."""
+
+        sink: Any = None
+
+        def put(self, from_stage: str, to_stage: str, put_key: str, data: Any) -> Any:
+            ok, size, meta = super().put(from_stage, to_stage, put_key, data)
+            if ok:
+                got = self.get(from_stage, to_stage, put_key, meta)
+                if got is None:
+                    return False, 0, None
+                # ``step_driven`` gives every connector a sink before its first put.
+                self.sink.send(ReadChunk(put_key, got[0]))
+            return ok, size, meta
+
+    OmniConnectorFactory.register_connector(CONNECTOR_NAME, ReadBackConnector)
+
+
+class _OnePass:
+    """Stands in for a transfer loop's stop event so that the loop body runs exactly once on the
+    caller's thread: the first ``is_set`` after ``arm`` says no, every later one says yes."""
+
+    def __init__(self) -> None:
+        self._armed = False
+        self._lock = threading.Lock()
+
+    def arm(self) -> None:
+        self._armed = True
+
+    def is_set(self) -> bool:
+        with self._lock:
+            armed, self._armed = self._armed, False
+        return not armed
+
+    def set(self) -> None:
+        self._armed = False
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return True
+
+
+def step_driven(adapter: Any) -> None:
+    """Stop the adapter's background loops (idle at construction) and let ``pump`` run them."""
+    adapter.stop_event.set()
+    for cond in (adapter._recv_cond, adapter._save_cond):
+        with cond:
+            cond.notify_all()
+    for thread in (adapter.recv_thread, adapter.save_thread):
+        thread.join(timeout=5)
+    adapter.stop_event = _OnePass()
+    if adapter.connector is not None and adapter.connector.sink is None:
+        adapter.connector.sink = ChunkInbox()
+
+
+def pump(adapter: Any) -> None:
+    """One pass of the adapter's send loop (everything queued) and of its receive loop."""
+    gate = adapter.stop_event
+    if not isinstance(gate, _OnePass):
+        return
+    gate.arm()
+    adapter.save_loop()
+    gate.arm()
+    adapter.recv_loop()
+
+
+def transfer_adapter(scheduler: Any) -> Any:
+    return getattr(scheduler, "chunk_transfer_adapter", None)
+
+
+def _hidden_of(data: Any) -> torch.Tensor | None:
+    if isinstance(data, Mapping):
+        hidden = data.get(HIDDEN_KEY)
+        if isinstance(hidden, torch.Tensor):
+            return hidden
+    return None
+
+
+def payload_view(payload: Any, request_id: str = "") -> PayloadView | None:
+    """An inter-stage output (``{"hidden": rows}``) or a read chunk's data as the suite reads
+    payloads: row ``i`` of the harness's synthetic rows holds (owner, position)."""
+    hidden = _hidden_of(payload)
+    if hidden is None:
+        return None
+    start = int(hidden[0, 1].item()) if hidden.shape[0] else -1
+    return PayloadView(request_id, start, int(hidden.shape[0]), hidden, has_tensors=True)
+
+
+def as_payload_struct(returned: Any) -> Any:
+    """What a harness processor returned, as vllm-omni's processors return it: None sends
+    nothing; rows (a payload dict) go as ``hidden``; ids as ``ids.output``; anything else as a
+    chunk that carries nothing the next stage reads."""
+    from vllm_omni.data_entry_keys import IdsStruct, OmniPayloadStruct
+
+    if returned is None:
+        return None
+    hidden = _hidden_of(returned)
+    if hidden is not None:
+        return OmniPayloadStruct(hidden=hidden)
+    if isinstance(returned, tuple) and all(isinstance(t, int) for t in returned):
+        return OmniPayloadStruct(ids=IdsStruct(output=list(returned)))
+    return OmniPayloadStruct()
+
+
+def vllm_omni_processor(processor: Callable[..., Any]) -> Callable[..., Any]:
+    """The harness's ``processor(request_id, payload, is_final[, new_token_ids])`` in vllm-omni's
+    form (``transfer_manager``, ``multimodal_output``, ``request``, ``is_finished`` and, when the
+    processor takes them, ``new_token_ids``: vllm-omni reads that from the signature)."""
+    import inspect
+
+    takes_ids = "new_token_ids" in inspect.signature(processor).parameters
+
+    if takes_ids:
+
+        def with_ids(
+            transfer_manager: Any,
+            multimodal_output: Any,
+            request: Any,
+            is_finished: bool,
+            new_token_ids: Sequence[int] = (),
+        ) -> Any:
+            # vllm-omni hands an immutable snapshot; the harness's processors take a list.
+            ids = list(new_token_ids)
+            got = processor(request.external_req_id, multimodal_output, is_finished, ids)
+            return as_payload_struct(got)
+
+        return with_ids
+
+    def without_ids(
+        transfer_manager: Any, multimodal_output: Any, request: Any, is_finished: bool
+    ) -> Any:
+        return as_payload_struct(processor(request.external_req_id, multimodal_output, is_finished))
+
+    return without_ids
+
+
+class VllmOmniChunkDelivery:
+    """``ChunkDelivery`` over vllm-omni's ``OmniChunkTransferAdapter`` (see the module
+    docstring)."""
+
+    processor_feature = Feature("chunk-contracts", {FEATURE_KEY: CHUNK_STAGE})
+    # Only payload-driven processors (``PAYLOAD_DRIVEN_ONLY``).
+    processor_shapes: tuple[str, ...] = ("payload-driven",)
+    processor_shapes_reason = PAYLOAD_DRIVEN_ONLY
+    # An abort sends no terminal chunk: the adapter reclaims the sender (``finish_requests``),
+    # and vllm-omni's orchestrator aborts the request in every stage itself.
+    abort_eof = False
+
+    def install_sink(self, scheduler: Any, sink: Any) -> bool:
+        adapter = transfer_adapter(scheduler)
+        if adapter is None or adapter.connector is None:
+            return False
+        adapter.connector.sink = sink
+        return True
+
+    def view(self, chunk: Any) -> ChunkView:
+        external_id, _, seq = chunk.key.rsplit("_", 2)
+        data = chunk.data if isinstance(chunk.data, Mapping) else {}
+        meta = data.get("meta") or {}
+        finished = meta.get("finished")
+        is_final = bool(finished.item()) if isinstance(finished, torch.Tensor) else bool(finished)
+        ids = (data.get("ids") or {}).get("output")
+        return ChunkView(
+            external_id,
+            int(seq),
+            is_final,
+            tuple(int(t) for t in ids) if ids is not None else None,
+            payload_view(data, external_id),
+        )
+
+    def payload_view(self, payload: Any) -> PayloadView | None:
+        return payload_view(payload)
+
+    def expected_tokens(self, feature: Feature, accepted: Sequence[int]) -> list[int] | None:
+        return None
+
+    def set_processor(self, scheduler: Any, processor: Callable[..., Any]) -> None:
+        transfer_adapter(scheduler).custom_process_next_stage_input_func = vllm_omni_processor(
+            processor
+        )
+
+    def with_payloads(self, output: Any, rows: Sequence[tuple[int, torch.Tensor] | None]) -> Any:
+        from vllm_omni.outputs import OmniModelRunnerOutput
+
+        inter = [None if r is None else {HIDDEN_KEY: r[1]} for r in rows]
+        return OmniModelRunnerOutput(
+            req_ids=output.req_ids,
+            req_id_to_index=output.req_id_to_index,
+            sampled_token_ids=output.sampled_token_ids,
+            inter_stage_outputs=inter if any(x is not None for x in inter) else None,
+        )
