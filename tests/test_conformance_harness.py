@@ -503,6 +503,7 @@ def test_supported_releases_and_keyed_differences():
     from conformance._core.vllm_compat.versions import ByRelease, Change, supported_minor
 
     assert vllm_compat.SUPPORTED_VLLM == (
+        "0.26.0",
         "0.28.0",
         "0.29.0",
         "0.30.0",
@@ -516,6 +517,10 @@ def test_supported_releases_and_keyed_differences():
     assert [n for n, _ in queues.at("0.30.0")] == ["skipped_waiting"]
     assert [n for n, _ in queues.at("0.31.0")] == ["kv_holding_waiting", "deferred_waiting"]
     assert queues.at("0.99.0") == queues.at("0.33.0")  # an untested newer release: newest entry
+    from conformance._core.vllm_compat.stale_output import STALE_FIELDS
+
+    assert STALE_FIELDS.at("0.26.0") == ("async_tokens_to_discard",)
+    assert STALE_FIELDS.at("0.28.0") == ("num_stale_output_tokens", "drop_stale_output")
     table = ByRelease("x", 1, [Change("0.32.0", 3, "c"), Change("0.29.0", 2, "b")])
     assert [table.at(v) for v in ("0.28.0", "0.29.0", "0.31.5", "0.33.0")] == [1, 2, 2, 3]
     assert table.describe() == ["x: 0.29.0: b", "x: 0.32.0: c"]

@@ -220,7 +220,7 @@ class Observation:
     def any_stale_tokens(self) -> bool:
         """Whether some request held has stale output tokens (async scheduling)."""
         if self.scheduler is None:
-            return any(f["num_stale_output_tokens"] for f in self.snapshot()["requests"].values())
+            return any(map(vc.stale_in_fields, self.snapshot()["requests"].values()))
         return vc.has_stale_tokens(self.scheduler)
 
     def output_facts(self) -> list[tuple[Any, Any, Any]]:

@@ -4,7 +4,8 @@
               every per-release difference by the release that introduced it;
 ``state``     scheduler state: block pool, KV coordinator, requests, admission queues, outputs,
               and the checks that two schedulers' (or two steps' outputs') snapshots would be
-              equal, made in place on both at once;
+              equal, made in place on both at once (``stale_output``: a request's stale-output
+              bookkeeping, which 0.28 reshaped);
 ``scheduler_output``  what a ``SchedulerOutput`` says was scheduled, and from which position;
 ``stats``     statistics, request events and KV-cache events, as plain values;
 ``features``, ``kv_layout``  the axes the release can drive; hybrid layouts by vLLM's planner;
@@ -40,6 +41,7 @@ from conformance._core.vllm_compat.scheduler_output import (
     schedule_fields,
     scheduled_drafts,
 )
+from conformance._core.vllm_compat.stale_output import stale_in_fields
 from conformance._core.vllm_compat.state import (
     ADMISSION_QUEUES,
     base_output_fields,
@@ -174,6 +176,7 @@ __all__ = [
     "spec_decode_metrics",
     "take_kv_events",
     "set_none_hash",
+    "stale_in_fields",
     "status_name",
     "vllm_version",
 ]

@@ -47,6 +47,24 @@ HIT_CAPPING_UNAVAILABLE = (
     "cap_external_hit) from 0.31; before, the routed-experts axis covers them"
 )
 
+# Whether the release can return sampling masks at all.
+SAMPLING_MASKS: ByRelease[bool] = ByRelease(
+    "sampling masks",
+    False,
+    [
+        Change(
+            "0.28.0",
+            True,
+            "ModelConfig.return_sampling_mask, ModelRunnerOutput.sampling_masks and "
+            "EngineCoreOutput.new_sampling_mask added",
+        )
+    ],
+)
+NO_SAMPLING_MASKS = (
+    "this release has no sampling masks (ModelConfig.return_sampling_mask and "
+    "EngineCoreOutput.new_sampling_mask are new in 0.28)"
+)
+
 # Before 0.33 vLLM refuses Model Runner V2 (so sampling masks) where Triton is missing.
 V2_RUNNER_NEEDS_TRITON: ByRelease[bool] = ByRelease(
     "Model Runner V2 needs Triton",
@@ -65,6 +83,8 @@ def aux_axis_unavailable(name: str) -> str | None:
     or it is another axis)."""
     if name == "routed-experts-hybrid-connector" and ROUTED_EXPERTS_PATH.value() == "slots":
         return HIT_CAPPING_UNAVAILABLE
+    if name == "sampling-masks" and not SAMPLING_MASKS.value():
+        return NO_SAMPLING_MASKS
     if name.startswith("routed-experts"):
         v2 = ROUTED_EXPERTS_PATH.value() == "connector"
         why = ROUTED_EXPERTS_UNAVAILABLE
@@ -147,12 +167,34 @@ def runner_flavour(v2: bool) -> Iterator[None]:
             os.environ[key] = before
 
 
+# Where the number of experts a token is routed to is read: "hf_config" (the routed-experts
+# capturer's own reader of the Hugging Face config) or "model_config" (``ModelConfig``).
+EXPERTS_PER_TOKEN: ByRelease[str] = ByRelease(
+    "experts per token",
+    "hf_config",
+    [
+        Change(
+            "0.28.0",
+            "model_config",
+            "ModelConfig.get_num_experts_per_tok added (the capturer's hf_config reader gone)",
+        )
+    ],
+)
+
+
 def routed_experts_shape(model_config: Any) -> tuple[int, int, int]:
     """(layers, experts, experts per token) of a mixture-of-experts model."""
+    if EXPERTS_PER_TOKEN.value() == "model_config":
+        per_token = model_config.get_num_experts_per_tok()
+    else:
+        from vllm.model_executor.layers.fused_moe import routed_experts_capturer
+
+        reader = routed_experts_capturer._get_num_experts_per_tok  # type: ignore[attr-defined]
+        per_token = reader(model_config.hf_config)
     return (
         int(model_config.get_total_num_hidden_layers()),
         int(model_config.get_num_experts()),
-        int(model_config.get_num_experts_per_tok()),
+        int(per_token),
     )
 
 
@@ -323,7 +365,7 @@ class AuxRunner:
 def aux_runner(vllm_config: Any, vocab: int) -> AuxRunner | None:
     """The auxiliary outputs ``vllm_config`` asks a runner for (None: neither)."""
     model_config = vllm_config.model_config
-    masks = bool(model_config.return_sampling_mask)
+    masks = SAMPLING_MASKS.value() and bool(model_config.return_sampling_mask)
     routed = bool(getattr(model_config, "enable_return_routed_experts", False))
     aux_config = getattr(vllm_config, "aux_output_config", None)  # the connector path, 0.31+
     routed = routed or bool(aux_config is not None and aux_config.enabled)
@@ -348,7 +390,7 @@ def aux_output_fields(out: Any) -> dict[str, Any]:
     """An ``EngineCoreOutput``'s sampling mask (ids per position) and routed experts (shape
     and checksum), each only when set, so outputs without them read as before."""
     fields: dict[str, Any] = {}
-    mask = out.new_sampling_mask
+    mask = out.new_sampling_mask if SAMPLING_MASKS.value() else None
     if mask is not None:
         fields["sampling_mask"] = [tuple(row) for row in mask.to_nested_list()]
     routed = out.routed_experts
@@ -359,11 +401,9 @@ def aux_output_fields(out: Any) -> dict[str, Any]:
 
 def same_aux_outputs(a: Any, b: Any) -> bool:
     """Whether ``aux_output_fields`` of two outputs would be equal."""
-    if (
-        a.new_sampling_mask is None
-        and b.new_sampling_mask is None
-        and a.routed_experts is None
-        and b.routed_experts is None
-    ):
-        return True
+    if a.routed_experts is None and b.routed_experts is None:
+        if not SAMPLING_MASKS.value():
+            return True
+        if a.new_sampling_mask is None and b.new_sampling_mask is None:
+            return True
     return aux_output_fields(a) == aux_output_fields(b)

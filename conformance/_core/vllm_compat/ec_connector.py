@@ -16,28 +16,38 @@ from conformance._core.vllm_compat.versions import ByRelease, Change
 
 # The ``VllmConfig`` property saying the instance runs the encoder only (``Scheduler``'s stop
 # without sampling reads the same property under the same name).
+# "" where the release has no encoder-only instance at all.
 _ENCODER_ONLY_FLAG: ByRelease[str] = ByRelease(
     "encoder-only flag",
-    "is_encoder_only",
+    "",
     [
+        Change(
+            "0.28.0",
+            "is_encoder_only",
+            "VllmConfig.is_encoder_only added: an EC producer-only instance stops a request once "
+            "its prompt is consumed, without sampling",
+        ),
         Change(
             "0.29.0",
             "is_mm_encoder_only",
             "is_encoder_only became is_mm_encoder_only: an EC producer-only instance is "
             "encoder-only only with a multimodal model (a text model's is refused)",
-        )
+        ),
     ],
 )
 
 
 def encoder_only_flag() -> str:
-    """The name of the encoder-only property, on ``VllmConfig`` and on the ``Scheduler``."""
+    """The name of the encoder-only property, on ``VllmConfig`` and on the ``Scheduler``
+    ("" before 0.28, which has none)."""
     return _ENCODER_ONLY_FLAG.value()
 
 
 def encoder_only(vllm_config: Any) -> bool:
-    """Whether ``vllm_config`` is an encoder-only instance (0.28: any EC producer-only one)."""
-    return bool(getattr(vllm_config, encoder_only_flag()))
+    """Whether ``vllm_config`` is an encoder-only instance (0.28: any EC producer-only one;
+    never before 0.28)."""
+    flag = encoder_only_flag()
+    return bool(flag) and bool(getattr(vllm_config, flag))
 
 
 def ec_metadata(so: Any) -> Any:

@@ -18,17 +18,28 @@ _OLD_OFFLOAD = (
     "the harness stands in for the offloading connector's worker as 0.33 reports jobs "
     "(TransferJob.sync, completed job ids); this release's offloading protocol differs"
 )
+_MISSING_BEFORE_030 = {
+    "kv-harness-recompute": _NO_FAILED_RECVING,
+    "kv-harness-fail": _NO_FAILED_RECVING,
+    "hybrid-swa-connector": _NO_FAILED_RECVING,
+    "hybrid-mamba-connector": _NO_FAILED_RECVING,
+    "hybrid-mamba-connector-chunked": _NO_FAILED_RECVING,
+    "kv-offload": _OLD_OFFLOAD,
+}
+_NEGATIVE_CHUNK = (
+    "vLLM 0.26 itself fails this axis: with drafts in flight near max_model_len its running "
+    "loop schedules a negative token count (the clamp has no floor at 0 before 0.28), "
+    "update_from_output then asserts and the request never finishes, so upstream is no oracle"
+)
 MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
     "scheduler axes missing",
-    {
-        "kv-harness-recompute": _NO_FAILED_RECVING,
-        "kv-harness-fail": _NO_FAILED_RECVING,
-        "hybrid-swa-connector": _NO_FAILED_RECVING,
-        "hybrid-mamba-connector": _NO_FAILED_RECVING,
-        "hybrid-mamba-connector-chunked": _NO_FAILED_RECVING,
-        "kv-offload": _OLD_OFFLOAD,
-    },
+    {**_MISSING_BEFORE_030, "pipeline-4": _NEGATIVE_CHUNK},
     [
+        Change(
+            "0.28.0",
+            _MISSING_BEFORE_030,
+            "a running request's chunk is floored at 0 (_reserve_prefill_lookahead)",
+        ),
         Change(
             "0.30.0",
             {"kv-offload": _OLD_OFFLOAD},
@@ -44,15 +55,20 @@ _EC_PRODUCER_NEEDS_MM = (
     "vLLM refuses an EC producer-only instance of a text model (encoder-only since 0.29 means "
     "a multimodal model's encoder; the harness's model is text-only)"
 )
+_NO_ENCODER_ONLY = (
+    "this release has no encoder-only instance: an EC producer-only scheduler samples on "
+    "(VllmConfig.is_encoder_only and its stop are new in 0.28)"
+)
 EC_MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
     "EC connector axes missing",
-    {},
+    {"ec-producer": _NO_ENCODER_ONLY},
     [
+        Change("0.28.0", {}, "VllmConfig.is_encoder_only: an EC producer-only instance"),
         Change(
             "0.29.0",
             {"ec-producer": _EC_PRODUCER_NEEDS_MM},
             "an EC producer-only instance needs a multimodal model (mm_encoder_only)",
-        )
+        ),
     ],
 )
 

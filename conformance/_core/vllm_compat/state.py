@@ -16,6 +16,7 @@ from operator import attrgetter
 from typing import Any
 
 from conformance._core.vllm_compat.aux_outputs import same_aux_outputs
+from conformance._core.vllm_compat.stale_output import has_stale, stale_fields, stale_row
 from conformance._core.vllm_compat.stats import request_events, spec_decode_metrics
 from conformance._core.vllm_compat.structured import grammar_state
 from conformance._core.vllm_compat.versions import ByRelease, Change
@@ -114,33 +115,36 @@ def block_ids_reader(scheduler: Any) -> Any:
 
 
 # The per-request state C-01 compares: snapshot field names, and (``_rows``) the attributes they
-# are read from, in the same order. ``same_scheduler_state`` compares the same attributes pair by
-# pair; ``_check_request_pairs`` refuses to import if it misses one ``_rows`` reads.
+# are read from, in the same order; the release's stale-output fields (``stale_output``) stand
+# between the two parts. ``same_scheduler_state`` compares the same attributes pair by pair;
+# ``_check_request_pairs`` refuses to import if it misses one ``_rows`` reads.
 REQUEST_FIELDS: tuple[str, ...] = (
     "status",
     "num_computed_tokens",
     "output_token_ids",
     "num_output_placeholders",
-    "num_stale_output_tokens",
-    "drop_stale_output",
-    "num_in_flight_tokens",
-    "num_preemptions",
-    "stop_reason",
 )
+_AFTER_STALE: tuple[str, ...] = ("num_in_flight_tokens", "num_preemptions", "stop_reason")
 _STATUS = REQUEST_FIELDS.index("status")
 _OUTPUT_TOKENS = REQUEST_FIELDS.index("output_token_ids")
 
 
+def request_field_names() -> tuple[str, ...]:
+    """The snapshot's per-request field names on the installed release, in ``_rows`` order."""
+    return (*REQUEST_FIELDS, *stale_fields(), *_AFTER_STALE)
+
+
 def _rows(requests: Iterable[Any]) -> list[tuple[Any, ...]]:
-    """``REQUEST_FIELDS`` of each request as read: the status enum, the live output-token list."""
+    """``request_field_names()`` of each request as read: the status enum, the live
+    output-token list."""
+    stale = stale_row()
     return [
         (
             r.status,
             r.num_computed_tokens,
             r._output_token_ids,
             r.num_output_placeholders,
-            r.num_stale_output_tokens,
-            r.drop_stale_output,
+            *stale(r),
             r.num_in_flight_tokens,
             r.num_preemptions,
             r.stop_reason,
@@ -152,7 +156,7 @@ def _rows(requests: Iterable[Any]) -> list[tuple[Any, ...]]:
 def request_fields(request: Any) -> dict[str, Any]:
     """The per-request state C-01 compares; lists are copied, so later mutation cannot leak in."""
     (row,) = _rows((request,))
-    fields = dict(zip(REQUEST_FIELDS, row, strict=True))
+    fields = dict(zip(request_field_names(), row, strict=True))
     fields["status"] = row[_STATUS].name
     fields["output_token_ids"] = tuple(row[_OUTPUT_TOKENS])
     structured = request.structured_output_request
@@ -334,6 +338,7 @@ def same_scheduler_state(a: Any, b: Any) -> bool:
         return False
     ids = list(held_a)
     in_order = list(held_b) == ids  # the usual case: both hold them in arrival order
+    stale = stale_row()
     # ``request_fields`` pair by pair, without building rows (``_check_request_pairs`` below
     # keeps the attributes read here those ``_rows`` reads). A status is compared by identity:
     # enum members are singletons, and ``RequestStatus`` is an ``IntEnum``, whose ``==`` would
@@ -349,8 +354,7 @@ def same_scheduler_state(a: Any, b: Any) -> bool:
         or x.num_computed_tokens != y.num_computed_tokens
         or x._output_token_ids != y._output_token_ids
         or x.num_output_placeholders != y.num_output_placeholders
-        or x.num_stale_output_tokens != y.num_stale_output_tokens
-        or x.drop_stale_output != y.drop_stale_output
+        or stale(x) != stale(y)
         or x.num_in_flight_tokens != y.num_in_flight_tokens
         or x.num_preemptions != y.num_preemptions
         or x.stop_reason != y.stop_reason
@@ -520,7 +524,7 @@ def preemption_counts(scheduler: Any) -> tuple[list[str], list[int]]:
 
 def has_stale_tokens(scheduler: Any) -> bool:
     """Whether a request held has stale output tokens (async scheduling)."""
-    return any([r.num_stale_output_tokens for r in scheduler.requests.values()])
+    return any(map(has_stale, scheduler.requests.values()))
 
 
 def none_hash() -> Any:

@@ -22,7 +22,15 @@ from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
-SUPPORTED_VLLM: tuple[str, ...] = ("0.28.0", "0.29.0", "0.30.0", "0.31.0", "0.32.0", "0.33.0")
+SUPPORTED_VLLM: tuple[str, ...] = (
+    "0.26.0",
+    "0.28.0",
+    "0.29.0",
+    "0.30.0",
+    "0.31.0",
+    "0.32.0",
+    "0.33.0",
+)
 ALLOW_UNTESTED_ENV = "OMNI_CONFORMANCE_ALLOW_UNTESTED_VLLM"
 
 
