@@ -147,8 +147,9 @@ def register(sub: Any) -> argparse.ArgumentParser:
         help="measure what the gate executes of vLLM's scheduler code (coverage per function)",
         description="Run the gate's suite against a subject under coverage.py and report line "
         "and branch coverage of vLLM's scheduler, KV-cache manager and request modules, per "
-        "file and per function; with --upstream-tests, the same for the installed release's "
-        "own tests/v1/core, side by side.",
+        "file and per function, and of the subject's own package by area (its reach_areas() "
+        "hook, or one area per first-level module); with --upstream-tests, vLLM's figures for "
+        "the installed release's own tests/v1/core too, side by side.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
