@@ -258,3 +258,31 @@ def test_a_wrong_attribute_declaration_fails_with_the_oracle_in_its_own_process(
     assert any(p.startswith("C-12: scheduler attributes") for p in isolated), isolated
     assert isolated == local
     assert _audit_problems(omni, isolate=True) == []
+
+
+# ---- the chunk machine under isolation (C-40..C-45) ------------------------------------------
+
+
+def _reset_run(subject, *, isolate: bool) -> str:
+    """``check_rows_survive_a_reset`` on one fixed async workload; its verdict."""
+    from invariants.strategies import ProcessorSpec
+    from invariants.test_chunk_contracts import check_rows_survive_a_reset
+
+    spec = ProcessorSpec(declaration=False, policy="payload", takes_ids=True, mutate_ids=False)
+    if isolate:
+        pristine.isolate_oracle("requested by the test")
+    try:
+        return f"ran {check_rows_survive_a_reset(subject, [5, 9], 2, spec)} operations"
+    except AssertionError as exc:
+        return f"failed: {exc}"
+    finally:
+        pristine.reset_placement()
+
+
+def test_the_chunk_machine_runs_with_the_oracle_in_its_own_process():
+    """Payloads live on the subject's side only: across the pipe the oracle draws the same
+    tokens from its own source, so the chunk machine runs the same workload to the same verdict
+    as in process (the gate's chunk properties then run for subjects that patch vLLM)."""
+    omni = load_subject("omni")
+    isolated = _reset_run(omni, isolate=True)
+    assert isolated == _reset_run(omni, isolate=False) == "ran 5 operations", isolated
