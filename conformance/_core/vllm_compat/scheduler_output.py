@@ -1,7 +1,7 @@
 """What the harness reads from a ``SchedulerOutput``: who was scheduled, from which position.
 
 New requests carry their state on ``NewRequestData``; requests already known to the worker carry
-it in ``CachedRequestData``'s parallel lists. Both shapes are the same in vLLM 0.28-0.33 (the
+it in ``CachedRequestData``'s parallel lists. Both shapes are the same in vLLM 0.26-0.33 (the
 V1 model runner layout: a resumed request stays in the cached data with ``resumed_req_ids`` and
 ``all_token_ids``); this module is where a release that changes them would be keyed.
 """
@@ -21,7 +21,7 @@ def computed_before(so: Any) -> dict[str, int]:
 
 
 def prompt_length(new: Any) -> int:
-    """A new request's prompt length (``NewRequestData.prompt_len`` is missing on 0.28)."""
+    """A new request's prompt length (``NewRequestData.prompt_len`` is missing before 0.29)."""
     return len(new.prompt_token_ids or ())
 
 
