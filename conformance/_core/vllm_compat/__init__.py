@@ -2,10 +2,8 @@
 
 ``versions``  the supported vLLM releases, the version check, and ``ByRelease`` tables that key
               every per-release difference by the release that introduced it;
-``state``     scheduler state: block pool, KV coordinator, requests, admission queues, outputs,
-              and the checks that two schedulers' (or two steps' outputs') snapshots would be
-              equal, made in place on both at once (``stale_output``: a request's stale-output
-              bookkeeping, which 0.28 reshaped);
+``state``     scheduler state, and the in-place checks that two snapshots would be equal
+              (``stale_output``: a request's stale-output bookkeeping, which 0.28 reshaped);
 ``scheduler_output``  what a ``SchedulerOutput`` says was scheduled, and from which position;
 ``stats``     statistics, request events and KV-cache events, as plain values;
 ``features``, ``kv_layout``  the axes the release can drive; hybrid layouts by vLLM's planner;
