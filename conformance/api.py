@@ -30,6 +30,7 @@ from conformance._core.capabilities import (
     NotApplicable,
     PayloadView,
     ProcessBoundary,
+    ReceivingStage,
     RunnerProbes,
     SourceLayout,
     StageInputSpec,
@@ -63,6 +64,7 @@ from conformance._core.vllm_compat.versions import release
 from conformance._core.workload import (
     Abort,
     AddRequest,
+    ChunkArrives,
     DeliverChunks,
     ResetPrefixCache,
     Step,
@@ -100,6 +102,7 @@ __all__ = [
     "ModelReference",
     "FaultContainment",
     "ProcessBoundary",
+    "ReceivingStage",
     # differences
     "Difference",
     "DifferenceEntry",
@@ -120,6 +123,7 @@ __all__ = [
     "Abort",
     "ResetPrefixCache",
     "DeliverChunks",
+    "ChunkArrives",
     "Lockstep",
     "run_trace",
     "replay",

@@ -201,6 +201,7 @@ PROVIDED = {
     "source_layout",
     "difference_witnesses",
     "chunk_delivery",
+    "receiving_stage",
 }
 
 
@@ -551,3 +552,51 @@ def test_declared_attributes_hold_and_a_wrong_declaration_fails():
             wrong = runs["wrong"]
             assert any(p.startswith("C-12: r1: attributes added") for p in wrong), wrong
             assert any(p.startswith("C-12: scheduler attributes") for p in wrong), wrong
+
+
+RECEIVING = textwrap.dedent(
+    """
+    import json
+    from conformance._core.subjects import load_subject
+    from conformance._core.workload import Abort, AddRequest, ChunkArrives, Step
+    from invariants.test_receiving_stages import run_program
+
+    subject = load_subject("vllm-omni")  # before anything imports vllm-omni: the guard sees it
+
+    class ForgetsParked(type(subject)):
+        # Planted: a chunk adapter that never lets go of a request's receiving side (its
+        # finish_requests and cleanup_receiver do nothing).
+        def build_scheduler(self, cfg):
+            scheduler = super().build_scheduler(cfg)
+            receiver = scheduler.chunk_transfer_adapter
+            if receiver is not None:
+                receiver.finish_requests = lambda *a, **k: []
+                receiver.cleanup_receiver = lambda *a, **k: None
+            return scheduler
+
+    program = [AddRequest("r0", (100, 101, 102), max_tokens=3), Step(),
+               AddRequest("r1", (7, 8), max_tokens=2), ChunkArrives("r1"), Step(), Abort(("r0",))]
+    out = {m: {"right": run_program(subject, m, program)[0],
+               "planted": run_program(ForgetsParked(subject.omni_version), m, program)[0]}
+           for m in ("sync", "async")}
+    print(json.dumps(out))
+    """
+)
+
+
+@pytest.mark.vllm_omni
+def test_a_receiving_stage_that_keeps_an_aborted_request_fails_c47():
+    """vllm-omni's talker, parked on chunks, passes C-47; the same stage whose abort skips the
+    chunk adapter's cleanup keeps the aborted request's receiver state, and C-47 says so."""
+    for env in _env_or_skip():
+        proc = _run(env, ["-c", RECEIVING], 900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got = json.loads(proc.stdout.strip().splitlines()[-1])
+        for mode, runs in got.items():
+            assert runs["right"] == [], (env.name, mode, runs["right"])
+            planted = runs["planted"]
+            assert planted and planted[0].startswith("C-47: r0 was aborted but is still held"), (
+                env.name,
+                mode,
+                planted,
+            )

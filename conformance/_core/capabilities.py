@@ -42,6 +42,7 @@ CAPABILITY_HOOKS: tuple[str, ...] = (
     "difference_witnesses",
     "fault_containment",
     "process_boundary",
+    "receiving_stage",
 )
 
 
@@ -468,3 +469,26 @@ class ProcessBoundary(Protocol):
         requests staged but not admitted), by kind. Between two operations of the harness
         every value must be empty: a step's outputs have been received, and an abort or
         finish leaves nothing of its request behind."""
+
+
+@runtime_checkable
+class ReceivingStage(Protocol):
+    """A downstream stage whose scheduler parks a request until the upstream stage's chunks
+    arrive (C-47): a state upstream vLLM has no counterpart for, so it is checked on the subject
+    alone against upstream's own state machine (``invariants/test_receiving_stages.py``)."""
+
+    @property
+    def feature(self) -> Feature:
+        """The configuration of a receiving stage."""
+
+    def arrive(self, scheduler: Scheduler, request_id: str, final: bool) -> None:
+        """Script one chunk from the upstream stage for ``request_id`` (``final``: the last),
+        through the stage's own connector, as the upstream stage would send it."""
+
+    def parked(self, scheduler: Scheduler) -> Mapping[str, int]:
+        """Each request waiting for a chunk, with how many times the receiving machinery keeps
+        it outside the scheduler's queues (0: it waits in a queue)."""
+
+    def held_for(self, scheduler: Scheduler, request_id: str) -> list[str]:
+        """What the receiving machinery still keeps for ``request_id``, by name (empty once
+        the request is gone)."""

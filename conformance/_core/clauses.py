@@ -29,6 +29,7 @@ GROUPS: dict[str, str] = {
     "materialization": "Payloads are built from the right rows, on the right thread",
     "reliability": "Bad input and faults stay with the request they concern",
     "process-boundary": "What crosses a stage's process boundary arrives unchanged",
+    "receiving-stages": "A stage waiting for chunks keeps its requests in upstream's states",
 }
 
 CLAUSE_ID = re.compile(r"\bC-\d{2}\b")
@@ -76,6 +77,7 @@ CLAUSES: dict[str, Clause] = _table(
     ("C-44", "chunk-processors", "Processors get a copy of the stop-trimmed accepted ids"),
     ("C-45", "chunk-processors", "No position is delivered twice, even after preemption"),
     ("C-46", "process-boundary", "Chunks and stage inputs cross a process boundary unchanged"),
+    ("C-47", "receiving-stages", "Parked requests stay live, accounted, and leave nothing on abort"),
     # materialization
     ("C-50", "materialization", "Steps with nothing to deliver build no payload objects"),
     ("C-51", "materialization", "Payload slot i holds request i's scheduled rows"),

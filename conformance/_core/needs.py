@@ -20,6 +20,7 @@ from conformance._core.capabilities import (
     ModelReference,
     NotApplicable,
     ProcessBoundary,
+    ReceivingStage,
     RunnerProbes,
     SourceLayout,
 )
@@ -83,6 +84,8 @@ def require(
 ) -> FaultContainment: ...
 @overload
 def require(subject: Subject, hook: Literal["process_boundary"], what: str) -> ProcessBoundary: ...
+@overload
+def require(subject: Subject, hook: Literal["receiving_stage"], what: str) -> ReceivingStage: ...
 def require(subject: Subject, hook: str, what: str) -> object:
     """The subject's ``hook()`` result, or ``NotApplicable`` naming what is missing."""
     if hook not in CAPABILITY_HOOKS:

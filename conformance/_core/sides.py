@@ -15,7 +15,15 @@ from conformance._core.harness_faults import HarnessError, forget_pending, raise
 from conformance._core.observe import Observation
 from conformance._core.subjects import Subject
 from conformance._core.tokens import DeterministicTokenSource
-from conformance._core.workload import Abort, AddRequest, DeliverChunks, Op, ResetPrefixCache, Step
+from conformance._core.workload import (
+    Abort,
+    AddRequest,
+    ChunkArrives,
+    DeliverChunks,
+    Op,
+    ResetPrefixCache,
+    Step,
+)
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.scheduler import Scheduler
@@ -104,6 +112,10 @@ class Side:
                 )
             elif isinstance(op, DeliverChunks):
                 self.chunks.extend(self.subject.drain_chunks(sched))
+            elif isinstance(op, ChunkArrives):
+                receiving = self.subject.receiving_stage()
+                if receiving is not None:
+                    receiving.arrive(sched, op.request_id, op.final)
             else:  # pragma: no cover - the Op union is closed
                 raise TypeError(f"unknown op {op!r}")
         except HarnessError as exc:

@@ -29,6 +29,7 @@ from conformance._core.capabilities import (
     ModelReference,
     NotApplicable,
     ProcessBoundary,
+    ReceivingStage,
     RunnerProbes,
     SourceLayout,
 )
@@ -150,6 +151,8 @@ class Subject(Protocol):
     def fault_containment(self) -> FaultContainment | None: ...
 
     def process_boundary(self) -> ProcessBoundary | None: ...
+
+    def receiving_stage(self) -> ReceivingStage | None: ...
 
 
 # Every member of ``Subject``, in declaration order.
@@ -370,6 +373,10 @@ class BaseSubject:
     def process_boundary(self) -> ProcessBoundary | None:
         """What crosses between the scheduler's process and its caller's, as sent and as
         received, and what the crossing still holds (C-46)."""
+        return None
+
+    def receiving_stage(self) -> ReceivingStage | None:
+        """A stage that parks requests until chunks arrive, checked on its own (C-47)."""
         return None
 
     def __repr__(self) -> str:

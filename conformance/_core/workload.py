@@ -2,8 +2,8 @@
 
 A ``Trace`` is a ``HarnessConfig``, named shared prompt prefixes and a list of operations; it is
 the unit of replay (``to_json``; ``omni-conformance replay``). The operations are deliberately
-few: ``AddRequest``, ``Step``, ``Abort``, ``ResetPrefixCache`` and ``DeliverChunks``. Nothing
-else changes scheduler state, so a trace fully determines both runs.
+few: ``AddRequest``, ``Step``, ``Abort``, ``ResetPrefixCache``, ``DeliverChunks`` and
+``ChunkArrives``. Nothing else changes scheduler state, so a trace fully determines both runs.
 
 What each operation carries and does: docs/design.md, "Inside the gate"; the trace headers and
 client index of ``AddRequest``: C-07 in docs/contracts.md.
@@ -135,9 +135,22 @@ class DeliverChunks:
         return "deliver_chunks"
 
 
-Op = AddRequest | Step | Abort | ResetPrefixCache | DeliverChunks
+@dataclass(frozen=True)
+class ChunkArrives:
+    """A chunk from the upstream stage arrives for a request of a receiving stage (C-47);
+    ``final``: the last one. Upstream vLLM has no such input: its side does nothing."""
+
+    kind: ClassVar[str] = "chunk_arrives"
+    request_id: str
+    final: bool = False
+
+    def describe(self) -> str:
+        return f"chunk arrives for {self.request_id}" + (" (final)" if self.final else "")
+
+
+Op = AddRequest | Step | Abort | ResetPrefixCache | DeliverChunks | ChunkArrives
 OP_TYPES: dict[str, type] = {
-    t.kind: t for t in (AddRequest, Step, Abort, ResetPrefixCache, DeliverChunks)
+    t.kind: t for t in (AddRequest, Step, Abort, ResetPrefixCache, DeliverChunks, ChunkArrives)
 }
 
 

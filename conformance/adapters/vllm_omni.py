@@ -298,6 +298,9 @@ class VllmOmniSubject(BaseSubject):
     def chunk_delivery(self) -> chunks.VllmOmniChunkDelivery:
         return chunks.VllmOmniChunkDelivery()
 
+    def receiving_stage(self) -> chunks.VllmOmniReceivingStage:
+        return chunks.VllmOmniReceivingStage()
+
     def feature_configs(self) -> dict[str, dict[str, Any]]:
         feature = chunks.VllmOmniChunkDelivery.processor_feature
         return {feature.name: {"additional_config": dict(feature.additional_config)}}
@@ -314,7 +317,7 @@ class VllmOmniSubject(BaseSubject):
         if adapter is None:
             return []
         chunks.pump(adapter)
-        drain = getattr(adapter.connector.sink, "drain", None)
+        drain = getattr(getattr(adapter.connector, "sink", None), "drain", None)
         return list(drain()) if drain is not None else []
 
     def make_request(
@@ -322,9 +325,10 @@ class VllmOmniSubject(BaseSubject):
     ) -> Any:
         from vllm_omni.request import OmniRequest
 
-        return OmniRequest(
-            external_req_id=op.request_id, **request_kwargs(op, prompt, cfg, arrival)
-        )
+        external = op.request_id
+        if cfg.additional_config.get(chunks.RECEIVING_KEY):
+            external = chunks.unique_external_id(op.request_id, scheduler)
+        return OmniRequest(external_req_id=external, **request_kwargs(op, prompt, cfg, arrival))
 
     # ---- what vllm-omni declares (``vllm_omni_declarations``, imported where used) ----
 

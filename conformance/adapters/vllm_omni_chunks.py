@@ -32,7 +32,8 @@ HIDDEN_KEY = "hidden"
 CHUNK_STAGE: dict[str, Any] = {
     "async_chunk": True,
     "final_output": False,
-    "stage_connector_config": {"name": CONNECTOR_NAME, "extra": {"role": "sender"}},
+    # The stage id also in the connector's own config: 0.28 reads it only there.
+    "stage_connector_config": {"name": CONNECTOR_NAME, "extra": {"role": "sender", "stage_id": 0}},
 }
 
 # vllm-omni's processors have no token-update declaration: it calls one on a step that carried
@@ -131,7 +132,7 @@ def step_driven(adapter: Any) -> None:
     for thread in (adapter.recv_thread, adapter.save_thread):
         thread.join(timeout=5)
     adapter.stop_event = _OnePass()
-    if adapter.connector is not None and adapter.connector.sink is None:
+    if adapter.connector is not None and getattr(adapter.connector, "sink", False) is None:
         adapter.connector.sink = ChunkInbox()
 
 
@@ -271,3 +272,118 @@ class VllmOmniChunkDelivery:
             sampled_token_ids=output.sampled_token_ids,
             inter_stage_outputs=inter if any(x is not None for x in inter) else None,
         )
+
+
+# ---- a receiving stage (C-47) --------------------------------------------------------------
+
+# A talker stage fed by the thinker's chunks: vllm-omni parks each of its requests
+# (``WAITING_FOR_CHUNK``) until a chunk for it has been read, and after the final one lets it run.
+RECEIVING_STAGE: dict[str, Any] = {
+    "stage_id": 1,
+    "model_stage": "talker",
+    "async_chunk": True,
+    "final_output": True,
+    "stage_connector_config": {
+        "name": "SharedMemoryConnector",
+        "extra": {"role": "receiver", "stage_id": 1},
+    },
+}
+RECEIVING_KEY = "vllm_omni_receiving"
+
+# Where the adapter keeps a request waiting for chunks outside the scheduler's queues (the
+# parked request objects), and every per-request record of its receiving side, by attribute.
+_PARKED_QUEUES = (
+    "waiting_for_chunk_waiting_requests",
+    "waiting_for_chunk_running_requests",
+    "_held_non_active",
+)
+_RECEIVER_RECORDS = (
+    "_registered_load_entries",
+    "get_req_chunk",
+    "_pending_ar_prompt_updates",
+    "_finished_load_reqs",
+    "requests_with_ready_chunks",
+    "requests_origin_status",
+    "upstream_exhausted_requests",
+    "segment_finished_requests",
+    "replaced_streaming_prompt_ids",
+    "_waiting_since",
+    "_active_streams",
+    "_streaming_condition_lengths",
+    "_streaming_condition_seqs",
+)
+
+
+class VllmOmniReceivingStage:
+    """``ReceivingStage`` over vllm-omni's adapter on a talker stage: a chunk arrives as the
+    thinker's adapter would write it, through vllm-omni's ``SharedMemoryConnector``, under the
+    connector key the talker polls (``<external id>_0_<index>``); the adapter's receive loop
+    then reads it (one pass, ``pump``)."""
+
+    feature = Feature("receiving-stage", {FEATURE_KEY: RECEIVING_STAGE, RECEIVING_KEY: True})
+
+    @staticmethod
+    def _thinker(adapter: Any) -> Any:
+        """The upstream stage's connector, one per receiving adapter and living as long as it:
+        a connector that is closed unlinks the chunks it wrote and nobody read yet."""
+        sender = getattr(adapter, "_conformance_thinker", None)
+        if sender is None:
+            from vllm_omni.distributed.omni_connectors.connectors.shm_connector import (
+                SharedMemoryConnector,
+            )
+
+            sender = adapter._conformance_thinker = SharedMemoryConnector({"stage_id": 0})
+        return sender
+
+    def arrive(self, scheduler: Any, request_id: str, final: bool) -> None:
+        from vllm_omni.data_entry_keys import MetaStruct, OmniPayloadStruct
+
+        adapter = transfer_adapter(scheduler)
+        request = scheduler.requests.get(request_id)
+        if adapter is None or request is None:
+            return  # a chunk for a request the stage no longer has: nobody reads it
+        sender = self._thinker(adapter)
+        sent = sender.config.setdefault("conformance_chunks_sent", {})
+        index = sent.get(request_id, 0)
+        sent[request_id] = index + 1
+        payload = OmniPayloadStruct(meta=MetaStruct(finished=torch.tensor(final)))
+        key = f"{request.external_req_id}_0_{index}"
+        ok, _, _ = sender.put("0", "1", key, payload)
+        if not ok:
+            raise RuntimeError(f"shared memory refused the scripted chunk {key}")
+        pump(adapter)
+
+    def parked(self, scheduler: Any) -> dict[str, int]:
+        # Waiting for a chunk: vllm-omni's added status. Between steps such a request is back in
+        # the scheduler's queue (``restore_queues``); during one it sits in the adapter's lists.
+        adapter = transfer_adapter(scheduler)
+        held = {
+            rid: 0
+            for rid, request in scheduler.requests.items()
+            if getattr(request.status, "name", "") == "WAITING_FOR_CHUNK"
+        }
+        for name in _PARKED_QUEUES:
+            for request in getattr(adapter, name, ()) if adapter is not None else ():
+                held[request.request_id] = held.get(request.request_id, 0) + 1
+        return held
+
+    def held_for(self, scheduler: Any, request_id: str) -> list[str]:
+        adapter = transfer_adapter(scheduler)
+        if adapter is None:
+            return []
+        found = [n for n in _PARKED_QUEUES if request_id in self.parked_in(adapter, n)]
+        found += [n for n in _RECEIVER_RECORDS if request_id in getattr(adapter, n, ())]
+        return found
+
+    @staticmethod
+    def parked_in(adapter: Any, name: str) -> set[str]:
+        return {r.request_id for r in getattr(adapter, name, ())}
+
+
+def unique_external_id(request_id: str, scheduler: Any) -> str:
+    """The external id a receiving stage's request gets: connector keys live in the machine's
+    shared memory, so each scheduler's keys must not meet another's (a parallel worker, or an
+    earlier session's unread chunk for the same request id)."""
+    import os
+
+    return f"{request_id}.{os.getpid()}.{id(scheduler):x}"

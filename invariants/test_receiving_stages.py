@@ -1,0 +1,192 @@
+"""Receiving stages (C-47): a stage that parks a request until the upstream stage's chunks arrive.
+
+Upstream vLLM has no parked state, so the subject runs alone (``ReceivingStage.feature``) through
+generated programs of additions, steps, aborts and chunk arrivals (``ChunkArrives``). After every
+operation its state is held to what upstream's state machine allows: a live request kept once,
+in one queue or parked; a running one in the running queue with blocks for what it computed; a
+preempted one with no blocks or computed tokens; a parked one still live; an aborted one gone
+from the scheduler and from the receiving machinery. Once every request got its final chunk and
+the stage is idle, every block is free. A failing program is saved as a trace
+(``receiving-<mode>.json``). Not applicable without ``receiving_stage``; the clause in full:
+docs/contracts.md.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from conformance._core import vllm_compat as vc
+from conformance._core.capabilities import ReceivingStage
+from conformance._core.needs import require
+from conformance._core.replay import failures_dir
+from conformance._core.sides import make_side
+from conformance._core.workload import Abort, AddRequest, ChunkArrives, Op, Step, Trace
+from invariants.machines import harness_config, suite_settings
+
+pytestmark = [pytest.mark.invariants]
+
+IDS = tuple(f"r{i}" for i in range(4))
+MAX_DRAIN_STEPS = 300
+
+
+def state_problems(side: Any, receiving: ReceivingStage, gone: set[str]) -> list[str]:
+    """What of the subject's state upstream's transitions cannot produce (see the module
+    docstring); ``gone``: the requests aborted so far."""
+    sched = side.scheduler
+    queues = vc.scheduler_queues(sched)
+    queued = Counter(
+        rid for name, ids in queues.items() if name != "finished_pending" for rid in ids
+    )
+    parked = receiving.parked(sched)
+    block_size = int(side.scheduler.cache_config.block_size)
+    problems: list[str] = []
+    for rid, request in sched.requests.items():
+        if vc.is_finished(request):
+            continue
+        status = vc.status_name(request)
+        held = queued[rid] + parked.get(rid, 0)
+        if held != 1:
+            problems.append(
+                f"C-47: {rid} ({status}) is kept {queued[rid]} times in the scheduler's queues "
+                f"and {parked.get(rid, 0)} times parked; upstream keeps a live request once"
+            )
+        if rid in parked:
+            continue
+        running = rid in queues["running"]
+        blocks = sum(len(group) for group in vc.request_block_ids(sched, rid))
+        if status == "RUNNING":
+            if not running:
+                problems.append(f"C-47: {rid} is RUNNING but not in the running queue")
+            elif blocks * block_size < request.num_computed_tokens:
+                problems.append(
+                    f"C-47: {rid} runs with {request.num_computed_tokens} computed tokens but "
+                    f"{blocks} blocks of {block_size}: a resumed request gets its blocks back"
+                )
+        elif status in ("WAITING", "PREEMPTED") and running:
+            problems.append(f"C-47: {rid} is {status} but in the running queue")
+        if status == "PREEMPTED" and (blocks or request.num_computed_tokens):
+            problems.append(
+                f"C-47: {rid} is PREEMPTED with {blocks} blocks and "
+                f"{request.num_computed_tokens} computed tokens; upstream frees both"
+            )
+    for rid in sorted(set(parked) - set(sched.requests)):
+        problems.append(f"C-47: {rid} is parked but no longer a request of the scheduler")
+    for rid in sorted(gone):
+        left = receiving.held_for(sched, rid)
+        if rid in sched.requests or left:
+            where = ", ".join(left) or "the scheduler's requests"
+            problems.append(f"C-47: {rid} was aborted but is still held ({where})")
+    return problems
+
+
+def run_program(subject: Any, mode: str, program: list[Op]) -> tuple[list[str], Trace]:
+    """Run ``program`` on the subject's receiving stage alone, checking after every operation;
+    then the final chunks and a drain. The first operation's problems, and the trace run."""
+    receiving = require(subject, "receiving_stage", "receiving stage")
+    cfg = harness_config(receiving.feature, mode=mode, prefix=True)
+    side = make_side(subject, cfg, None)
+    trace = Trace(cfg, [], {}, {"check": "receiving-stage", "subject": subject.name})
+    free_at_start = vc.num_free_blocks(vc.block_pool(side.scheduler))
+    gone: set[str] = set()
+    added: list[str] = []
+
+    def apply(op: Op) -> list[str]:
+        trace.ops.append(op)
+        live = set(side.scheduler.requests)
+        prompt = list(op.prompt) if isinstance(op, AddRequest) else None
+        obs = side.observe(op, prompt, cfg, float(len(trace.ops)))
+        crash = obs.get("exception")
+        if crash:
+            return [f"C-47: the stage raised at {op.describe()}: {crash}"]
+        if isinstance(op, AddRequest):
+            added.append(op.request_id)
+            gone.discard(op.request_id)
+        if isinstance(op, Abort):
+            gone.update(rid for rid in op.request_ids if rid in live)
+        return state_problems(side, receiving, gone)
+
+    for op in program:
+        if problems := apply(op):
+            return problems, trace
+    # Every request still there gets its final chunk; the stage then runs dry.
+    for rid in added:
+        if rid not in gone and (problems := apply(ChunkArrives(rid, final=True))):
+            return problems, trace
+    for _ in range(MAX_DRAIN_STEPS):
+        if not side.busy():
+            break
+        if problems := apply(Step()):
+            return problems, trace
+    if side.busy():
+        return [
+            f"C-47: the stage still holds {side.live_ids()} after every final chunk and "
+            f"{MAX_DRAIN_STEPS} steps"
+        ], trace
+    free = vc.num_free_blocks(vc.block_pool(side.scheduler))
+    if free != free_at_start:
+        return [f"C-47: {free_at_start - free} blocks still held after every request ended"], trace
+    return [], trace
+
+
+def _add(i: int, length: int, max_tokens: int) -> AddRequest:
+    return AddRequest(
+        IDS[i], tuple(100 + (7 * i + j) % 300 for j in range(length)), max_tokens=max_tokens
+    )
+
+
+programs = st.lists(
+    st.one_of(
+        st.builds(_add, st.integers(0, len(IDS) - 1), st.integers(1, 40), st.integers(1, 8)),
+        st.just(Step()),
+        st.just(Step()),
+        st.builds(ChunkArrives, st.sampled_from(IDS), st.booleans()),
+        st.builds(lambda r: Abort((r,)), st.sampled_from(IDS)),
+    ),
+    min_size=1,
+    max_size=24,
+).map(lambda ops: [op for i, op in enumerate(ops) if not _repeated_add(ops, i)])
+
+
+def _repeated_add(ops: list[Op], i: int) -> bool:
+    """A request id added twice while live is refused upstream too: keep the first addition."""
+    op = ops[i]
+    return isinstance(op, AddRequest) and any(
+        isinstance(o, AddRequest) and o.request_id == op.request_id for o in ops[:i]
+    )
+
+
+def save_failure(trace: Trace, problem: str, mode: str) -> Path:
+    folder = failures_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    trace.meta["problem"] = problem
+    path = folder / f"receiving-{mode}.json"
+    path.write_text(trace.to_json())
+    return path
+
+
+@pytest.mark.clauses("C-47")
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_receiving_stage_stays_in_upstream_states(conformance_subject, mode):
+    require(conformance_subject, "receiving_stage", "receiving stage")
+    found: list[tuple[int, str, Trace]] = []
+
+    @suite_settings(15)
+    @given(programs)
+    def prop(program: list[Op]) -> None:
+        problems, trace = run_program(conformance_subject, mode, program)
+        if problems:
+            found.append((len(trace.ops), problems[0], trace))
+        assert not problems, problems[0]
+
+    try:
+        prop()
+    except AssertionError:
+        length, problem, trace = min(found, key=lambda f: f[0])
+        path = save_failure(trace, problem, mode)
+        raise AssertionError(f"{problem} ({length} operations)\ntrace: {path}") from None
