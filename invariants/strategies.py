@@ -278,6 +278,17 @@ def processor_specs_of(
 processor_specs = processor_specs_of()
 
 
+def delivery_shapes(subject: Any) -> tuple[str, ...]:
+    """The processor shapes the subject's delivery takes (``processor_shapes``, optional: every
+    shape); shapes it does not take are not drawn, since its runtime has no such processor."""
+    delivery = subject.chunk_delivery()
+    shapes = tuple(getattr(delivery, "processor_shapes", PROCESSOR_SHAPES))
+    unknown = sorted(set(shapes) - set(PROCESSOR_SHAPES))
+    if unknown or not shapes:
+        raise ValueError(f"chunk delivery declares unknown processor shapes {unknown or shapes}")
+    return shapes
+
+
 # ---- an executor whose outputs carry synthetic payloads ------------------------------------
 
 PAYLOAD_PATTERNS = ("always", "never", "prefill", "every_other")

@@ -47,6 +47,7 @@ from invariants.strategies import (
     ProcessorCall,
     ProcessorSpec,
     RecordingProcessor,
+    delivery_shapes,
     processor_specs,
     processor_specs_of,
     stable_hash,
@@ -323,17 +324,6 @@ def test_chunk_contracts(request, conformance, conformance_subject, mode):
         # What the sessions really checked beyond the marker (C-46 where chunks cross a process).
         covers(request.node, run.clauses)
         raise_failure(outcome, run)
-
-
-def delivery_shapes(subject: Any) -> tuple[str, ...]:
-    """The processor shapes the subject's delivery takes (``processor_shapes``, optional: every
-    shape); shapes it does not take are not drawn, since its runtime has no such processor."""
-    delivery = subject.chunk_delivery()
-    shapes = tuple(getattr(delivery, "processor_shapes", PROCESSOR_SHAPES))
-    unknown = sorted(set(shapes) - set(PROCESSOR_SHAPES))
-    if unknown or not shapes:
-        raise ValueError(f"chunk delivery declares unknown processor shapes {unknown or shapes}")
-    return shapes
 
 
 def runs_per_shape(

@@ -35,11 +35,11 @@ from invariants.machines import harness_config, suite_settings
 from invariants.outcomes import Outcome
 from invariants.strategies import (
     EDGE_JOBS,
-    PROCESSOR_SHAPES,
     Job,
     PayloadTokenSource,
     ProcessorSpec,
     RecordingProcessor,
+    delivery_shapes,
     job_prompt,
     jobs,
     processor_specs_of,
@@ -49,19 +49,27 @@ pytestmark = [pytest.mark.invariants]
 
 MAX_STEPS = 400
 
+
 # The processors this check generates: every shape but the batching one. A batch that raises
 # cannot say for which of its requests it did, so C-61's "that request alone" is a rule about
 # per-request calls; which requests a raising batch fails is the subject's to choose (the omni
 # runtime fails the batch's requests).
-fault_specs = processor_specs_of(
-    tuple(shape for shape in PROCESSOR_SHAPES if not shape.startswith("token-updates-batch"))
-)
+def fault_specs(subject: Any) -> st.SearchStrategy[ProcessorSpec]:
+    """Of the processor shapes the subject's delivery takes, all but the batching ones."""
+    shapes = delivery_shapes(subject)
+    return processor_specs_of(tuple(s for s in shapes if not s.startswith("token-updates-batch")))
 
 
-# A plain per-request processor that returns the payload: the shape of the explicit example.
-TWO_CLIENT_SPEC = ProcessorSpec(
-    declaration=True, policy="payload", takes_ids=False, mutate_ids=False
-)
+def two_client_spec(subject: Any) -> ProcessorSpec:
+    """A plain per-request processor that returns the payload: the explicit example's shape
+    (declaring token updates where the subject's processors can)."""
+    declares = "token-updates" in delivery_shapes(subject)
+    return ProcessorSpec(
+        declaration=True if declares else "absent",
+        policy="payload",
+        takes_ids=False,
+        mutate_ids=False,
+    )
 
 
 class PlantedSendFault(RuntimeError):
@@ -434,11 +442,11 @@ def test_a_send_path_fault_stays_with_its_request(conformance_subject, mode):
     for where in FAULT_CALLS:
 
         @settings(budget, max_examples=max(1, budget.max_examples // len(FAULT_CALLS)))
-        @given(jobs, fault_specs, st.integers(0, 5), st.just(where))
+        @given(jobs, fault_specs(conformance_subject), st.integers(0, 5), st.just(where))
         # Met first at every position: the second request, from the second client, fails while
         # the first (client 0) has an output in the same step, so the victim's output comes back
         # in the second of two containers.
-        @example(list(EDGE_JOBS[0]), TWO_CLIENT_SPEC, 1, where)
+        @example(list(EDGE_JOBS[0]), two_client_spec(conformance_subject), 1, where)
         def prop(workload: list[Job], spec: ProcessorSpec, victim: int, call: str) -> None:
             check_send_fault_stays_with_its_request(
                 conformance_subject, workload, spec, victim, call, mode=mode
@@ -514,7 +522,7 @@ def test_a_connector_fault_stays_with_its_request(conformance_subject, mode):
     for where in ("first", "middle", "final"):
 
         @settings(budget, max_examples=max(1, budget.max_examples // 3))
-        @given(jobs, fault_specs, st.integers(0, 5), st.just(where))
+        @given(jobs, fault_specs(conformance_subject), st.integers(0, 5), st.just(where))
         def prop(workload: list[Job], spec: ProcessorSpec, victim: int, at: str) -> None:
             check_connector_fault_stays_with_its_request(
                 conformance_subject, workload, spec, victim, at, mode=mode
@@ -627,7 +635,9 @@ def test_an_abort_that_meets_a_send_fault_stays_an_abort(conformance_subject, mo
     for point, path in runs:
 
         @settings(budget, max_examples=max(1, budget.max_examples // len(runs)))
-        @given(jobs, fault_specs, st.integers(0, 5), st.just(point), st.just(path))
+        @given(
+            jobs, fault_specs(conformance_subject), st.integers(0, 5), st.just(point), st.just(path)
+        )
         def prop(
             workload: list[Job], spec: ProcessorSpec, victim: int, at: str, fails: str
         ) -> None:

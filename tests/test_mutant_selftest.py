@@ -274,7 +274,10 @@ def _connector_faults_probe(subject: Any, cfg: settings) -> tuple[BaseException 
 
     return _given_probe(
         st.tuples(
-            jobs, fault_specs, st.integers(0, 5), st.sampled_from(("first", "middle", "final"))
+            jobs,
+            fault_specs(subject),
+            st.integers(0, 5),
+            st.sampled_from(("first", "middle", "final")),
         ),
         lambda v, s: check_connector_fault_stays_with_its_request(
             s, v[0], v[1], v[2], v[3], mode="sync"
@@ -376,7 +379,7 @@ def _send_path_faults_probe(subject: Any, cfg: settings) -> tuple[BaseException 
     )
 
     return _given_probe(
-        st.tuples(jobs, fault_specs, st.integers(0, 5), st.sampled_from(FAULT_CALLS)),
+        st.tuples(jobs, fault_specs(subject), st.integers(0, 5), st.sampled_from(FAULT_CALLS)),
         lambda v, s: check_send_fault_stays_with_its_request(s, *v, mode="sync"),
         lambda v: len(v[0]),
     )(subject, cfg)
@@ -395,7 +398,7 @@ def _abort_faults_probe(subject: Any, cfg: settings) -> tuple[BaseException | No
     return _given_probe(
         st.tuples(
             jobs,
-            fault_specs,
+            fault_specs(subject),
             st.integers(0, 5),
             st.sampled_from(ABORT_POINTS),
             st.sampled_from(ABORT_FAULTS),
