@@ -574,10 +574,37 @@ RECEIVING = textwrap.dedent(
                 receiver.cleanup_receiver = lambda *a, **k: None
             return scheduler
 
+    class RestoresTwice(type(subject)):
+        # Planted: parked requests go back to their queue twice after a schedule.
+        def build_scheduler(self, cfg):
+            scheduler = super().build_scheduler(cfg)
+            receiver = scheduler.chunk_transfer_adapter
+            if receiver is not None:
+                restore = receiver.restore_queues
+
+                def twice(waiting, running, *rest, **named):
+                    parked = list(receiver.waiting_for_chunk_waiting_requests)
+                    restore(waiting, running, *rest, **named)
+                    for request in parked:
+                        waiting.add_request(request)
+
+                receiver.restore_queues = twice
+            return scheduler
+
+    class KeepsBlocks(type(subject)):
+        # Planted: a finished request's blocks are never given back.
+        def build_scheduler(self, cfg):
+            scheduler = super().build_scheduler(cfg)
+            scheduler.kv_cache_manager.free = lambda request: None
+            return scheduler
+
     program = [AddRequest("r0", (100, 101, 102), max_tokens=3), Step(),
                AddRequest("r1", (7, 8), max_tokens=2), ChunkArrives("r1"), Step(), Abort(("r0",))]
+    version = subject.omni_version
     out = {m: {"right": run_program(subject, m, program)[0],
-               "planted": run_program(ForgetsParked(subject.omni_version), m, program)[0]}
+               "planted": run_program(ForgetsParked(version), m, program)[0],
+               "twice": run_program(RestoresTwice(version), m, program)[0],
+               "blocks": run_program(KeepsBlocks(version), m, program)[0]}
            for m in ("sync", "async")}
     print(json.dumps(out))
     """
@@ -586,8 +613,9 @@ RECEIVING = textwrap.dedent(
 
 @pytest.mark.vllm_omni
 def test_a_receiving_stage_that_keeps_an_aborted_request_fails_c47():
-    """vllm-omni's talker, parked on chunks, passes C-47; the same stage whose abort skips the
-    chunk adapter's cleanup keeps the aborted request's receiver state, and C-47 says so."""
+    """vllm-omni's talker, parked on chunks, passes C-47; planted faults fail it: an adapter
+    that keeps an aborted request's receiving side, one that restores parked requests to their
+    queue twice, and a scheduler that never gives a finished request's blocks back."""
     for env in _env_or_skip():
         proc = _run(env, ["-c", RECEIVING], 900)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -600,3 +628,7 @@ def test_a_receiving_stage_that_keeps_an_aborted_request_fails_c47():
                 mode,
                 planted,
             )
+            twice = runs["twice"]
+            assert twice and "is kept 2 times in the scheduler's queues" in twice[0], twice
+            blocks = runs["blocks"]
+            assert blocks and "blocks still held after every request ended" in blocks[0], blocks
