@@ -17,6 +17,7 @@ docs/contracts.md; how processors are drawn: docs/design.md, "How the suite chec
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -26,9 +27,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize
 
-from conformance._core.capabilities import ChunkDelivery, ChunkView, NotApplicable
+from conformance._core.capabilities import ChunkDelivery, ChunkView, Feature, NotApplicable
+from conformance._core.lockstep import Shrinker
 from conformance._core.needs import require
-from conformance._core.workload import AddRequest, ResetPrefixCache, Step
+from conformance._core.replay import failures_dir
+from conformance._core.vllm_compat import environment_versions
+from conformance._core.workload import AddRequest, ResetPrefixCache, Step, Trace
 from conformance.plugin import covers
 from invariants.machines import (
     PREFIXES,
@@ -85,6 +89,8 @@ class ChunkMachine(InvariantMachine):
                 self.session, self.delivery, self.processor, self.spec, self.source.owed
             )
             if problems:
+                # Kept for ``raise_chunk_failure``, which saves the program as a trace.
+                self.run.chunk_failure = (self.session, self.spec, problems)  # type: ignore[attr-defined]
                 raise AssertionError(
                     f"{self.spec.describe()}: {problems[0]}"
                     + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
@@ -323,7 +329,87 @@ def test_chunk_contracts(request, conformance, conformance_subject, mode):
     ):
         # What the sessions really checked beyond the marker (C-46 where chunks cross a process).
         covers(request.node, run.clauses)
+        raise_chunk_failure(outcome, run)
         raise_failure(outcome, run)
+
+
+# ---- processor problems as replayable traces ----------------------------------------------
+
+# What ``omni-conformance replay`` imports to re-run a chunk trace (``replay_chunk``).
+REPLAY_CHUNK = "invariants.test_chunk_contracts:replay_chunk"
+
+
+def chunk_problems(trace: Trace, subject: Any, feature: Feature, spec: ProcessorSpec) -> list[str]:
+    """Re-run ``trace`` in an audited session with ``spec``'s processor: the session's problems
+    or first difference, else (after the drain) the processor's problems."""
+    delivery: ChunkDelivery = require(subject, "chunk_delivery", "chunk delivery")
+    session = AuditedLockstep(trace.config, subject, feature=feature, prefixes=dict(trace.prefixes))
+    try:
+        source = payload_sources(session, delivery)
+        processor = spec.build()
+        attach_processor(delivery, session, source, processor)
+        for op in trace.ops:
+            if session.failure is not None or session.problems:
+                break
+            session.apply(op)
+        if session.failure is None and not session.problems:
+            session.drain()
+        if session.problems:
+            return list(session.problems)
+        if session.failure is not None:
+            return [f"first difference: {session.failure.headline()}"]
+        return processor_problems(session, delivery, processor, spec, source.owed)
+    finally:
+        session.shutdown()
+
+
+def replay_chunk(trace: Trace, subject: Any) -> list[str]:
+    """The problems a chunk trace shows on ``subject`` now (empty: it does not reproduce)."""
+    f = trace.meta["feature"]
+    feature = Feature(f["name"], f["additional_config"], tuple(f["final_stages"]))
+    return chunk_problems(trace, subject, feature, ProcessorSpec(**trace.meta["processor_spec"]))
+
+
+def raise_chunk_failure(outcome: MachineOutcome, run: MachineRun) -> None:
+    """A processor problem (``ChunkMachine.teardown``), shrunk and saved as a trace."""
+    failure = getattr(run, "chunk_failure", None)
+    if outcome.error is None or failure is None:
+        return
+    session, spec, problems = failure
+    found = Trace(session.config, list(session.trace.ops), dict(session.trace.prefixes))
+    feature, clause = session.feature, problems[0].split(":", 1)[0]
+
+    def same_clause(t: Trace) -> bool:
+        return any(
+            p.split(":", 1)[0] == clause for p in chunk_problems(t, run.subject, feature, spec)
+        )
+
+    trace = Shrinker(found, same_clause).run().trace
+    same = [p for p in chunk_problems(trace, run.subject, feature, spec) if p.startswith(clause)]
+    if not same:
+        trace, same = found, problems
+    trace.meta = {
+        "kind": "audit",
+        "replay": REPLAY_CHUNK,
+        "subject": getattr(run.recorder, "subject_spec", None) or run.subject.name,
+        "test": run.name,
+        "feature": {
+            "name": feature.name,
+            "additional_config": dict(feature.additional_config),
+            "final_stages": list(feature.final_stages),
+        },
+        "processor": spec.describe(),
+        "processor_spec": dataclasses.asdict(spec),
+        **environment_versions(),
+        "problem": same[0],
+        "found": {"ops": len(found.ops), "problem": problems[0]},
+    }
+    path = failures_dir(getattr(run.recorder, "failures_dir", None)) / f"{run.name}.json"
+    trace.save(path)
+    run.recorder.trace = str(path)
+    raise AssertionError(
+        f"{spec.describe()}: {same[0]} ({len(trace.ops)} operations)\ntrace: {path}"
+    ) from outcome.error
 
 
 def runs_per_shape(

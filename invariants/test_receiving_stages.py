@@ -26,6 +26,7 @@ from conformance._core.capabilities import ReceivingStage
 from conformance._core.needs import require
 from conformance._core.replay import failures_dir
 from conformance._core.sides import make_side
+from conformance._core.vllm_compat import environment_versions
 from conformance._core.workload import Abort, AddRequest, ChunkArrives, Op, Step, Trace
 from invariants.machines import harness_config, suite_settings
 
@@ -85,11 +86,14 @@ def state_problems(side: Any, receiving: ReceivingStage, gone: set[str]) -> list
     return problems
 
 
-def run_program(subject: Any, mode: str, program: list[Op]) -> tuple[list[str], Trace]:
+def run_program(
+    subject: Any, mode: str, program: list[Op], *, finish: bool = True, cfg: Any = None
+) -> tuple[list[str], Trace]:
     """Run ``program`` on the subject's receiving stage alone, checking after every operation;
-    then the final chunks and a drain. The first operation's problems, and the trace run."""
+    then (``finish``) the final chunks and a drain, and the block count. The first operation's
+    problems, and the trace run."""
     receiving = require(subject, "receiving_stage", "receiving stage")
-    cfg = harness_config(receiving.feature, mode=mode, prefix=True)
+    cfg = cfg or harness_config(receiving.feature, mode=mode, prefix=True)
     side = make_side(subject, cfg, None)
     trace = Trace(cfg, [], {}, {"check": "receiving-stage", "subject": subject.name})
     free_at_start = vc.num_free_blocks(vc.block_pool(side.scheduler))
@@ -114,15 +118,16 @@ def run_program(subject: Any, mode: str, program: list[Op]) -> tuple[list[str], 
     for op in program:
         if problems := apply(op):
             return problems, trace
-    # Every request still there gets its final chunk; the stage then runs dry.
-    for rid in added:
-        if rid not in gone and (problems := apply(ChunkArrives(rid, final=True))):
-            return problems, trace
-    for _ in range(MAX_DRAIN_STEPS):
-        if not side.busy():
-            break
-        if problems := apply(Step()):
-            return problems, trace
+    if finish:
+        # Every request still there gets its final chunk; the stage then runs dry.
+        for rid in added:
+            if rid not in gone and (problems := apply(ChunkArrives(rid, final=True))):
+                return problems, trace
+        for _ in range(MAX_DRAIN_STEPS):
+            if not side.busy():
+                break
+            if problems := apply(Step()):
+                return problems, trace
     if side.busy():
         return [
             f"C-47: the stage still holds {side.live_ids()} after every final chunk and "
@@ -161,18 +166,34 @@ def _repeated_add(ops: list[Op], i: int) -> bool:
     )
 
 
-def save_failure(trace: Trace, problem: str, mode: str) -> Path:
-    folder = failures_dir()
-    folder.mkdir(parents=True, exist_ok=True)
-    trace.meta["problem"] = problem
-    path = folder / f"receiving-{mode}.json"
-    path.write_text(trace.to_json())
+# What ``omni-conformance replay`` imports to re-run a receiving-stage trace.
+REPLAY_RECEIVING = "invariants.test_receiving_stages:replay_receiving"
+
+
+def replay_receiving(trace: Trace, subject: Any) -> list[str]:
+    """The problems a receiving-stage trace shows on ``subject`` now (its operations as
+    recorded, final chunks and drain included)."""
+    mode = "async" if trace.config.async_scheduling else "sync"
+    return run_program(subject, mode, list(trace.ops), finish=False, cfg=trace.config)[0]
+
+
+def save_failure(trace: Trace, problem: str, mode: str, subject_spec: str | None) -> Path:
+    trace.meta = {
+        "kind": "audit",
+        "replay": REPLAY_RECEIVING,
+        "subject": subject_spec or trace.meta.get("subject"),
+        "test": f"receiving-{mode}",
+        **environment_versions(),
+        "problem": problem,
+    }
+    path = failures_dir() / f"receiving-{mode}.json"
+    trace.save(path)
     return path
 
 
 @pytest.mark.clauses("C-47")
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_receiving_stage_stays_in_upstream_states(conformance_subject, mode):
+def test_a_receiving_stage_stays_in_upstream_states(conformance, conformance_subject, mode):
     require(conformance_subject, "receiving_stage", "receiving stage")
     found: list[tuple[int, str, Trace]] = []
 
@@ -188,5 +209,6 @@ def test_a_receiving_stage_stays_in_upstream_states(conformance_subject, mode):
         prop()
     except AssertionError:
         length, problem, trace = min(found, key=lambda f: f[0])
-        path = save_failure(trace, problem, mode)
+        path = save_failure(trace, problem, mode, getattr(conformance, "subject_spec", None))
+        conformance.trace = str(path)
         raise AssertionError(f"{problem} ({length} operations)\ntrace: {path}") from None

@@ -632,3 +632,26 @@ def test_a_receiving_stage_that_keeps_an_aborted_request_fails_c47():
             assert twice and "is kept 2 times in the scheduler's queues" in twice[0], twice
             blocks = runs["blocks"]
             assert blocks and "blocks still held after every request ended" in blocks[0], blocks
+
+
+CHUNK_TRACES = sorted((Path(__file__).parent / "data" / "vllm_omni" / "chunk").glob("*.json"))
+
+
+@pytest.mark.vllm_omni
+@pytest.mark.parametrize("trace", CHUNK_TRACES, ids=lambda p: p.stem)
+def test_chunk_path_traces_reproduce_where_recorded(trace):
+    """What the chunk properties found on vllm-omni's chunk path (C-45: rows handed downstream
+    twice after a recompute): the trace replays with its recorded problem on the releases it
+    names, and upstream, which has no chunk path, cannot show it."""
+    meta = json.loads(trace.read_text())["meta"]
+    envs = [env for env in _env_or_skip() if _vllm_minor(env) in meta["reproduces_on"]]
+    if not envs:
+        pytest.skip(f"no vllm-omni environment for {meta['reproduces_on']}")
+    for env in envs:
+        again = _run(env, ["-m", "conformance.cli", "replay", str(trace)], 900)
+        assert again.returncode == 1, (again.stdout + again.stderr)[-3000:]
+        assert meta["problem"] in again.stdout, (env.name, again.stdout[-2000:])
+        clean = _run(
+            env, ["-m", "conformance.cli", "replay", str(trace), "--subject", "upstream"], 900
+        )
+        assert clean.returncode == 3, clean.stdout[-2000:] + clean.stderr[-2000:]
