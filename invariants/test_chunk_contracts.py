@@ -83,6 +83,11 @@ class ChunkMachine(InvariantMachine):
 
     def teardown(self) -> None:
         super().teardown()
+        if self.processor is not None:
+            # What the run's processors were handed at all (``raise_if_vacuous``).
+            self.run.processor_calls = getattr(self.run, "processor_calls", 0) + len(  # type: ignore[attr-defined]
+                self.processor.calls
+            )
         if self.session.failure is None and not self.session.problems and self.processor:
             assert self.spec is not None
             problems = processor_problems(
@@ -322,6 +327,7 @@ def chunk_run(recorder: Any, subject: Any, mode: str) -> MachineRun:
 @pytest.mark.clauses("C-40", "C-41", "C-42", "C-43", "C-44", "C-45", "C-62")
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_chunk_contracts(request, conformance, conformance_subject, mode):
+    calls = 0
     for run, outcome in runs_per_shape(
         lambda: chunk_run(conformance, conformance_subject, mode),
         suite_settings(40),
@@ -331,6 +337,12 @@ def test_chunk_contracts(request, conformance, conformance_subject, mode):
         covers(request.node, run.clauses)
         raise_chunk_failure(outcome, run)
         raise_failure(outcome, run)
+        calls += getattr(run, "processor_calls", 0)
+    if not calls:
+        raise NotApplicable(
+            f"subject {conformance_subject.name!r}: no generated processor was called in any "
+            "program (no request sent anything downstream), so no chunk contract was checked"
+        )
 
 
 # ---- processor problems as replayable traces ----------------------------------------------

@@ -22,7 +22,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conformance._core import vllm_compat as vc
-from conformance._core.capabilities import ReceivingStage
+from conformance._core.capabilities import NotApplicable, ReceivingStage
 from conformance._core.needs import require
 from conformance._core.replay import failures_dir
 from conformance._core.sides import make_side
@@ -103,6 +103,7 @@ def run_program(
     def apply(op: Op) -> list[str]:
         trace.ops.append(op)
         live = set(side.scheduler.requests)
+        trace.meta["parked"] = trace.meta.get("parked", 0) + len(receiving.parked(side.scheduler))
         prompt = list(op.prompt) if isinstance(op, AddRequest) else None
         obs = side.observe(op, prompt, cfg, float(len(trace.ops)))
         crash = obs.get("exception")
@@ -196,11 +197,14 @@ def save_failure(trace: Trace, problem: str, mode: str, subject_spec: str | None
 def test_a_receiving_stage_stays_in_upstream_states(conformance, conformance_subject, mode):
     require(conformance_subject, "receiving_stage", "receiving stage")
     found: list[tuple[int, str, Trace]] = []
+    parked = 0
 
     @suite_settings(15)
     @given(programs)
     def prop(program: list[Op]) -> None:
+        nonlocal parked
         problems, trace = run_program(conformance_subject, mode, program)
+        parked += trace.meta.get("parked", 0)
         if problems:
             found.append((len(trace.ops), problems[0], trace))
         assert not problems, problems[0]
@@ -212,3 +216,8 @@ def test_a_receiving_stage_stays_in_upstream_states(conformance, conformance_sub
         path = save_failure(trace, problem, mode, getattr(conformance, "subject_spec", None))
         conformance.trace = str(path)
         raise AssertionError(f"{problem} ({length} operations)\ntrace: {path}") from None
+    if not parked:
+        raise NotApplicable(
+            f"subject {conformance_subject.name!r}: no request was ever parked waiting for a "
+            "chunk, so C-47's parked-state checks never ran"
+        )
