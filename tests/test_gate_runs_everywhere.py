@@ -32,6 +32,11 @@ STATIC_CHECKS = (
 
 # The suite's one test that needs a process boundary (C-46), not applicable to ``omni``.
 PROCESS_BOUNDARY_ONLY = "test_stage_inputs_cross_unchanged"
+# C-47's, which needs a stage that parks requests until chunks arrive; ``omni``'s stages do not.
+RECEIVING_STAGE_ONLY = (
+    "test_a_receiving_stage_stays_in_upstream_states[sync]",
+    "test_a_receiving_stage_stays_in_upstream_states[async]",
+)
 
 pytestmark = pytest.mark.clauses("C-21")
 
@@ -51,9 +56,10 @@ def _axis_off(test_name: str) -> bool:
 @pytest.mark.slow
 def test_every_check_runs_with_an_empty_path(tmp_path, run_check):
     """The whole gate on the project's own runtime with ``PATH`` empty: every test of the suite
-    runs (none skipped, none not run) and passes, the static checks included. The one test
-    that does not apply is C-46's: ``omni`` runs its stages in process, so nothing crosses a
-    process boundary (``omni-process-stage`` is the subject that does)."""
+    runs (none skipped, none not run) and passes, the static checks included. The tests that
+    do not apply are C-46's: ``omni`` runs its stages in process, so nothing crosses a process
+    boundary (``omni-process-stage`` is the subject that does); and C-47's: no ``omni`` stage
+    parks requests waiting for chunks."""
     # smoke: the default test command runs the suite itself at the ci profile; here the point
     # is that every test runs from an empty PATH, not the depth of each search.
     run = run_check(
@@ -68,7 +74,7 @@ def test_every_check_runs_with_an_empty_path(tmp_path, run_check):
     # Besides C-46's test, the scheduler axes in a mode vLLM refuses them (pipeline parallelism
     # under async scheduling on the V1 runner) or that the installed release lacks.
     expected = sorted(
-        [PROCESS_BOUNDARY_ONLY]
+        [PROCESS_BOUNDARY_ONLY, *RECEIVING_STAGE_ONLY]
         + [name for name in outcomes if name.startswith("test_scheduler_axis[") and _axis_off(name)]
     )
     assert summary["not_run"] == 0 and not_applicable == expected, summary
