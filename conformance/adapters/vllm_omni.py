@@ -326,7 +326,7 @@ class VllmOmniSubject(BaseSubject):
         from vllm_omni.request import OmniRequest
 
         external = op.request_id
-        if cfg.additional_config.get(chunks.RECEIVING_KEY):
+        if cfg.additional_config.get(chunks.FEATURE_KEY):
             external = chunks.unique_external_id(op.request_id, scheduler)
         return OmniRequest(external_req_id=external, **request_kwargs(op, prompt, cfg, arrival))
 

@@ -204,7 +204,9 @@ def vllm_omni_processor(processor: Callable[..., Any]) -> Callable[..., Any]:
         ) -> Any:
             # vllm-omni hands an immutable snapshot; the harness's processors take a list.
             ids = list(new_token_ids)
-            got = processor(request.external_req_id, multimodal_output, is_finished, ids)
+            got = processor(
+                harness_id(request.external_req_id), multimodal_output, is_finished, ids
+            )
             return as_payload_struct(got)
 
         return with_ids
@@ -212,7 +214,8 @@ def vllm_omni_processor(processor: Callable[..., Any]) -> Callable[..., Any]:
     def without_ids(
         transfer_manager: Any, multimodal_output: Any, request: Any, is_finished: bool
     ) -> Any:
-        return as_payload_struct(processor(request.external_req_id, multimodal_output, is_finished))
+        rid = harness_id(request.external_req_id)
+        return as_payload_struct(processor(rid, multimodal_output, is_finished))
 
     return without_ids
 
@@ -238,6 +241,7 @@ class VllmOmniChunkDelivery:
 
     def view(self, chunk: Any) -> ChunkView:
         external_id, _, seq = chunk.key.rsplit("_", 2)
+        external_id = harness_id(external_id)
         data = chunk.data if isinstance(chunk.data, Mapping) else {}
         meta = data.get("meta") or {}
         finished = meta.get("finished")
@@ -288,7 +292,6 @@ RECEIVING_STAGE: dict[str, Any] = {
         "extra": {"role": "receiver", "stage_id": 1},
     },
 }
-RECEIVING_KEY = "vllm_omni_receiving"
 
 # Where the adapter keeps a request waiting for chunks outside the scheduler's queues (the
 # parked request objects), and every per-request record of its receiving side, by attribute.
@@ -320,7 +323,7 @@ class VllmOmniReceivingStage:
     connector key the talker polls (``<external id>_0_<index>``); the adapter's receive loop
     then reads it (one pass, ``pump``)."""
 
-    feature = Feature("receiving-stage", {FEATURE_KEY: RECEIVING_STAGE, RECEIVING_KEY: True})
+    feature = Feature("receiving-stage", {FEATURE_KEY: RECEIVING_STAGE})
 
     @staticmethod
     def _thinker(adapter: Any) -> Any:
@@ -381,9 +384,14 @@ class VllmOmniReceivingStage:
 
 
 def unique_external_id(request_id: str, scheduler: Any) -> str:
-    """The external id a receiving stage's request gets: connector keys live in the machine's
-    shared memory, so each scheduler's keys must not meet another's (a parallel worker, or an
-    earlier session's unread chunk for the same request id)."""
+    """The external id a streaming or receiving stage's request gets: connector keys live in the
+    machine's shared memory, so each scheduler's keys must not meet another's (a parallel
+    worker's, or an earlier session's unread chunk for the same request id)."""
     import os
 
     return f"{request_id}.{os.getpid()}.{id(scheduler):x}"
+
+
+def harness_id(external_id: str) -> str:
+    """The harness's request id inside ``unique_external_id``'s (its ids hold no dot)."""
+    return external_id.split(".", 1)[0]
