@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from conformance._core.capabilities import SubjectAreas
+from conformance.release.reach import Figures
 
 # How many never-reached functions an area lists (the largest first).
 UNREACHED_SHOWN = 10
@@ -140,15 +141,6 @@ def resolve(areas: SubjectAreas, root: Path, declared: bool = True) -> Plan:
     )
 
 
-def _figures(summary: Mapping[str, Any]) -> dict[str, int]:
-    return {
-        "lines": int(summary.get("covered_lines", 0)),
-        "statements": int(summary.get("num_statements", 0)),
-        "branches": int(summary.get("covered_branches", 0)),
-        "branch_total": int(summary.get("num_branches", 0)),
-    }
-
-
 def _add(into: dict[str, int], figures: Mapping[str, int]) -> None:
     for key, value in figures.items():
         into[key] = into.get(key, 0) + int(value)
@@ -179,10 +171,10 @@ def section(
             if entry is None:
                 unmeasured.append(rel)
                 continue
-            files[rel] = _figures(entry["summary"])
+            files[rel] = Figures.of(entry["summary"]).to_dict()
             _add(area_total, files[rel])
             for name, func in entry.get("functions", {}).items():
-                figures = _figures(func["summary"])
+                figures = Figures.of(func["summary"]).to_dict()
                 if name and figures["statements"] and not figures["lines"]:
                     unreached.append(
                         {"file": rel, "function": name, "statements": figures["statements"]}
