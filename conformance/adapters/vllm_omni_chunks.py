@@ -14,7 +14,6 @@ vllm-omni at import time.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -35,14 +34,6 @@ CHUNK_STAGE: dict[str, Any] = {
     # The stage id also in the connector's own config: 0.28 reads it only there.
     "stage_connector_config": {"name": CONNECTOR_NAME, "extra": {"role": "sender", "stage_id": 0}},
 }
-
-# vllm-omni's processors have no token-update declaration: it calls one on a step that carried
-# an inter-stage output for the request, and at the request's end (``save_async``), passing the
-# step's ids to one whose signature names ``new_token_ids``.
-PAYLOAD_DRIVEN_ONLY = (
-    "vllm-omni calls a stage's processor only for a step with an inter-stage output and at the "
-    "request's end; it has no requires_token_updates declaration"
-)
 
 
 class ChunkInbox:
@@ -102,25 +93,21 @@ def register_connector() -> None:
 
 class _OnePass:
     """Stands in for a transfer loop's stop event so that the loop body runs exactly once on the
-    caller's thread: the first ``is_set`` after ``arm`` says no, every later one says yes."""
+    caller's thread (the loops' threads are stopped): the first ``is_set`` after ``arm`` says
+    no, every later one says yes. ``set`` is what the adapter's ``shutdown`` calls."""
 
     def __init__(self) -> None:
         self._armed = False
-        self._lock = threading.Lock()
 
     def arm(self) -> None:
         self._armed = True
 
     def is_set(self) -> bool:
-        with self._lock:
-            armed, self._armed = self._armed, False
+        armed, self._armed = self._armed, False
         return not armed
 
     def set(self) -> None:
         self._armed = False
-
-    def wait(self, timeout: float | None = None) -> bool:
-        return True
 
 
 def step_driven(adapter: Any) -> None:
@@ -225,9 +212,10 @@ class VllmOmniChunkDelivery:
     docstring)."""
 
     processor_feature = Feature("chunk-contracts", {FEATURE_KEY: CHUNK_STAGE})
-    # Only payload-driven processors (``PAYLOAD_DRIVEN_ONLY``).
+    # vllm-omni's processors have no token-update declaration: it calls one for a step that
+    # carried an inter-stage output and at the request's end (``save_async``), passing the
+    # step's ids to one whose signature names ``new_token_ids``.
     processor_shapes: tuple[str, ...] = ("payload-driven",)
-    processor_shapes_reason = PAYLOAD_DRIVEN_ONLY
     # An abort sends no terminal chunk: the adapter reclaims the sender (``finish_requests``),
     # and vllm-omni's orchestrator aborts the request in every stage itself.
     abort_eof = False
@@ -374,13 +362,13 @@ class VllmOmniReceivingStage:
         adapter = transfer_adapter(scheduler)
         if adapter is None:
             return []
-        found = [n for n in _PARKED_QUEUES if request_id in self.parked_in(adapter, n)]
+        found = [
+            n
+            for n in _PARKED_QUEUES
+            if any(r.request_id == request_id for r in getattr(adapter, n, ()))
+        ]
         found += [n for n in _RECEIVER_RECORDS if request_id in getattr(adapter, n, ())]
         return found
-
-    @staticmethod
-    def parked_in(adapter: Any, name: str) -> set[str]:
-        return {r.request_id for r in getattr(adapter, name, ())}
 
 
 def unique_external_id(request_id: str, scheduler: Any) -> str:

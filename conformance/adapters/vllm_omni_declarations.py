@@ -229,7 +229,10 @@ _PLAIN = Feature("off")
 def difference_witnesses() -> tuple[DifferenceWitness, ...]:
     """One workload per registry entry of ``conformance.adapters.vllm_omni`` that makes it
     happen, in each scheduling mode."""
-    out: tuple[Any, ...] = (AddRequest("w-out", tuple(range(10, 30)), max_tokens=3), *(Step() for _ in range(4)))
+    out: tuple[Any, ...] = (
+        AddRequest("w-out", tuple(range(10, 30)), max_tokens=3),
+        *(Step() for _ in range(4)),
+    )
     abort: tuple[Any, ...] = (
         AddRequest("a", tuple(range(10, 30)), max_tokens=8),
         AddRequest("b", tuple(range(40, 60)), max_tokens=8),
