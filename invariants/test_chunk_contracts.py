@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import pytest
@@ -32,7 +33,7 @@ from conformance._core.lockstep import Shrinker
 from conformance._core.needs import require
 from conformance._core.replay import failures_dir
 from conformance._core.vllm_compat import environment_versions
-from conformance._core.workload import AddRequest, ResetPrefixCache, Step, Trace
+from conformance._core.workload import AddRequest, Op, ResetPrefixCache, Step, Trace
 from conformance.plugin import covers
 from invariants.machines import (
     PREFIXES,
@@ -64,8 +65,9 @@ class ChunkMachine(InvariantMachine):
     """The audited lock-step machine with a generated processor (any shape) and payload-carrying
     steps; ``chunk_machine`` makes one whose processors have given shapes."""
 
-    def __init__(self, run: MachineRun) -> None:
+    def __init__(self, run: ChunkRun) -> None:
         super().__init__(run)
+        self.run: ChunkRun = run
         self.delivery: ChunkDelivery = require(run.subject, "chunk_delivery", "chunk delivery")
         self.source: PayloadTokenSource = payload_sources(self.session, self.delivery)
         self.spec: ProcessorSpec | None = None
@@ -84,18 +86,14 @@ class ChunkMachine(InvariantMachine):
     def teardown(self) -> None:
         super().teardown()
         if self.processor is not None:
-            # What the run's processors were handed at all (``raise_if_vacuous``).
-            self.run.processor_calls = getattr(self.run, "processor_calls", 0) + len(  # type: ignore[attr-defined]
-                self.processor.calls
-            )
+            self.run.processor_calls += len(self.processor.calls)
         if self.session.failure is None and not self.session.problems and self.processor:
             assert self.spec is not None
             problems = processor_problems(
                 self.session, self.delivery, self.processor, self.spec, self.source.owed
             )
             if problems:
-                # Kept for ``raise_chunk_failure``, which saves the program as a trace.
-                self.run.chunk_failure = (self.session, self.spec, problems)  # type: ignore[attr-defined]
+                self.run.chunk_failure = (self.session, self.spec, problems)
                 raise AssertionError(
                     f"{self.spec.describe()}: {problems[0]}"
                     + (f" (+{len(problems) - 1} more)" if len(problems) > 1 else "")
@@ -309,13 +307,23 @@ def processor_problems(
     return problems
 
 
-def chunk_run(recorder: Any, subject: Any, mode: str) -> MachineRun:
+@dataclass
+class ChunkRun(MachineRun):
+    """A chunk machine's run, with what its processors saw: how many calls they were handed
+    (none at all: no chunk contract was checked), and a processor problem with its session and
+    processor (``raise_chunk_failure`` saves it as a trace)."""
+
+    processor_calls: int = 0
+    chunk_failure: tuple[AuditedLockstep, ProcessorSpec, list[str]] | None = None
+
+
+def chunk_run(recorder: Any, subject: Any, mode: str) -> ChunkRun:
     """The property's run for ``subject`` (``run_machine(run, settings, ChunkMachine)``)."""
     delivery: ChunkDelivery = require(subject, "chunk_delivery", "chunk delivery")
     feature = delivery.processor_feature
     if feature is None:
         raise NotApplicable(f"subject {subject.name!r} provides no processor feature")
-    return MachineRun(
+    return ChunkRun(
         recorder,
         subject,
         feature,
@@ -337,7 +345,7 @@ def test_chunk_contracts(request, conformance, conformance_subject, mode):
         covers(request.node, run.clauses)
         raise_chunk_failure(outcome, run)
         raise_failure(outcome, run)
-        calls += getattr(run, "processor_calls", 0)
+        calls += run.processor_calls
     if not calls:
         raise NotApplicable(
             f"subject {conformance_subject.name!r}: no generated processor was called in any "
@@ -382,12 +390,11 @@ def replay_chunk(trace: Trace, subject: Any) -> list[str]:
     return chunk_problems(trace, subject, feature, ProcessorSpec(**trace.meta["processor_spec"]))
 
 
-def raise_chunk_failure(outcome: MachineOutcome, run: MachineRun) -> None:
+def raise_chunk_failure(outcome: MachineOutcome, run: ChunkRun) -> None:
     """A processor problem (``ChunkMachine.teardown``), shrunk and saved as a trace."""
-    failure = getattr(run, "chunk_failure", None)
-    if outcome.error is None or failure is None:
+    if outcome.error is None or run.chunk_failure is None:
         return
-    session, spec, problems = failure
+    session, spec, problems = run.chunk_failure
     found = Trace(session.config, list(session.trace.ops), dict(session.trace.prefixes))
     feature, clause = session.feature, problems[0].split(":", 1)[0]
 
@@ -449,36 +456,18 @@ def check_rows_survive_a_reset(
     prefix cache with running requests (upstream drops the steps in flight as stale), then the
     drain; raises AssertionError on a C-45 violation (or any other audited one). Returns the
     operations run."""
-    delivery: ChunkDelivery = require(subject, "chunk_delivery", "chunk delivery")
-    feature = delivery.processor_feature
+    feature = require(subject, "chunk_delivery", "chunk delivery").processor_feature
     if feature is None:
         raise NotApplicable(f"subject {subject.name!r} provides no processor feature")
+    ops: list[Op] = [
+        AddRequest(f"r{i}", tuple(100 + (7 * i + j) % 200 for j in range(n)), max_tokens=6)
+        for i, n in enumerate(lengths)
+    ]
+    ops += [Step()] * steps + [ResetPrefixCache(reset_running_requests=True)]
     cfg = harness_config(feature, mode="async", prefix=True)
-    session = AuditedLockstep(cfg, subject, feature=feature, prefixes=PREFIXES)
-    try:
-        source = payload_sources(session, delivery)
-        processor = spec.build()
-        attach_processor(delivery, session, source, processor)
-        ops = [
-            AddRequest(f"r{i}", tuple(100 + (7 * i + j) % 200 for j in range(n)), max_tokens=6)
-            for i, n in enumerate(lengths)
-        ]
-        ops += [Step()] * steps + [ResetPrefixCache(reset_running_requests=True)]
-        for op in ops:
-            session.apply(op)
-            if session.failure is not None or session.problems:
-                break
-        if session.failure is None and not session.problems:
-            session.drain()
-        if session.failure is not None:
-            raise AssertionError(f"first difference: {session.failure.headline()}")
-        problems = list(session.problems) or processor_problems(
-            session, delivery, processor, spec, source.owed
-        )
-        assert not problems, f"{spec.describe()}, lengths {lengths}, {steps} steps: {problems[0]}"
-        return len(ops)
-    finally:
-        session.shutdown()
+    problems = chunk_problems(Trace(cfg, ops, dict(PREFIXES)), subject, feature, spec)
+    assert not problems, f"{spec.describe()}, lengths {lengths}, {steps} steps: {problems[0]}"
+    return len(ops)
 
 
 @pytest.mark.clauses("C-45")

@@ -77,7 +77,11 @@ CLAUSES: dict[str, Clause] = _table(
     ("C-44", "chunk-processors", "Processors get a copy of the stop-trimmed accepted ids"),
     ("C-45", "chunk-processors", "No position is delivered twice, even after preemption"),
     ("C-46", "process-boundary", "Chunks and stage inputs cross a process boundary unchanged"),
-    ("C-47", "receiving-stages", "Parked requests stay live, accounted, and leave nothing on abort"),
+    (
+        "C-47",
+        "receiving-stages",
+        "Parked requests stay live, accounted, and leave nothing on abort",
+    ),
     # materialization
     ("C-50", "materialization", "Steps with nothing to deliver build no payload objects"),
     ("C-51", "materialization", "Payload slot i holds request i's scheduled rows"),
