@@ -111,7 +111,6 @@ def run_program(
             return [f"C-47: the stage raised at {op.describe()}: {crash}"]
         if isinstance(op, AddRequest):
             added.append(op.request_id)
-            gone.discard(op.request_id)
         if isinstance(op, Abort):
             gone.update(rid for rid in op.request_ids if rid in live)
         return state_problems(side, receiving, gone)
@@ -160,7 +159,8 @@ programs = st.lists(
 
 
 def _repeated_add(ops: list[Op], i: int) -> bool:
-    """A request id added twice while live is refused upstream too: keep the first addition."""
+    """Each id names one request of the program: a later addition of the same id is dropped
+    (upstream refuses one while the first is live, and an aborted id stays in ``gone``)."""
     op = ops[i]
     return isinstance(op, AddRequest) and any(
         isinstance(o, AddRequest) and o.request_id == op.request_id for o in ops[:i]
