@@ -598,13 +598,32 @@ RECEIVING = textwrap.dedent(
             scheduler.kv_cache_manager.free = lambda request: None
             return scheduler
 
+    class PreemptsKeepingTokens(type(subject)):
+        # Planted: a preempted request keeps a computed token.
+        def build_scheduler(self, cfg):
+            scheduler = super().build_scheduler(cfg)
+            preempt = scheduler._preempt_request
+
+            def keeps(request, *a, **k):
+                out = preempt(request, *a, **k)
+                request.num_computed_tokens = 1
+                return out
+
+            scheduler._preempt_request = keeps
+            return scheduler
+
+    # Four requests of 50 tokens growing to 80 in 14 blocks of 16: preemptions.
+    pressure = [AddRequest(f"r{i}", tuple(range(10 + i, 60 + i)), max_tokens=30) for i in range(4)]
+    pressure += [op for _ in range(30) for op in (*(ChunkArrives(f"r{i}") for i in range(4)), Step())]
     program = [AddRequest("r0", (100, 101, 102), max_tokens=3), Step(),
                AddRequest("r1", (7, 8), max_tokens=2), ChunkArrives("r1"), Step(), Abort(("r0",))]
     version = subject.omni_version
     out = {m: {"right": run_program(subject, m, program)[0],
                "planted": run_program(ForgetsParked(version), m, program)[0],
                "twice": run_program(RestoresTwice(version), m, program)[0],
-               "blocks": run_program(KeepsBlocks(version), m, program)[0]}
+               "blocks": run_program(KeepsBlocks(version), m, program)[0],
+               "pressure": run_program(subject, m, pressure)[0],
+               "preempted": run_program(PreemptsKeepingTokens(version), m, pressure)[0]}
            for m in ("sync", "async")}
     print(json.dumps(out))
     """
@@ -615,7 +634,8 @@ RECEIVING = textwrap.dedent(
 def test_a_receiving_stage_that_keeps_an_aborted_request_fails_c47():
     """vllm-omni's talker, parked on chunks, passes C-47; planted faults fail it: an adapter
     that keeps an aborted request's receiving side, one that restores parked requests to their
-    queue twice, and a scheduler that never gives a finished request's blocks back."""
+    queue twice, a scheduler that never gives a finished request's blocks back, and one whose
+    preempted requests keep a computed token."""
     for env in _env_or_skip():
         proc = _run(env, ["-c", RECEIVING], 900)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -632,6 +652,9 @@ def test_a_receiving_stage_that_keeps_an_aborted_request_fails_c47():
             assert twice and "is kept 2 times in the scheduler's queues" in twice[0], twice
             blocks = runs["blocks"]
             assert blocks and "blocks still held after every request ended" in blocks[0], blocks
+            assert runs["pressure"] == [], (env.name, mode, runs["pressure"])
+            preempted = runs["preempted"]
+            assert preempted and "is PREEMPTED with" in preempted[0], (env.name, mode, preempted)
 
 
 CHUNK_TRACES = sorted((Path(__file__).parent / "data" / "vllm_omni" / "chunk").glob("*.json"))
