@@ -189,6 +189,9 @@ class ConformanceRecorder:
         self.exercised: dict[str, int] = {}
         self.first_difference: dict[str, Any] | None = None
         self.trace: str | None = None
+        # A difference in a section the run set aside after it first differed (statistics), as
+        # {"first_difference", "trace"}: reported beside the failure, or as it.
+        self.set_aside: dict[str, Any] | None = None
 
     def lockstep(self, config: HarnessConfig | None = None, **kw: Any) -> Lockstep:
         from conformance._core.config import HarnessConfig
@@ -263,6 +266,7 @@ class ConformanceRecorder:
             "exercised": dict(self.exercised),
             "first_difference": self.first_difference,
             "trace": self.trace,
+            "set_aside": self.set_aside,
         }
 
 

@@ -28,9 +28,9 @@ from hypothesis.stateful import invariant, run_state_machine_as_test
 
 from conformance._core.capabilities import OFF, Feature
 from conformance._core.config import HarnessConfig
-from conformance._core.lockstep import Lockstep, Shrinker, SubjectBroken
+from conformance._core.lockstep import Deferred, Lockstep, Shrinker, SubjectBroken, run_trace
 from conformance._core.machine import PREFIXES, TIGHT, LockstepMachine
-from conformance._core.replay import failures_dir
+from conformance._core.replay import failures_dir, record_failure
 from conformance._core.sides import Side
 from conformance._core.vllm_compat import environment_versions
 from conformance._core.workload import Abort, AddRequest, Step, Trace
@@ -48,7 +48,7 @@ from invariants.outcomes import TerminalOutcomes
 from invariants.reference import cached
 
 if TYPE_CHECKING:
-    from conformance._core.compare import Comparison
+    from conformance._core.compare import Comparison, FieldDifference
     from conformance._core.subjects import Subject
     from conformance._core.workload import Op
 
@@ -282,11 +282,15 @@ class MachineRun:
     audit_failure: tuple[AuditedLockstep, list[str]] | None = None
     # The sessions this run opened (what their audits covered is read after the run).
     sessions: list[AuditedLockstep] = field(default_factory=list)
+    # Snapshot sections whose first difference does not end a session (``Lockstep.defer``), and
+    # the shortest such difference any example met: reported after the run (``run_machine``).
+    defer: tuple[str, ...] = ()
+    deferred: Deferred | None = None
 
     def open_session(self) -> AuditedLockstep:
         """An audited session registered with the recorder so its steps are counted."""
         session = AuditedLockstep(
-            self.config, self.subject, feature=self.feature, prefixes=PREFIXES
+            self.config, self.subject, feature=self.feature, prefixes=PREFIXES, defer=self.defer
         )
         self.recorder.sessions.append(session)
         self.sessions.append(session)
@@ -325,6 +329,11 @@ class InvariantMachine(LockstepMachine):
             raise AssertionError(describe(self.session, self.session.problems))
 
     def teardown(self) -> None:
+        found = self.session.deferred
+        if found is not None and (
+            self.run.deferred is None or len(found.ops) < len(self.run.deferred.ops)
+        ):
+            self.run.deferred = found
         try:
             if self.session.failure is None and not self.session.problems:
                 self.session.drain()
@@ -345,6 +354,8 @@ class InvariantMachine(LockstepMachine):
 class MachineOutcome:
     error: BaseException | None
     ops: int
+    # The run's error is its deferred difference (no example failed otherwise).
+    from_deferred: bool = False
 
 
 def run_machine(
@@ -352,11 +363,15 @@ def run_machine(
     run_settings: settings | None = None,
     machine: Callable[[MachineRun], InvariantMachine] = InvariantMachine,
 ) -> MachineOutcome:
-    """Run the property; return its failure (if any) and the last program's length."""
+    """Run the property; return its failure (if any) and the last program's length. With no
+    other failure, a deferred difference (``MachineRun.defer``) is the run's failure."""
     try:
         run_state_machine_as_test(lambda: machine(run), settings=run_settings)
     except Exception as exc:  # noqa: BLE001 - the caller reports any failure
         return MachineOutcome(exc, run.last_ops)
+    if run.deferred is not None:
+        found = run.deferred
+        return MachineOutcome(SubjectBroken(found.difference), len(found.ops), from_deferred=True)
     return MachineOutcome(None, run.last_ops)
 
 
@@ -365,6 +380,10 @@ def raise_failure(outcome: MachineOutcome, run: MachineRun | None = None) -> Non
     (lock-step differences are saved by the recorder as they happen)."""
     if outcome.error is None:
         return
+    if run is not None and run.deferred is not None and hasattr(run.recorder, "trace"):
+        deferred = record_deferred(run, is_the_failure=outcome.from_deferred)
+        if outcome.from_deferred:
+            raise deferred from None
     if run is not None and run.audit_failure is not None and hasattr(run.recorder, "trace"):
         session, problems = run.audit_failure
         path, problem = record_audit_failure(
@@ -378,6 +397,38 @@ def raise_failure(outcome: MachineOutcome, run: MachineRun | None = None) -> Non
         run.recorder.trace = str(path)
         raise AssertionError(f"{problem}\ntrace: {path}") from outcome.error
     raise outcome.error
+
+
+def record_deferred(run: MachineRun, *, is_the_failure: bool) -> SubjectBroken:
+    """Save the run's deferred difference as a shrunk trace (its operations re-run with nothing
+    set aside fail there); the recorder keeps it as the test's ``set_aside`` finding, and as its
+    failure when nothing else failed. Returns the failure to raise for it."""
+    assert run.deferred is not None
+    trace = Trace(run.config, list(run.deferred.ops), dict(PREFIXES))
+    rerun = run_trace(trace, run.subject)
+    if rerun.failure is None:  # nothing set aside, it must fail as it did: a harness bug if not
+        raise AssertionError(
+            f"{run.name}: the deferred difference did not recur when its "
+            f"{len(trace.ops)} operations were re-run ({run.deferred.difference.headline()})"
+        )
+    path, difference = record_failure(
+        rerun.session,
+        subject_spec=getattr(run.recorder, "subject_spec", None),
+        name=f"{run.name}-{difference_section(rerun.failure)}",
+        folder=getattr(run.recorder, "failures_dir", None),
+        profile=getattr(run.recorder, "profile", None),
+        test=getattr(run.recorder, "test", None),
+    )
+    run.recorder.set_aside = {"first_difference": difference.to_dict(), "trace": str(path)}
+    if is_the_failure:
+        run.recorder.first_difference = difference.to_dict()
+        run.recorder.trace = str(path)
+    return SubjectBroken(difference)
+
+
+def difference_section(difference: FieldDifference) -> str:
+    """The snapshot section a difference is in (``stats``, ``outputs`` ...)."""
+    return difference.path.split(".", 1)[0]
 
 
 def lockstep_run(

@@ -49,7 +49,7 @@ def _axis_off(test_name: str) -> bool:
     for axis in AXES:
         for mode in ("sync", "async"):
             if params.endswith(f"-{axis.name}-{mode}"):
-                return mode not in axis.modes or axis.unavailable() is not None
+                return axis.unavailable() is not None
     raise AssertionError(f"no scheduler axis matches {test_name}")
 
 
@@ -71,8 +71,7 @@ def test_every_check_runs_with_an_empty_path(tmp_path, run_check):
     summary = report["summary"]
     outcomes = {t["nodeid"].rsplit("::", 1)[-1]: t["outcome"] for t in report["tests"]}
     not_applicable = sorted(name for name, outcome in outcomes.items() if outcome != "passed")
-    # Besides C-46's test, the scheduler axes in a mode vLLM refuses them (pipeline parallelism
-    # under async scheduling on the V1 runner) or that the installed release lacks.
+    # Besides C-46's and C-47's tests, the scheduler axes the installed release lacks.
     expected = sorted(
         [PROCESS_BOUNDARY_ONLY, *RECEIVING_STAGE_ONLY]
         + [name for name in outcomes if name.startswith("test_scheduler_axis[") and _axis_off(name)]

@@ -113,7 +113,7 @@ def _axis_probe(axis_name: str, mode: str, feature_name: str = "off"):
 
     def probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
         cfg = settings(cfg, **AXIS_PROBE_SETTINGS.get(axis_name, {}))
-        from conformance._core.axes import axis
+        from conformance._core.axes import DEFERRED_SECTIONS, axis
         from invariants.machines import LocalRecorder, MachineRun, harness_config, run_machine
 
         chosen = axis(axis_name)
@@ -126,6 +126,7 @@ def _axis_probe(axis_name: str, mode: str, feature_name: str = "off"):
             config,
             f"mutant-{axis_name}-{mode}",
             request_values=chosen.request_values,
+            defer=DEFERRED_SECTIONS,
         )
         outcome = run_machine(run, cfg)
         return _failure(outcome.error), outcome.ops

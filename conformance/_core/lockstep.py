@@ -45,6 +45,15 @@ from conformance._core.workload import (
 )
 
 
+@dataclass
+class Deferred:
+    """The first difference in a deferred snapshot section, and the operations up to it (a
+    trace that reproduces it with nothing set aside)."""
+
+    difference: FieldDifference
+    ops: list[Op]
+
+
 class SubjectBroken(AssertionError):
     """Raised by ``Lockstep.check`` for the first untolerated difference."""
 
@@ -63,6 +72,8 @@ class Lockstep:
         registry: Registry | None = None,
         oracle: Subject | None = None,
         use_worker: bool = False,
+        set_aside: tuple[str, ...] = (),
+        defer: tuple[str, ...] = (),
     ) -> None:
         if use_worker:
             config = subject.worker_config(config)
@@ -80,6 +91,12 @@ class Lockstep:
         self.tolerated: Counter[str] = Counter()
         self.steps_compared = 0
         self.failure: FieldDifference | None = None
+        # Snapshot sections left out of the comparison (``set_aside``), and those whose first
+        # difference is kept in ``deferred`` instead of ending the session (``defer``); see
+        # ``_judge``.
+        self.set_aside: set[str] = set(set_aside)
+        self.defer = frozenset(defer)
+        self.deferred: Deferred | None = None
         self._cfg_dict = config.to_dict()
         self._arrivals = 0
         # The last operation's observations (``_last_up`` and ``last_sub`` are their snapshots).
@@ -151,7 +168,7 @@ class Lockstep:
                 "op": op.describe(),
                 "mode": self.mode,
             }
-            result = compare(up.snapshot(), sub.snapshot(), self.registry, ctx)
+            result = self._judge(up.snapshot(), sub.snapshot(), ctx)
             self.tolerated.update(result.tolerated)
         if isinstance(op, Step):
             self.steps_compared += 1
@@ -161,6 +178,24 @@ class Lockstep:
         if result.failure is not None:
             self.failure = result.failure
         return result
+
+    def _judge(self, up: dict[str, Any], sub: dict[str, Any], ctx: dict[str, Any]) -> Comparison:
+        """Compare two snapshots without the sections set aside. A deferrable section's first
+        difference is kept (``deferred``, with the operations that led to it) and the section is
+        set aside from then on, so the rest of the snapshot is still compared: scheduler
+        statistics that differ (a subject that reports them less often, say) would otherwise
+        end every session at its first report and hide what the scheduler does after it."""
+        if self.set_aside:
+            up = {k: v for k, v in up.items() if k not in self.set_aside}
+            sub = {k: v for k, v in sub.items() if k not in self.set_aside}
+        result = compare(up, sub, self.registry, ctx)
+        failure = result.failure
+        section = failure.path.split(".", 1)[0] if failure is not None else ""
+        if failure is None or section not in self.defer or self.deferred is not None:
+            return result
+        self.deferred = Deferred(failure, list(self.trace.ops))
+        self.set_aside.add(section)
+        return self._judge(up, sub, ctx)
 
     @property
     def _last_up(self) -> dict[str, Any] | None:
@@ -252,6 +287,11 @@ class Lockstep:
         return problems
 
 
+# The trace ``meta`` key naming the snapshot sections a trace's run leaves out of the
+# comparison: a difference found after another section's had been deferred replays that way.
+SET_ASIDE = "set_aside"
+
+
 @dataclass
 class RunResult:
     failure: FieldDifference | None
@@ -267,7 +307,12 @@ def run_trace(
     use_worker: bool = False,
 ) -> RunResult:
     session = Lockstep(
-        trace.config, subject, prefixes=trace.prefixes, registry=registry, use_worker=use_worker
+        trace.config,
+        subject,
+        prefixes=trace.prefixes,
+        registry=registry,
+        use_worker=use_worker,
+        set_aside=tuple(trace.meta.get(SET_ASIDE, ())),
     )
     for op in trace.ops:
         session.apply(op)

@@ -26,7 +26,7 @@ from typing import Any
 from conformance._core.compare import FieldDifference
 from conformance._core.differences import Registry
 from conformance._core.driver import WorkerExecutor
-from conformance._core.lockstep import Lockstep, Shrinker, run_trace, same_failure
+from conformance._core.lockstep import SET_ASIDE, Lockstep, Shrinker, run_trace, same_failure
 from conformance._core.pristine import oracle_placement
 from conformance._core.subjects import Subject, load_subject
 from conformance._core.workload import Trace
@@ -82,7 +82,11 @@ def record_failure(
     as found is saved instead (and ``meta.shrink.discarded`` says so).
     """
     assert session.failure is not None, "record_failure needs a failed session"
-    found = Trace(session.config, list(session.trace.ops), dict(session.trace.prefixes))
+    # A failure found with sections set aside replays (and shrinks) with them set aside.
+    set_aside = {SET_ASIDE: sorted(session.set_aside)} if session.set_aside else {}
+    found = Trace(
+        session.config, list(session.trace.ops), dict(session.trace.prefixes), dict(set_aside)
+    )
     found_failure = session.failure
     subject = session.subject
     use_worker = _uses_worker(session)
@@ -107,6 +111,7 @@ def record_failure(
         "first_difference": failure.to_dict(),
         "found": {"ops": len(found.ops), "first_difference": found_failure.to_dict()},
         "shrink": shrink_info,
+        **set_aside,
     }
     path = failures_dir(folder) / f"{_slug(name or subject.name)}.json"
     trace.save(path)

@@ -51,6 +51,8 @@ class TestRecord:
     message: str | None = None
     first_difference: dict[str, Any] | None = None
     trace: str | None = None
+    # A statistics difference the run set aside to compare the rest ({first_difference, trace}).
+    set_aside: dict[str, Any] | None = None
     # Why a not-applicable test did not apply (pytest's skip reason), or why a not-run test
     # could not run here (a missing tool, an unreadable file).
     reason: str | None = None
@@ -87,6 +89,11 @@ def difference_headline(diff: Mapping[str, Any]) -> str:
         f"step {diff.get('step')} ({diff.get('op')}) {diff.get('path')}: "
         f"upstream={_short(diff.get('upstream'))} subject={_short(diff.get('subject'))}"
     )
+
+
+def _set_aside_entry(found: Mapping[str, Any]) -> dict[str, Any]:
+    """A set-aside difference as a failure lists it: with its one-line headline."""
+    return {**found, "message": difference_headline(found["first_difference"])}
 
 
 def _installed(package: str) -> str:
@@ -199,6 +206,7 @@ class ReportBuilder:
                 "message": r.headline(),
                 "first_difference": r.first_difference,
                 "trace": r.trace,
+                **({"set_aside": _set_aside_entry(r.set_aside)} if r.set_aside else {}),
             }
             for r in self.records
             if r.outcome in ("failed", "error")

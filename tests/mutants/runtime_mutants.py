@@ -1664,6 +1664,20 @@ class StatsCountedBeforePreemption:
         return stats
 
 
+class StatisticsThrottled:
+    """C-09: ``make_stats`` returns statistics at most every third update and ``None`` between,
+    as a runtime that throttles its reports does (vllm-omni's scheduler keeps a wall-clock
+    interval; a count keeps the mutant deterministic). The statistics passed in for a withheld
+    update are lost."""
+
+    _calls: dict[int, int] = {}  # kept beside the scheduler: an undeclared attribute is C-12
+
+    def make_stats(self, *args: Any, **kwargs: Any) -> Any:
+        stats = super().make_stats(*args, **kwargs)  # type: ignore[misc]
+        calls = self._calls[id(self)] = self._calls.get(id(self), 0) + 1
+        return stats if calls % 3 == 1 else None
+
+
 class WindowBlocksKept:
     """C-01/C-06: blocks that fell out of a sliding window are never given back: a runtime
     whose KV-cache manager skips the window eviction (``remove_skipped_blocks``)."""
@@ -2720,6 +2734,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-stats-events-async",
         "the step's running count is taken before schedule() preempts and admits",
         _sub(scheduler_mixin=StatsCountedBeforePreemption),
+    ),
+    Mutant(
+        "statistics_throttled",
+        "C-09",
+        "axis-stats-events-sync",
+        "statistics are returned at most every third update, None between",
+        _sub(scheduler_mixin=StatisticsThrottled),
     ),
     Mutant(
         "kv_events_dropped_on_reset",
