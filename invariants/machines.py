@@ -28,7 +28,14 @@ from hypothesis.stateful import invariant, run_state_machine_as_test
 
 from conformance._core.capabilities import OFF, Feature
 from conformance._core.config import HarnessConfig
-from conformance._core.lockstep import Deferred, Lockstep, Shrinker, SubjectBroken, run_trace
+from conformance._core.lockstep import (
+    SET_ASIDE,
+    Deferred,
+    Lockstep,
+    Shrinker,
+    SubjectBroken,
+    run_trace,
+)
 from conformance._core.machine import PREFIXES, TIGHT, LockstepMachine
 from conformance._core.replay import failures_dir, record_failure
 from conformance._core.sides import Side
@@ -468,7 +475,13 @@ def audit_problems(
 ) -> list[str]:
     """Re-run ``trace`` in an audited session: the problems of its operations, then (when the
     operations ran clean) of the drain and teardown."""
-    session = AuditedLockstep(trace.config, subject, feature=feature, prefixes=dict(trace.prefixes))
+    session = AuditedLockstep(
+        trace.config,
+        subject,
+        feature=feature,
+        prefixes=dict(trace.prefixes),
+        set_aside=tuple(trace.meta.get(SET_ASIDE, ())),
+    )
     try:
         for op in trace.ops:
             if session.failure is not None or session.problems:
@@ -504,7 +517,11 @@ def record_audit_failure(
 ) -> tuple[Path, str]:
     """Shrink (bounded, ``conformance._core.lockstep.Shrinker``) the failing session's trace to the
     smallest one whose audits fail with the same clause, and save it for ``replay``."""
-    found = Trace(session.config, list(session.trace.ops), dict(session.trace.prefixes))
+    # Found with sections set aside (a deferred statistics difference): replayed the same way.
+    set_aside = {SET_ASIDE: sorted(session.set_aside)} if session.set_aside else {}
+    found = Trace(
+        session.config, list(session.trace.ops), dict(session.trace.prefixes), dict(set_aside)
+    )
     subject, feature, clause = session.subject, session.feature, _clause(problems[0])
 
     def same_clause(t: Trace) -> bool:
@@ -534,6 +551,7 @@ def record_audit_failure(
         "problem": same[0],
         "found": {"ops": len(found.ops), "problem": problems[0]},
         "shrink": result.to_dict(),
+        **set_aside,
     }
     path = failures_dir(folder) / f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)[:120]}.json"
     trace.save(path)

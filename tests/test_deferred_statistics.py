@@ -26,9 +26,16 @@ from conformance._core.lockstep import SET_ASIDE, SubjectBroken, run_trace
 from conformance._core.needs import features_of
 from conformance._core.replay import load_trace
 from conformance.plugin import ConformanceRecorder
-from invariants.machines import MachineRun, harness_config, raise_failure, run_machine
+from invariants.machines import (
+    MachineRun,
+    harness_config,
+    raise_failure,
+    replay_audit,
+    run_machine,
+)
 from omni_runtime.conformance_subject import OmniSubject
 from tests.mutants.runtime_mutants import (
+    RepeatsFinishedOutput,
     RequeuePreemptedAtBack,
     StatisticsThrottled,
     _subject_with,
@@ -111,6 +118,21 @@ def test_a_lifecycle_bug_past_the_statistics_is_found_and_replays(tmp_path):
     assert found["first_difference"]["path"].startswith("stats")
     stats_trace = load_trace(found["trace"])
     assert run_trace(stats_trace, subject).failure.path == found["first_difference"]["path"]
+
+
+class ThrottledAndRepeated(StatisticsThrottled, RepeatsFinishedOutput):
+    """The throttle and a finished request's output emitted twice (an audit problem, C-62)."""
+
+
+def test_an_audit_problem_past_the_statistics_replays_with_them_set_aside(tmp_path):
+    subject = _subject_with(scheduler_mixin=ThrottledAndRepeated)
+    run, error = _axis_run(subject, tmp_path, DEFERRED_SECTIONS)
+    assert str(error).startswith("C-62"), error
+    trace = load_trace(run.recorder.trace)
+    assert trace.meta["kind"] == "audit" and trace.meta[SET_ASIDE] == ["stats"]
+    assert len(trace.ops) < trace.meta["found"]["ops"] or len(trace.ops) <= 4
+    assert replay_audit(trace, subject)[0].startswith("C-62")
+    assert replay_audit(trace, OmniSubject()) == []
 
 
 def test_the_report_lists_a_set_aside_difference_beside_the_failure():
