@@ -6,7 +6,8 @@ teardown the ledger checks:
 
 * C-42 / C-43 — no chunk for a request final at this stage (or from a plain client), and for
   every other request exactly one EOF, last, with seqs ``0..n-1`` (none for an aborted request
-  when the subject declares ``abort_eof = False``, C-46);
+  when the subject declares ``abort_eof = False``, nor for one finished with an error under
+  ``error_eof = False``, C-46);
 * C-40 / C-44 / C-45 — the ids streamed equal ``ChunkDelivery.expected_tokens``, once each, in
   the groups ``expected_chunks`` says where the subject says it;
 * with the real worker: C-30, C-31, C-45, C-51, C-52, C-55 against the model reference's rows,
@@ -52,8 +53,10 @@ def ledger_problems(
 ) -> list[str]:
     """The teardown checks (module docstring). ``includes_hidden`` is None without a worker."""
     problems: list[str] = []
-    # False: an aborted request's end is its caller's to deliver downstream (``ChunkDelivery``).
+    # False: an aborted (errored) request's end is its caller's to deliver downstream
+    # (``ChunkDelivery``).
     abort_eof = bool(getattr(delivery, "abort_eof", True))
+    error_eof = bool(getattr(delivery, "error_eof", True))
     views: dict[str, list[ChunkView]] = {}
     for chunk in session.sub.chunks:
         view = delivery.view(chunk)
@@ -78,12 +81,21 @@ def ledger_problems(
                 )
             continue
         finals = [c for c in chunks if c.is_final]
-        parent_ends = entry.aborted and not abort_eof
-        if parent_ends:
+        ended_by = caller_ends(entry, abort_eof=abort_eof, error_eof=error_eof)
+        parent_ends = ended_by is not None
+        if ended_by == ABORTED:
             if finals:
                 problems.append(
-                    f"C-43/C-46: {rid} was aborted by its caller, who ends it downstream, yet "
+                    f"C-43/C-46: {rid} was {ended_by}, and its caller ends it downstream, yet "
                     f"{len(finals)} EOF chunk(s) crossed"
+                )
+        elif ended_by == ERRORED:
+            # The error may be found in the step that also ended the request's last chunk (a
+            # grammar that rejects the sampled token): at most one EOF, and last.
+            if len(finals) > 1 or (finals and not chunks[-1].is_final):
+                problems.append(
+                    f"C-43/C-46: {rid} was {ended_by}, and its caller ends it downstream, yet "
+                    f"{len(finals)} EOF chunk(s) crossed, the last not last"
                 )
         elif len(finals) != 1 or not chunks[-1].is_final:
             problems.append(
@@ -114,6 +126,20 @@ def ledger_problems(
     for rid in views:
         problems.append(f"C-42/C-43: chunks for unknown request {rid}")
     return problems
+
+
+ABORTED = "aborted by its caller"
+ERRORED = "finished with an error"
+
+
+def caller_ends(entry: RequestLedger, *, abort_eof: bool, error_eof: bool) -> str | None:
+    """How the request ended (``ABORTED``, ``ERRORED``) when its caller, not its chunks, ends
+    it downstream (the subject declared ``abort_eof`` or ``error_eof`` False), else None."""
+    if entry.aborted:
+        return None if abort_eof else ABORTED
+    if entry.finish_reason == "error" and not error_eof:
+        return ERRORED
+    return None
 
 
 def grouping_problems(

@@ -124,8 +124,11 @@ class AuditedLockstep(Lockstep):
             self.terminal.entered(op.request_id)
         elif isinstance(op, Abort):
             for rid in op.request_ids:
-                if rid in live_before and rid in self.ledger:
-                    self.ledger[rid].aborted = True
+                entry = self.ledger.get(rid)
+                # A request that already finished (its blocks held for a KV connector's send)
+                # is not aborted: upstream's ``finish_requests`` skips it, its outcome stands.
+                if rid in live_before and entry is not None and entry.finish_reason is None:
+                    entry.aborted = True
                 self.terminal.aborted(rid, self.sub.last_abort_states.get(rid, "unknown"))
         # Only the outputs: the rest of the snapshots is built only when the sides differ.
         up_outputs, sub_outputs = self.last_outputs if isinstance(op, Step) else ({}, {})

@@ -35,6 +35,7 @@ from conformance._core.replay import failures_dir
 from conformance._core.vllm_compat import environment_versions
 from conformance._core.workload import AddRequest, Op, ResetPrefixCache, Step, Trace
 from conformance.plugin import covers
+from invariants.ledger import caller_ends
 from invariants.machines import (
     PREFIXES,
     AuditedLockstep,
@@ -232,12 +233,17 @@ def processor_problems(
                 "per request"
             )
         finals = [c for c in calls if c.is_final]
-        if entry.aborted and not getattr(delivery, "abort_eof", True):
-            # The caller that aborted ends the request downstream: no final call is owed, and
-            # at most one may come (the request finished in the step the abort met).
+        ended_by = caller_ends(
+            entry,
+            abort_eof=getattr(delivery, "abort_eof", True),
+            error_eof=getattr(delivery, "error_eof", True),
+        )
+        if ended_by is not None:
+            # The caller ends the request downstream: no final call is owed, and at most one
+            # may come (the request finished in the step the abort met).
             if len(finals) > 1 or (finals and not calls[-1].is_final):
                 problems.append(
-                    f"C-43: {rid} (aborted): {len(finals)} final processor calls of {len(calls)}"
+                    f"C-43: {rid} ({ended_by}): {len(finals)} final processor calls of {len(calls)}"
                 )
         elif len(finals) != 1 or not calls or not calls[-1].is_final:
             problems.append(f"C-43: {rid}: {len(finals)} final processor calls of {len(calls)}")

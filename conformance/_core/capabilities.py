@@ -193,6 +193,12 @@ class ChunkDelivery(Protocol):
     # request got no EOF and that the ids it streamed are a prefix of its accepted ids, instead
     # of exactly one EOF and all of them.
     #
+    # Optional: ``error_eof`` (default True). False declares the same for a request the stage
+    # finishes with an error (a failed KV load under the fail policy, a grammar that does not
+    # compile): the caller that receives the error output ends the request downstream, so no EOF
+    # is owed; one may still cross when the error came in the step that sent the request's last
+    # chunk (at most one, last).
+    #
     # Optional: ``releases_on_final_fault`` (default False). True declares that a processor with
     # a ``release(request_id)`` method is called there once for a request whose final call
     # raised (the call in which it would have let go of the request's state itself), and for

@@ -219,6 +219,10 @@ class VllmOmniChunkDelivery:
     # An abort sends no terminal chunk: the adapter reclaims the sender (``finish_requests``),
     # and vllm-omni's orchestrator aborts the request in every stage itself.
     abort_eof = False
+    # Nor does an error finish: the orchestrator answers a stage's ``FinishReason.ERROR`` output
+    # by reporting the error and aborting the request in every stage
+    # (``Orchestrator._handle_stage_error`` -> ``_cleanup_request_ids(..., abort=True)``).
+    error_eof = False
 
     def install_sink(self, scheduler: Any, sink: Any) -> bool:
         adapter = transfer_adapter(scheduler)
