@@ -125,6 +125,25 @@ def test_not_reproduced_is_not_a_success(saved, capsys):
     assert len(lines) == 2
 
 
+def test_several_traces_replay_in_one_process_each_under_its_name(saved, tmp_path, capsys):
+    path, diff = saved
+    clean = tmp_path / "clean.json"
+    data = json.loads(path.read_text())
+    data["ops"] = data["ops"][:1]  # its first operation alone shows nothing
+    clean.write_text(json.dumps(data))
+    code, lines, _ = _replay(capsys, str(path), str(clean))
+    assert code == EXIT_REPRODUCED  # one of them reproduced
+    assert lines == [
+        f"== {path}",
+        diff.headline(),
+        f"== {clean}",
+        f"does not reproduce: no difference on subject {SPEC!r}, "
+        f"vLLM {environment_versions()['vllm']}",
+    ]
+    code, lines, _ = _replay(capsys, str(clean), str(clean))
+    assert code == EXIT_NOT_REPRODUCED  # none did
+
+
 def test_a_different_first_difference_prints_both(saved, capsys):
     path, diff = saved
     recorded = {**diff.to_dict(), "step": diff.step + 5, "path": "queues.waiting"}

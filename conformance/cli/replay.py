@@ -1,4 +1,4 @@
-"""``omni-conformance replay TRACE``: re-runs a saved failure trace and says what happened.
+"""``omni-conformance replay TRACE...``: re-runs saved failure traces and says what happened.
 
 Exit 1 when it reproduces: the first difference is printed, and when it is not the recorded one
 both are ("reproduces with a DIFFERENT first difference"); 3 when it does not reproduce (no
@@ -6,7 +6,8 @@ difference on this subject and vLLM: a trace is saved only for a failure, so thi
 success); 2 when the trace file is unreadable or for an environment problem. A one-line note
 comes first when the subject or the vLLM version differ from the ones the trace recorded. An
 audit trace (a run-time audit failed, not a lock-step difference) is re-run by the suite function
-its ``meta.replay`` names.
+its ``meta.replay`` names. Several traces are replayed in one process (each subject loaded once),
+each under a ``== TRACE`` line; the exit status is then 1 when any reproduced, 3 when none did.
 """
 
 from __future__ import annotations
@@ -27,27 +28,48 @@ from conformance.cli._options import ORACLE_CHOICES, place_oracle
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    traces = list(args.trace)
     problem = check_environment(args.subject)
     if problem:
         return fail_environment(problem)
-    if not Path(args.trace).is_file():
-        return fail_environment(f"no such trace: {args.trace}")
+    for path in traces:
+        if not Path(path).is_file():
+            return fail_environment(f"no such trace: {path}")
+    place_oracle(args.oracle)
+    if len(traces) == 1:
+        return _replay_one(traces[0], args.subject, {})
+    # Several traces, one process: each subject is loaded once. A trace's lines follow its
+    # name; the exit status is 1 when any reproduced, 3 when none did.
+    subjects: dict[str, Any] = {}
+    codes = []
+    for path in traces:
+        print(f"== {path}")
+        codes.append(_replay_one(path, args.subject, subjects))
+    if any(code not in (EXIT_REPRODUCED, EXIT_NOT_REPRODUCED) for code in codes):
+        return max(code for code in codes if code not in (EXIT_REPRODUCED, EXIT_NOT_REPRODUCED))
+    return EXIT_REPRODUCED if EXIT_REPRODUCED in codes else EXIT_NOT_REPRODUCED
+
+
+def _replay_one(path: str, override: str | None, subjects: dict[str, Any]) -> int:
+    """Replay one trace (loading its subject unless ``subjects`` holds it); its exit code."""
     from conformance._core.replay import TraceError, load_trace, replay_trace
 
     try:
-        trace = load_trace(args.trace)
+        trace = load_trace(path)
     except TraceError as exc:
         return fail_environment(str(exc))
-    spec = args.subject or trace.meta.get("subject")
+    spec = override or trace.meta.get("subject")
     if not isinstance(spec, str) or not spec:
-        return fail_environment(f"{args.trace} records no subject; pass --subject")
-    problem = subject_problem(spec)
-    if problem:
-        return fail_environment(problem)
-    subject, problem = load_subject_quietly(spec)
-    if problem:
-        return fail_environment(problem)
-    place_oracle(args.oracle)
+        return fail_environment(f"{path} records no subject; pass --subject")
+    subject = subjects.get(spec)
+    if subject is None:
+        problem = subject_problem(spec)
+        if problem:
+            return fail_environment(problem)
+        subject, problem = load_subject_quietly(spec)
+        if problem:
+            return fail_environment(problem)
+        subjects[spec] = subject
     if trace.meta.get("kind") == "audit":
         return _replay_audit(trace, subject, spec)
     outcome = replay_trace(trace, subject, spec)
@@ -110,8 +132,12 @@ def _replay_audit(trace: Any, subject: Any, spec: str) -> int:
 
 
 def register(sub: Any) -> None:
-    r = sub.add_parser("replay", help="re-run a saved failure trace")
-    r.add_argument("trace")
+    r = sub.add_parser("replay", help="re-run saved failure traces")
+    r.add_argument(
+        "trace",
+        nargs="+",
+        help="one or more traces; several are replayed in one process, each under its name",
+    )
     r.add_argument("--subject", default=None, help="override the subject recorded in the trace")
     r.add_argument(
         "--oracle",
