@@ -16,7 +16,10 @@ what is not: C-61 in docs/contracts.md and docs/design.md, "How the suite checks
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import pytest
@@ -29,8 +32,10 @@ from conformance._core.driver import make_driver
 from conformance._core.harness_faults import raise_pending
 from conformance._core.machine import client_trace_headers
 from conformance._core.needs import cause_naming_problem, require
+from conformance._core.replay import failures_dir
+from conformance._core.vllm_compat import environment_versions
 from conformance._core.vllm_compat import state as vc
-from conformance._core.workload import AddRequest
+from conformance._core.workload import AddRequest, Trace
 from invariants.machines import harness_config, suite_settings
 from invariants.outcomes import Outcome
 from invariants.strategies import (
@@ -432,8 +437,9 @@ def check_send_fault_stays_with_its_request(
 
 @pytest.mark.clauses("C-61", "C-62", "C-43")
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_send_path_fault_stays_with_its_request(conformance_subject, mode):
+def test_a_send_path_fault_stays_with_its_request(conformance, conformance_subject, mode):
     processor_delivery(conformance_subject)
+    failing = FailingExamples(conformance, conformance_subject, f"C-61-send-fault-{mode}")
 
     # Each fault position in a run of its own, with an equal share of the examples: a drawn
     # call index lands on the victim's final call only by chance, and that is where a subject
@@ -448,11 +454,9 @@ def test_a_send_path_fault_stays_with_its_request(conformance_subject, mode):
         # in the second of two containers.
         @example(list(EDGE_JOBS[0]), two_client_spec(conformance_subject), 1, where)
         def prop(workload: list[Job], spec: ProcessorSpec, victim: int, call: str) -> None:
-            check_send_fault_stays_with_its_request(
-                conformance_subject, workload, spec, victim, call, mode=mode
-            )
+            failing.run(FaultExample("processor", workload, spec, victim, (call,), mode))
 
-        prop()
+        failing.around(prop)
 
 
 def check_connector_fault_stays_with_its_request(
@@ -510,7 +514,7 @@ def check_connector_fault_stays_with_its_request(
 
 @pytest.mark.clauses("C-61", "C-62", "C-43")
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_connector_fault_stays_with_its_request(conformance_subject, mode):
+def test_a_connector_fault_stays_with_its_request(conformance, conformance_subject, mode):
     """The send path's other half: the connector that carries a stage's chunks raises on one
     chunk of one request (its first, a middle one, its EOF, each in a run of its own)."""
     delivery = processor_delivery(conformance_subject)
@@ -518,17 +522,16 @@ def test_a_connector_fault_stays_with_its_request(conformance_subject, mode):
         raise NotApplicable(
             f"subject {conformance_subject.name!r}'s sink is not its stage's connector"
         )
+    failing = FailingExamples(conformance, conformance_subject, f"C-61-connector-fault-{mode}")
     budget = suite_settings(10)
     for where in ("first", "middle", "final"):
 
         @settings(budget, max_examples=max(1, budget.max_examples // 3))
         @given(jobs, fault_specs(conformance_subject), st.integers(0, 5), st.just(where))
         def prop(workload: list[Job], spec: ProcessorSpec, victim: int, at: str) -> None:
-            check_connector_fault_stays_with_its_request(
-                conformance_subject, workload, spec, victim, at, mode=mode
-            )
+            failing.run(FaultExample("connector", workload, spec, victim, (at,), mode))
 
-        prop()
+        failing.around(prop)
 
 
 # Where the client aborts the victim in ``test_an_abort_that_meets_a_send_fault_stays_an_abort``:
@@ -620,7 +623,7 @@ def check_abort_meets_a_send_fault(
 
 @pytest.mark.clauses("C-61", "C-43", "C-04")
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_an_abort_that_meets_a_send_fault_stays_an_abort(conformance_subject, mode):
+def test_an_abort_that_meets_a_send_fault_stays_an_abort(conformance, conformance_subject, mode):
     """The send path fails on the terminal delivery of a request the client aborted between
     steps: the processor's final call raises, or the connector refuses the EOF. The request
     stays aborted (no terminal output, no cause: the client has gone), an EOF that went out says
@@ -632,6 +635,7 @@ def test_an_abort_that_meets_a_send_fault_stays_an_abort(conformance_subject, mo
     budget = suite_settings(10)
     runs = [(point, path) for point in ABORT_POINTS for path in paths]
     met: dict[tuple[str, str], int] = dict.fromkeys(runs, 0)  # steps run that met the fault
+    failing = FailingExamples(conformance, conformance_subject, f"C-61-abort-meets-fault-{mode}")
     for point, path in runs:
 
         @settings(budget, max_examples=max(1, budget.max_examples // len(runs)))
@@ -641,9 +645,138 @@ def test_an_abort_that_meets_a_send_fault_stays_an_abort(conformance_subject, mo
         def prop(
             workload: list[Job], spec: ProcessorSpec, victim: int, at: str, fails: str
         ) -> None:
-            met[at, fails] += check_abort_meets_a_send_fault(
-                conformance_subject, workload, spec, victim, at, fails, mode=mode
+            met[at, fails] += failing.run(
+                FaultExample("abort", workload, spec, victim, (at, fails), mode)
             )
 
-        prop()
+        failing.around(prop)
         assert met[point, path] > 0, f"no example aborted its victim {point} ({path} fault)"
+
+
+# ---- failing examples as replayable traces ------------------------------------------------------
+
+REPLAY_SEND_FAULT = "invariants.test_send_path_faults:replay_send_fault"
+
+
+@dataclass(frozen=True)
+class FaultExample:
+    """One example of a check of this module: which check, its workload, processor, victim,
+    where the fault goes (``args``: the check's own) and the scheduling mode."""
+
+    check: str  # a key of ``CHECKS``
+    jobs: list[Job]
+    spec: ProcessorSpec
+    victim: int
+    args: tuple[str, ...]
+    mode: str
+
+    def run(self, subject: Any) -> int:
+        check = CHECKS[self.check]
+        return check(subject, self.jobs, self.spec, self.victim, *self.args, mode=self.mode)
+
+    def to_meta(self) -> dict[str, Any]:
+        return {
+            "check": self.check,
+            "jobs": [dataclasses.asdict(j) for j in self.jobs],
+            "processor_spec": dataclasses.asdict(self.spec),
+            "victim": self.victim,
+            "args": list(self.args),
+            "mode": self.mode,
+        }
+
+    @classmethod
+    def from_meta(cls, meta: dict[str, Any]) -> FaultExample:
+        return cls(
+            meta["check"],
+            [Job(**j) for j in meta["jobs"]],
+            ProcessorSpec(**meta["processor_spec"]),
+            int(meta["victim"]),
+            tuple(meta["args"]),
+            meta["mode"],
+        )
+
+
+CHECKS: dict[str, Callable[..., int]] = {
+    "processor": check_send_fault_stays_with_its_request,
+    "connector": check_connector_fault_stays_with_its_request,
+    "abort": check_abort_meets_a_send_fault,
+}
+
+
+class FailingExamples:
+    """Runs a property's examples and keeps the last that failed (the one hypothesis reports:
+    it runs the failing example again last), so the property's failure is saved as a trace
+    that ``omni-conformance replay`` re-runs (``replay_send_fault``)."""
+
+    def __init__(self, recorder: Any, subject: Any, name: str) -> None:
+        self.recorder = recorder
+        self.subject = subject
+        self.name = name
+        self.last: FaultExample | None = None
+
+    def run(self, example: FaultExample) -> int:
+        try:
+            return example.run(self.subject)
+        except AssertionError:
+            self.last = example
+            raise
+
+    def around(self, prop: Callable[[], None]) -> None:
+        """Run ``prop``; its failure is saved as a trace and raised naming it."""
+        self.last = None
+        try:
+            prop()
+        except (AssertionError, ExceptionGroup) as exc:  # a group: hypothesis met several
+            if self.last is None:
+                raise
+            path = save_fault_trace(self.last, exc, self.subject, self.recorder, self.name)
+            raise AssertionError(f"{_first_line(exc)}\ntrace: {path}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+    return lines[0] if lines else type(exc).__name__
+
+
+def save_fault_trace(
+    example: FaultExample, exc: BaseException, subject: Any, recorder: Any, name: str
+) -> Path:
+    """The example as an audit trace: its requests as ``ops`` (the run steps them until the
+    workload drains; ``meta.example`` holds the rest)."""
+    delivery, cfg, prompts, limits, victim = workload_of(
+        subject,
+        example.jobs,
+        example.victim,
+        example.mode,
+        connector=example.check == "connector" or example.args[-1:] == ("connector",),
+    )
+    ops = [
+        AddRequest(rid, tuple(prompt), max_tokens=limits[rid]) for rid, prompt in prompts.items()
+    ]
+    trace = Trace(cfg, list(ops), {})
+    trace.meta = {
+        "kind": "audit",
+        "replay": REPLAY_SEND_FAULT,
+        "subject": getattr(recorder, "subject_spec", None) or subject.name,
+        "test": name,
+        "victim": victim,
+        "processor": example.spec.describe(),
+        "example": example.to_meta(),
+        **environment_versions(),
+        "problem": _first_line(exc),
+    }
+    path = failures_dir(getattr(recorder, "failures_dir", None)) / f"{name}.json"
+    trace.save(path)
+    if hasattr(recorder, "trace"):
+        recorder.trace = str(path)
+    return path
+
+
+def replay_send_fault(trace: Trace, subject: Any) -> list[str]:
+    """The problem a send-path trace shows on ``subject`` now (empty: it does not reproduce);
+    a subject without a send path raises ``NotApplicable``."""
+    try:
+        FaultExample.from_meta(trace.meta["example"]).run(subject)
+    except AssertionError as exc:
+        return [_first_line(exc)]
+    return []

@@ -153,7 +153,7 @@ def test_a_send_path_fault_stays_with_its_request(subject, mode):
         test_a_send_path_fault_stays_with_its_request as suite,
     )
 
-    suite(subject, mode)
+    suite(None, subject, mode)  # no recorder: a failure's trace goes to the default folder
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -162,7 +162,7 @@ def test_an_abort_that_meets_a_send_fault_stays_an_abort(subject, mode):
         test_an_abort_that_meets_a_send_fault_stays_an_abort as suite,
     )
 
-    suite(subject, mode)
+    suite(None, subject, mode)
 
 
 def test_outputs_arrive_as_the_parent_decodes_them(subject):
