@@ -19,7 +19,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import settings
 
 from conformance._core.axes import DEFERRED_SECTIONS, axis
 from conformance._core.lockstep import SET_ASIDE, SubjectBroken, run_trace
@@ -40,18 +40,11 @@ from tests.mutants.runtime_mutants import (
     StatisticsThrottled,
     _subject_with,
 )
+from tests.test_audit_traces import NO_SHRINK
 
 pytestmark = [pytest.mark.clauses("C-09")]
 
-SETTINGS = settings(
-    max_examples=12,
-    stateful_step_count=40,
-    derandomize=True,
-    database=None,
-    deadline=None,
-    phases=(Phase.explicit, Phase.generate),
-    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-)
+SETTINGS = settings(NO_SHRINK, max_examples=12)
 
 
 class ThrottledAndRequeued(StatisticsThrottled, RequeuePreemptedAtBack):
