@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -402,22 +403,39 @@ def raise_chunk_failure(outcome: MachineOutcome, run: ChunkRun) -> None:
         return
     session, spec, problems = run.chunk_failure
     found = Trace(session.config, list(session.trace.ops), dict(session.trace.prefixes))
-    feature, clause = session.feature, problems[0].split(":", 1)[0]
+    path, problem, trace = save_chunk_trace(
+        found, problems, run.subject, session.feature, spec, run.recorder, run.name
+    )
+    raise AssertionError(
+        f"{spec.describe()}: {problem} ({len(trace.ops)} operations)\ntrace: {path}"
+    ) from outcome.error
+
+
+def save_chunk_trace(
+    found: Trace,
+    problems: list[str],
+    subject: Any,
+    feature: Feature,
+    spec: ProcessorSpec,
+    recorder: Any,
+    name: str,
+) -> tuple[Path, str, Trace]:
+    """Shrink ``found`` to the smallest trace whose chunk problems keep the first one's clause
+    and save it for ``replay`` (``replay_chunk``); the path, the problem it shows, the trace."""
+    clause = problems[0].split(":", 1)[0]
 
     def same_clause(t: Trace) -> bool:
-        return any(
-            p.split(":", 1)[0] == clause for p in chunk_problems(t, run.subject, feature, spec)
-        )
+        return any(p.split(":", 1)[0] == clause for p in chunk_problems(t, subject, feature, spec))
 
     trace = Shrinker(found, same_clause).run().trace
-    same = [p for p in chunk_problems(trace, run.subject, feature, spec) if p.startswith(clause)]
+    same = [p for p in chunk_problems(trace, subject, feature, spec) if p.startswith(clause)]
     if not same:
         trace, same = found, problems
     trace.meta = {
         "kind": "audit",
         "replay": REPLAY_CHUNK,
-        "subject": getattr(run.recorder, "subject_spec", None) or run.subject.name,
-        "test": run.name,
+        "subject": getattr(recorder, "subject_spec", None) or subject.name,
+        "test": name,
         "feature": {
             "name": feature.name,
             "additional_config": dict(feature.additional_config),
@@ -429,12 +447,11 @@ def raise_chunk_failure(outcome: MachineOutcome, run: ChunkRun) -> None:
         "problem": same[0],
         "found": {"ops": len(found.ops), "problem": problems[0]},
     }
-    path = failures_dir(getattr(run.recorder, "failures_dir", None)) / f"{run.name}.json"
+    path = failures_dir(getattr(recorder, "failures_dir", None)) / f"{name}.json"
     trace.save(path)
-    run.recorder.trace = str(path)
-    raise AssertionError(
-        f"{spec.describe()}: {same[0]} ({len(trace.ops)} operations)\ntrace: {path}"
-    ) from outcome.error
+    if hasattr(recorder, "trace"):
+        recorder.trace = str(path)
+    return path, same[0], trace
 
 
 def runs_per_shape(
@@ -456,7 +473,12 @@ def runs_per_shape(
 
 
 def check_rows_survive_a_reset(
-    subject: Any, lengths: list[int], steps: int, spec: ProcessorSpec
+    subject: Any,
+    lengths: list[int],
+    steps: int,
+    spec: ProcessorSpec,
+    recorder: Any = None,
+    name: str = "C-45-rows-survive-a-reset",
 ) -> int:
     """One async workload: requests of ``lengths`` prompt tokens, ``steps`` steps, a reset of the
     prefix cache with running requests (upstream drops the steps in flight as stale), then the
@@ -471,14 +493,25 @@ def check_rows_survive_a_reset(
     ]
     ops += [Step()] * steps + [ResetPrefixCache(reset_running_requests=True)]
     cfg = harness_config(feature, mode="async", prefix=True)
-    problems = chunk_problems(Trace(cfg, ops, dict(PREFIXES)), subject, feature, spec)
+    found = Trace(cfg, ops, dict(PREFIXES))
+    problems = chunk_problems(found, subject, feature, spec)
+    if problems and recorder is not None:
+        path, problem, trace = save_chunk_trace(
+            found, problems, subject, feature, spec, recorder, name
+        )
+        raise AssertionError(
+            f"{spec.describe()}, lengths {lengths}, {steps} steps: {problem} "
+            f"({len(trace.ops)} operations)\ntrace: {path}"
+        )
     assert not problems, f"{spec.describe()}, lengths {lengths}, {steps} steps: {problems[0]}"
     return len(ops)
 
 
 @pytest.mark.clauses("C-45")
-def test_rows_survive_a_reset_with_steps_in_flight(conformance_subject):
+def test_rows_survive_a_reset_with_steps_in_flight(conformance, conformance_subject):
     require(conformance_subject, "chunk_delivery", "chunk delivery")
+    # hypothesis runs the failing example once more at the end: that run saves its trace.
+    last: list[tuple[list[int], int, ProcessorSpec]] = []
 
     @suite_settings(10)
     @given(
@@ -487,6 +520,17 @@ def test_rows_survive_a_reset_with_steps_in_flight(conformance_subject):
         processor_specs_of(delivery_shapes(conformance_subject)),
     )
     def prop(lengths: list[int], steps: int, spec: ProcessorSpec) -> None:
-        check_rows_survive_a_reset(conformance_subject, lengths, steps, spec)
+        try:
+            check_rows_survive_a_reset(conformance_subject, lengths, steps, spec)
+        except AssertionError:
+            last.append((lengths, steps, spec))
+            raise
 
-    prop()
+    try:
+        prop()
+    except AssertionError:
+        if not last:
+            raise
+        lengths, steps, spec = last[-1]
+        check_rows_survive_a_reset(conformance_subject, lengths, steps, spec, conformance)
+        raise

@@ -81,3 +81,28 @@ def test_audit_failure_is_shrunk_saved_and_replayed(tmp_path, monkeypatch):
     assert main(["replay", str(recorder.trace)]) == 3
     saved = json.loads(Path(recorder.trace).read_text())
     assert saved["meta"]["replay"] == "invariants.machines:replay_audit"
+
+
+class FolderRecorder(Recorder):
+    def __init__(self, spec: str, folder: str) -> None:
+        super().__init__(spec)
+        self.failures_dir = folder
+
+
+@pytest.mark.clauses("C-45")
+def test_a_reset_in_flight_failure_is_saved_and_replayed(tmp_path):
+    """``test_rows_survive_a_reset_with_steps_in_flight`` (a property over fixed-shape async
+    workloads, not the chunk machine) saves its failure like the chunk machine does."""
+    from invariants import test_chunk_contracts as chunk
+    from invariants.test_chunk_contracts import replay_chunk
+
+    recorder = FolderRecorder("omni", str(tmp_path))
+    with by_name("stale_step_chunk_sent").apply() as applied:
+        subject = applied if isinstance(applied, OmniSubject) else OmniSubject()
+        with pytest.raises(AssertionError, match=r"(?s)C-45.*\ntrace: ") as info:
+            chunk.test_rows_survive_a_reset_with_steps_in_flight(recorder, subject)
+        assert recorder.trace is not None and str(info.value).endswith(recorder.trace)
+        trace = load_trace(recorder.trace)
+        assert trace.meta["kind"] == "audit" and trace.meta["problem"].startswith("C-45")
+        assert replay_chunk(trace, subject)[0].startswith("C-45")
+    assert replay_chunk(trace, OmniSubject()) == []

@@ -107,7 +107,7 @@ def test_rows_survive_a_reset_with_steps_in_flight(subject):
         test_rows_survive_a_reset_with_steps_in_flight as suite,
     )
 
-    suite(subject)
+    suite(LocalRecorder(subject), subject)
 
 
 def test_stage_inputs_cross_unchanged(subject):
