@@ -7,7 +7,8 @@ in one queue or parked; a running one in the running queue with blocks for what 
 preempted one with no blocks or computed tokens; a parked one still live; an aborted one gone
 from the scheduler and from the receiving machinery. Once every request got its final chunk and
 the stage is idle, every block is free. A failing program is saved as a trace
-(``receiving-<mode>.json``). Not applicable without ``receiving_stage``; the clause in full:
+(``<stage feature>-<mode>.json``). A subject with several kinds of receiving stage
+(``ReceivingStage.features``: streamed chunks, a whole payload) has each checked in turn. Not applicable without ``receiving_stage``; the clause in full:
 docs/contracts.md.
 """
 
@@ -22,7 +23,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from conformance._core import vllm_compat as vc
-from conformance._core.capabilities import NotApplicable, ReceivingStage
+from conformance._core.capabilities import Feature, NotApplicable, ReceivingStage
 from conformance._core.needs import require
 from conformance._core.replay import failures_dir
 from conformance._core.sides import make_side
@@ -86,14 +87,25 @@ def state_problems(side: Any, receiving: ReceivingStage, gone: set[str]) -> list
     return problems
 
 
+def stage_features(receiving: ReceivingStage) -> tuple[Feature, ...]:
+    """Each kind of receiving stage the subject has (``ReceivingStage.features``)."""
+    return tuple(getattr(receiving, "features", None) or (receiving.feature,))
+
+
 def run_program(
-    subject: Any, mode: str, program: list[Op], *, finish: bool = True, cfg: Any = None
+    subject: Any,
+    mode: str,
+    program: list[Op],
+    *,
+    finish: bool = True,
+    cfg: Any = None,
+    feature: Feature | None = None,
 ) -> tuple[list[str], Trace]:
-    """Run ``program`` on the subject's receiving stage alone, checking after every operation;
-    then (``finish``) the final chunks and a drain, and the block count. The first operation's
-    problems, and the trace run."""
+    """Run ``program`` on the subject's receiving stage (``feature``, else its first) alone,
+    checking after every operation; then (``finish``) the final chunks and a drain, and the
+    block count. The first operation's problems, and the trace run."""
     receiving = require(subject, "receiving_stage", "receiving stage")
-    cfg = cfg or harness_config(receiving.feature, mode=mode, prefix=True)
+    cfg = cfg or harness_config(feature or receiving.feature, mode=mode, prefix=True)
     side = make_side(subject, cfg, None)
     trace = Trace(cfg, [], {}, {"check": "receiving-stage", "subject": subject.name})
     free_at_start = vc.num_free_blocks(vc.block_pool(side.scheduler))
@@ -178,16 +190,18 @@ def replay_receiving(trace: Trace, subject: Any) -> list[str]:
     return run_program(subject, mode, list(trace.ops), finish=False, cfg=trace.config)[0]
 
 
-def save_failure(trace: Trace, problem: str, mode: str, subject_spec: str | None) -> Path:
+def save_failure(
+    trace: Trace, problem: str, name: str, subject_spec: str | None, folder: Any = None
+) -> Path:
     trace.meta = {
         "kind": "audit",
         "replay": REPLAY_RECEIVING,
         "subject": subject_spec or trace.meta.get("subject"),
-        "test": f"receiving-{mode}",
+        "test": name,
         **environment_versions(),
         "problem": problem,
     }
-    path = failures_dir() / f"receiving-{mode}.json"
+    path = failures_dir(folder) / f"{name}.json"
     trace.save(path)
     return path
 
@@ -195,7 +209,26 @@ def save_failure(trace: Trace, problem: str, mode: str, subject_spec: str | None
 @pytest.mark.clauses("C-47")
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_a_receiving_stage_stays_in_upstream_states(conformance, conformance_subject, mode):
-    require(conformance_subject, "receiving_stage", "receiving stage")
+    receiving = require(conformance_subject, "receiving_stage", "receiving stage")
+    parked = {
+        feature.name: check_receiving_stage(conformance, conformance_subject, mode, feature)
+        for feature in stage_features(receiving)
+    }
+    if not any(parked.values()):
+        raise NotApplicable(
+            f"subject {conformance_subject.name!r}: no request was ever parked waiting for a "
+            "chunk, so C-47's parked-state checks never ran"
+        )
+    # A declared kind of stage that never parked was not checked: say so, never pass it.
+    idle = sorted(name for name, count in parked.items() if not count)
+    assert not idle, (
+        f"C-47: the receiving stages {idle} never parked a request, so their checks never ran "
+        f"(the others parked {sum(parked.values())} times)"
+    )
+
+
+def check_receiving_stage(recorder: Any, subject: Any, mode: str, feature: Feature) -> int:
+    """The property on one kind of receiving stage; how many times a request was parked."""
     found: list[tuple[int, str, Trace]] = []
     parked = 0
 
@@ -203,7 +236,7 @@ def test_a_receiving_stage_stays_in_upstream_states(conformance, conformance_sub
     @given(programs)
     def prop(program: list[Op]) -> None:
         nonlocal parked
-        problems, trace = run_program(conformance_subject, mode, program)
+        problems, trace = run_program(subject, mode, program, feature=feature)
         parked += trace.meta.get("parked", 0)
         if problems:
             found.append((len(trace.ops), problems[0], trace))
@@ -213,11 +246,17 @@ def test_a_receiving_stage_stays_in_upstream_states(conformance, conformance_sub
         prop()
     except AssertionError:
         length, problem, trace = min(found, key=lambda f: f[0])
-        path = save_failure(trace, problem, mode, getattr(conformance, "subject_spec", None))
-        conformance.trace = str(path)
-        raise AssertionError(f"{problem} ({length} operations)\ntrace: {path}") from None
-    if not parked:
-        raise NotApplicable(
-            f"subject {conformance_subject.name!r}: no request was ever parked waiting for a "
-            "chunk, so C-47's parked-state checks never ran"
+        name = f"{feature.name}-{mode}"
+        path = save_failure(
+            trace,
+            problem,
+            name,
+            getattr(recorder, "subject_spec", None),
+            getattr(recorder, "failures_dir", None),
         )
+        if hasattr(recorder, "trace"):
+            recorder.trace = str(path)
+        raise AssertionError(
+            f"{feature.name}: {problem} ({length} operations)\ntrace: {path}"
+        ) from None
+    return parked

@@ -646,6 +646,16 @@ RECEIVING = textwrap.dedent(
             scheduler._preempt_request = keeps
             return scheduler
 
+    class CoordinatorKeeps(type(subject)):
+        # Planted: the full-payload coordinator never lets go of a request.
+        def build_scheduler(self, cfg):
+            scheduler = super().build_scheduler(cfg)
+            coordinator = getattr(scheduler, "input_coordinator", None)
+            if coordinator is not None:
+                coordinator.free_finished_request = lambda request_id: None
+            return scheduler
+
+    full = subject.receiving_stage().FULL_PAYLOAD
     # Four requests of 50 tokens growing to 80 in 14 blocks of 16: preemptions.
     pressure = [AddRequest(f"r{i}", tuple(range(10 + i, 60 + i)), max_tokens=30) for i in range(4)]
     pressure += [op for _ in range(30) for op in (*(ChunkArrives(f"r{i}") for i in range(4)), Step())]
@@ -657,7 +667,10 @@ RECEIVING = textwrap.dedent(
                "twice": run_program(RestoresTwice(version), m, program)[0],
                "blocks": run_program(KeepsBlocks(version), m, program)[0],
                "pressure": run_program(subject, m, pressure)[0],
-               "preempted": run_program(PreemptsKeepingTokens(version), m, pressure)[0]}
+               "preempted": run_program(PreemptsKeepingTokens(version), m, pressure)[0],
+               "full_right": run_program(subject, m, program, feature=full)[0],
+               "full_pressure": run_program(subject, m, pressure, feature=full)[0],
+               "full_planted": run_program(CoordinatorKeeps(version), m, program, feature=full)[0]}
            for m in ("sync", "async")}
     print(json.dumps(out))
     """
@@ -666,10 +679,11 @@ RECEIVING = textwrap.dedent(
 
 @pytest.mark.vllm_omni
 def test_a_receiving_stage_that_keeps_an_aborted_request_fails_c47():
-    """vllm-omni's talker, parked on chunks, passes C-47; planted faults fail it: an adapter
-    that keeps an aborted request's receiving side, one that restores parked requests to their
-    queue twice, a scheduler that never gives a finished request's blocks back, and one whose
-    preempted requests keep a computed token."""
+    """vllm-omni's talker, parked on chunks or on a whole payload, passes C-47; planted faults
+    fail it: an adapter that keeps an aborted request's receiving side, one that restores parked
+    requests to their queue twice, a scheduler that never gives a finished request's blocks
+    back, one whose preempted requests keep a computed token, and a full-payload coordinator
+    that keeps an aborted request."""
     for env in _env_or_skip():
         proc = _run(env, ["-c", RECEIVING], 900)
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -689,6 +703,10 @@ def test_a_receiving_stage_that_keeps_an_aborted_request_fails_c47():
             assert runs["pressure"] == [], (env.name, mode, runs["pressure"])
             preempted = runs["preempted"]
             assert preempted and "is PREEMPTED with" in preempted[0], (env.name, mode, preempted)
+            # The same talker fed whole payloads (``WAITING_FOR_INPUT``), and its planted fault.
+            assert runs["full_right"] == [] and runs["full_pressure"] == [], (env.name, runs)
+            kept = runs["full_planted"]
+            assert kept and kept[0].startswith("C-47: r0 was aborted but is still held ("), kept
 
 
 CHUNK_TRACES = sorted((Path(__file__).parent / "data" / "vllm_omni" / "chunk").glob("*.json"))

@@ -487,6 +487,10 @@ class ReceivingStage(Protocol):
     def feature(self) -> Feature:
         """The configuration of a receiving stage."""
 
+    # Optional: ``features``, a tuple of configurations when the subject has several kinds of
+    # receiving stage (streamed chunks, a whole payload): C-47 runs on each in turn. Default:
+    # ``(feature,)``.
+
     def arrive(self, scheduler: Scheduler, request_id: str, final: bool) -> None:
         """Script one chunk from the upstream stage for ``request_id`` (``final``: the last),
         through the stage's own connector, as the upstream stage would send it."""

@@ -299,7 +299,7 @@ class VllmOmniSubject(BaseSubject):
         return chunks.VllmOmniChunkDelivery()
 
     def receiving_stage(self) -> chunks.VllmOmniReceivingStage:
-        return chunks.VllmOmniReceivingStage()
+        return chunks.VllmOmniReceivingStage(_minor_of(self.omni_version))
 
     def feature_configs(self) -> dict[str, dict[str, Any]]:
         feature = chunks.VllmOmniChunkDelivery.processor_feature

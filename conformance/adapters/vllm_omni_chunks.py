@@ -15,6 +15,7 @@ vllm-omni at import time.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -285,6 +286,18 @@ RECEIVING_STAGE: dict[str, Any] = {
     },
 }
 
+# The same talker fed a whole payload at once (vllm-omni's full-payload stage input,
+# ``requires_full_payload_input``): its scheduler's ``OmniSchedulingCoordinator`` parks each new
+# request in ``WAITING_FOR_INPUT`` until the stage's runner reports the payload received
+# (``OmniConnectorOutput.stage_recv_req_ids``).
+FULL_PAYLOAD_STAGE: dict[str, Any] = {
+    "stage_id": 1,
+    "model_stage": "talker",
+    "async_chunk": False,
+    "final_output": True,
+    "requires_full_payload_input": True,
+}
+
 # Where the adapter keeps a request waiting for chunks outside the scheduler's queues (the
 # parked request objects), and every per-request record of its receiving side, by attribute.
 _PARKED_QUEUES = (
@@ -309,13 +322,35 @@ _RECEIVER_RECORDS = (
 )
 
 
+# The full-payload coordinator's per-request records (requests, handles, ids), by attribute.
+# (``pending_input_registrations`` is not one: it is the step's outgoing message to the runner,
+# rebuilt at every schedule, as a ``SchedulerOutput`` is.)
+_COORDINATOR_RECORDS = (
+    "_waiting_for_input",
+    "_waiting_since",
+    "_full_payload_input_received",
+    "finished_requests",
+)
+
+
 class VllmOmniReceivingStage:
-    """``ReceivingStage`` over vllm-omni's adapter on a talker stage: a chunk arrives as the
-    thinker's adapter would write it, through vllm-omni's ``SharedMemoryConnector``, under the
-    connector key the talker polls (``<external id>_0_<index>``); the adapter's receive loop
-    then reads it (one pass, ``pump``)."""
+    """``ReceivingStage`` over vllm-omni's two ways for a talker to wait for the thinker.
+
+    Streamed chunks (``feature``): a chunk arrives as the thinker's adapter would write it,
+    through vllm-omni's ``SharedMemoryConnector``, under the connector key the talker polls
+    (``<external id>_0_<index>``); the adapter's receive loop then reads it (one pass, ``pump``).
+    A whole payload (``FULL_PAYLOAD``): only the final arrival means anything, and it reaches the
+    scheduler as the stage's runner reports it, an ``OmniConnectorOutput`` naming the request in
+    ``stage_recv_req_ids``."""
 
     feature = Feature("receiving-stage", {FEATURE_KEY: RECEIVING_STAGE})
+    FULL_PAYLOAD = Feature("full-payload-stage", {FEATURE_KEY: FULL_PAYLOAD_STAGE})
+
+    def __init__(self, omni_version: tuple[int, int] = (0, 30)) -> None:
+        # The coordinator's full-payload path reaches the AR scheduler from 0.28 on.
+        self.features = (
+            (self.feature, self.FULL_PAYLOAD) if omni_version >= (0, 28) else (self.feature,)
+        )
 
     @staticmethod
     def _thinker(adapter: Any) -> Any:
@@ -335,8 +370,12 @@ class VllmOmniReceivingStage:
 
         adapter = transfer_adapter(scheduler)
         request = scheduler.requests.get(request_id)
-        if adapter is None or request is None:
+        if request is None:
             return  # a chunk for a request the stage no longer has: nobody reads it
+        if adapter is None:
+            if final and _coordinator(scheduler) is not None:
+                _report_payload_received(scheduler, request_id)
+            return
         sender = self._thinker(adapter)
         sent = sender.config.setdefault("conformance_chunks_sent", {})
         index = sent.get(request_id, 0)
@@ -349,23 +388,35 @@ class VllmOmniReceivingStage:
         pump(adapter)
 
     def parked(self, scheduler: Any) -> dict[str, int]:
-        # Waiting for a chunk: vllm-omni's added status. Between steps such a request is back in
-        # the scheduler's queue (``restore_queues``); during one it sits in the adapter's lists.
+        # Waiting for a chunk, or for the whole payload: vllm-omni's added statuses. Between
+        # steps such a request is back in the scheduler's queue (``restore_queues``); during one
+        # it sits in the adapter's (or the coordinator's) lists.
         adapter = transfer_adapter(scheduler)
         held = {
             rid: 0
             for rid, request in scheduler.requests.items()
-            if getattr(request.status, "name", "") == "WAITING_FOR_CHUNK"
+            if getattr(request.status, "name", "") in ("WAITING_FOR_CHUNK", "WAITING_FOR_INPUT")
         }
         for name in _PARKED_QUEUES:
             for request in getattr(adapter, name, ()) if adapter is not None else ():
                 held[request.request_id] = held.get(request.request_id, 0) + 1
+        coordinator = _coordinator(scheduler)
+        for request in getattr(coordinator, "_waiting_for_input", ()):
+            held[request.request_id] = held.get(request.request_id, 0) + 1
         return held
 
     def held_for(self, scheduler: Any, request_id: str) -> list[str]:
         adapter = transfer_adapter(scheduler)
         if adapter is None:
-            return []
+            coordinator = _coordinator(scheduler)
+            return [
+                name
+                for name in _COORDINATOR_RECORDS
+                if any(
+                    getattr(item, "request_id", item) == request_id
+                    for item in getattr(coordinator, name, ())
+                )
+            ]
         found = [
             n
             for n in _PARKED_QUEUES
@@ -373,6 +424,32 @@ class VllmOmniReceivingStage:
         ]
         found += [n for n in _RECEIVER_RECORDS if request_id in getattr(adapter, n, ())]
         return found
+
+
+def _coordinator(scheduler: Any) -> Any:
+    """The scheduler's ``OmniSchedulingCoordinator`` (a full-payload stage's), if any."""
+    return getattr(scheduler, "input_coordinator", None)
+
+
+def _report_payload_received(scheduler: Any, request_id: str) -> None:
+    """What the stage's runner sends once a request's whole payload has arrived: an
+    ``OmniConnectorOutput`` with the request in ``stage_recv_req_ids``, through the scheduler's
+    inbox for runner events (0.30) or as the runner output it captures (0.28)."""
+    from vllm_omni.outputs import OmniConnectorOutput
+
+    enqueue = getattr(scheduler, "enqueue_omni_connector_output", None)
+    if enqueue is not None:
+        enqueue(OmniConnectorOutput(stage_recv_req_ids={request_id}))
+        return
+    # 0.28 keeps the last runner output's connector output (one slot, read at the next
+    # schedule): a runner reports everything received between two steps in one output, so a
+    # second arrival joins the first instead of replacing it.
+    pending = getattr(scheduler, "_latest_omni_connector_output", None)
+    if pending is not None:
+        pending.stage_recv_req_ids.add(request_id)
+        return
+    output = OmniConnectorOutput(stage_recv_req_ids={request_id})
+    scheduler._capture_omni_connector_output(SimpleNamespace(omni_connector_output=output))
 
 
 def unique_external_id(request_id: str, scheduler: Any) -> str:
