@@ -5,9 +5,8 @@ During a session each request's prompt, accepted tokens and finish are recorded
 teardown the ledger checks:
 
 * C-42 / C-43 — no chunk for a request final at this stage (or from a plain client), and for
-  every other request exactly one EOF, last, with seqs ``0..n-1`` (none for an aborted request
-  when the subject declares ``abort_eof = False``, nor for one finished with an error under
-  ``error_eof = False``, C-46);
+  every other request exactly one EOF, last, with seqs ``0..n-1`` (unless its caller ends it
+  downstream: ``caller_ends``, C-46);
 * C-40 / C-44 / C-45 — the ids streamed equal ``ChunkDelivery.expected_tokens``, once each, in
   the groups ``expected_chunks`` says where the subject says it;
 * with the real worker: C-30, C-31, C-45, C-51, C-52, C-55 against the model reference's rows,

@@ -35,23 +35,24 @@ def cmd_replay(args: argparse.Namespace) -> int:
     for path in traces:
         if not Path(path).is_file():
             return fail_environment(f"no such trace: {path}")
-    place_oracle(args.oracle)
     if len(traces) == 1:
-        return _replay_one(traces[0], args.subject, {})
+        return _replay_one(traces[0], args.subject, {}, args.oracle)
     # Several traces, one process: each subject is loaded once. A trace's lines follow its
     # name; the exit status is 1 when any reproduced, 3 when none did.
     subjects: dict[str, Any] = {}
     codes = []
     for path in traces:
         print(f"== {path}")
-        codes.append(_replay_one(path, args.subject, subjects))
+        codes.append(_replay_one(path, args.subject, subjects, args.oracle))
     if any(code not in (EXIT_REPRODUCED, EXIT_NOT_REPRODUCED) for code in codes):
         return max(code for code in codes if code not in (EXIT_REPRODUCED, EXIT_NOT_REPRODUCED))
     return EXIT_REPRODUCED if EXIT_REPRODUCED in codes else EXIT_NOT_REPRODUCED
 
 
-def _replay_one(path: str, override: str | None, subjects: dict[str, Any]) -> int:
-    """Replay one trace (loading its subject unless ``subjects`` holds it); its exit code."""
+def _replay_one(path: str, override: str | None, subjects: dict[str, Any], oracle: str) -> int:
+    """Replay one trace (loading its subject unless ``subjects`` holds it); its exit code.
+    Where the oracle runs is decided (and said) once the first subject is loaded: loading
+    one that patches vLLM is what moves the oracle to its own process."""
     from conformance._core.replay import TraceError, load_trace, replay_trace
 
     try:
@@ -69,6 +70,8 @@ def _replay_one(path: str, override: str | None, subjects: dict[str, Any]) -> in
         subject, problem = load_subject_quietly(spec)
         if problem:
             return fail_environment(problem)
+        if not subjects:
+            place_oracle(oracle)
         subjects[spec] = subject
     if trace.meta.get("kind") == "audit":
         return _replay_audit(trace, subject, spec)
