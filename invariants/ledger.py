@@ -82,19 +82,14 @@ def ledger_problems(
         finals = [c for c in chunks if c.is_final]
         ended_by = caller_ends(entry, abort_eof=abort_eof, error_eof=error_eof)
         parent_ends = ended_by is not None
-        if ended_by == ABORTED:
-            if finals:
+        if parent_ends:
+            # None owed. An error may be found in the step that also ended the request's last
+            # chunk (a grammar that rejects the sampled token): then one may cross, last.
+            most = 1 if ended_by == ERRORED else 0
+            if len(finals) > most or (finals and not chunks[-1].is_final):
                 problems.append(
                     f"C-43/C-46: {rid} was {ended_by}, and its caller ends it downstream, yet "
                     f"{len(finals)} EOF chunk(s) crossed"
-                )
-        elif ended_by == ERRORED:
-            # The error may be found in the step that also ended the request's last chunk (a
-            # grammar that rejects the sampled token): at most one EOF, and last.
-            if len(finals) > 1 or (finals and not chunks[-1].is_final):
-                problems.append(
-                    f"C-43/C-46: {rid} was {ended_by}, and its caller ends it downstream, yet "
-                    f"{len(finals)} EOF chunk(s) crossed, the last not last"
                 )
         elif len(finals) != 1 or not chunks[-1].is_final:
             problems.append(
@@ -127,15 +122,15 @@ def ledger_problems(
     return problems
 
 
-ABORTED = "aborted by its caller"
 ERRORED = "finished with an error"
 
 
 def caller_ends(entry: RequestLedger, *, abort_eof: bool, error_eof: bool) -> str | None:
-    """How the request ended (``ABORTED``, ``ERRORED``) when its caller, not its chunks, ends
-    it downstream (the subject declared ``abort_eof`` or ``error_eof`` False), else None."""
+    """How the request ended ("aborted by its caller", ``ERRORED``) when its caller, not its
+    chunks, ends it downstream (the subject declared ``abort_eof`` or ``error_eof`` False),
+    else None."""
     if entry.aborted:
-        return None if abort_eof else ABORTED
+        return None if abort_eof else "aborted by its caller"
     if entry.finish_reason == "error" and not error_eof:
         return ERRORED
     return None

@@ -55,7 +55,7 @@ from invariants.outcomes import TerminalOutcomes
 from invariants.reference import cached
 
 if TYPE_CHECKING:
-    from conformance._core.compare import Comparison, FieldDifference
+    from conformance._core.compare import Comparison
     from conformance._core.subjects import Subject
     from conformance._core.workload import Op
 
@@ -424,7 +424,7 @@ def record_deferred(run: MachineRun, *, is_the_failure: bool) -> SubjectBroken:
     path, difference = record_failure(
         rerun.session,
         subject_spec=getattr(run.recorder, "subject_spec", None),
-        name=f"{run.name}-{difference_section(rerun.failure)}",
+        name=f"{run.name}-{rerun.failure.section}",
         folder=getattr(run.recorder, "failures_dir", None),
         profile=getattr(run.recorder, "profile", None),
         test=getattr(run.recorder, "test", None),
@@ -434,11 +434,6 @@ def record_deferred(run: MachineRun, *, is_the_failure: bool) -> SubjectBroken:
         run.recorder.first_difference = difference.to_dict()
         run.recorder.trace = str(path)
     return SubjectBroken(difference)
-
-
-def difference_section(difference: FieldDifference) -> str:
-    """The snapshot section a difference is in (``stats``, ``outputs`` ...)."""
-    return difference.path.split(".", 1)[0]
 
 
 def lockstep_run(

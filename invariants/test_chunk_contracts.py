@@ -472,18 +472,10 @@ def runs_per_shape(
             return
 
 
-def check_rows_survive_a_reset(
-    subject: Any,
-    lengths: list[int],
-    steps: int,
-    spec: ProcessorSpec,
-    recorder: Any = None,
-    name: str = "C-45-rows-survive-a-reset",
-) -> int:
+def reset_in_flight(subject: Any, lengths: list[int], steps: int) -> tuple[Feature, Trace]:
     """One async workload: requests of ``lengths`` prompt tokens, ``steps`` steps, a reset of the
-    prefix cache with running requests (upstream drops the steps in flight as stale), then the
-    drain; raises AssertionError on a C-45 violation (or any other audited one). Returns the
-    operations run."""
+    prefix cache with running requests (upstream drops the steps in flight as stale); with the
+    subject's processor feature."""
     feature = require(subject, "chunk_delivery", "chunk delivery").processor_feature
     if feature is None:
         raise NotApplicable(f"subject {subject.name!r} provides no processor feature")
@@ -492,26 +484,34 @@ def check_rows_survive_a_reset(
         for i, n in enumerate(lengths)
     ]
     ops += [Step()] * steps + [ResetPrefixCache(reset_running_requests=True)]
-    cfg = harness_config(feature, mode="async", prefix=True)
-    found = Trace(cfg, ops, dict(PREFIXES))
-    problems = chunk_problems(found, subject, feature, spec)
-    if problems and recorder is not None:
-        path, problem, trace = save_chunk_trace(
-            found, problems, subject, feature, spec, recorder, name
-        )
-        raise AssertionError(
-            f"{spec.describe()}, lengths {lengths}, {steps} steps: {problem} "
-            f"({len(trace.ops)} operations)\ntrace: {path}"
-        )
-    assert not problems, f"{spec.describe()}, lengths {lengths}, {steps} steps: {problems[0]}"
-    return len(ops)
+    return feature, Trace(harness_config(feature, mode="async", prefix=True), ops, dict(PREFIXES))
+
+
+def check_rows_survive_a_reset(
+    subject: Any, lengths: list[int], steps: int, spec: ProcessorSpec
+) -> int:
+    """``reset_in_flight``'s workload, then the drain; raises AssertionError on a C-45 violation
+    (or any other audited one). Returns the operations run."""
+    problems = reset_problems(subject, lengths, steps, spec)
+    assert not problems, reset_failure(spec, lengths, steps, problems[0])
+    return len(lengths) + steps + 1
+
+
+def reset_problems(subject: Any, lengths: list[int], steps: int, spec: ProcessorSpec) -> list[str]:
+    """The chunk problems of ``reset_in_flight``'s workload with ``spec``'s processor."""
+    feature, trace = reset_in_flight(subject, lengths, steps)
+    return chunk_problems(trace, subject, feature, spec)
+
+
+def reset_failure(spec: ProcessorSpec, lengths: list[int], steps: int, problem: str) -> str:
+    return f"{spec.describe()}, lengths {lengths}, {steps} steps: {problem}"
 
 
 @pytest.mark.clauses("C-45")
 def test_rows_survive_a_reset_with_steps_in_flight(conformance, conformance_subject):
     require(conformance_subject, "chunk_delivery", "chunk delivery")
-    # hypothesis runs the failing example once more at the end: that run saves its trace.
-    last: list[tuple[list[int], int, ProcessorSpec]] = []
+    # hypothesis runs the failing example once more at the end: the last one kept is saved.
+    failed: list[tuple[list[int], int, ProcessorSpec, list[str]]] = []
 
     @suite_settings(10)
     @given(
@@ -520,17 +520,28 @@ def test_rows_survive_a_reset_with_steps_in_flight(conformance, conformance_subj
         processor_specs_of(delivery_shapes(conformance_subject)),
     )
     def prop(lengths: list[int], steps: int, spec: ProcessorSpec) -> None:
-        try:
-            check_rows_survive_a_reset(conformance_subject, lengths, steps, spec)
-        except AssertionError:
-            last.append((lengths, steps, spec))
-            raise
+        problems = reset_problems(conformance_subject, lengths, steps, spec)
+        if problems:
+            failed.append((lengths, steps, spec, problems))
+        assert not problems, reset_failure(spec, lengths, steps, problems[0])
 
     try:
         prop()
     except AssertionError:
-        if not last:
+        if not failed:
             raise
-        lengths, steps, spec = last[-1]
-        check_rows_survive_a_reset(conformance_subject, lengths, steps, spec, conformance)
-        raise
+        lengths, steps, spec, problems = failed[-1]
+        feature, found = reset_in_flight(conformance_subject, lengths, steps)
+        path, problem, trace = save_chunk_trace(
+            found,
+            problems,
+            conformance_subject,
+            feature,
+            spec,
+            conformance,
+            "C-45-rows-survive-a-reset",
+        )
+        raise AssertionError(
+            f"{reset_failure(spec, lengths, steps, problem)} ({len(trace.ops)} operations)"
+            f"\ntrace: {path}"
+        ) from None

@@ -6,8 +6,8 @@ events, speculative decoding sync and async, the priority policy, a deeper batch
 draw per-request fields; the machine compares both sides after every operation as the plain
 lock-step does, statistics, request events and published KV events included, and runs the
 audits the subject declared. A statistics difference is reported after the run rather than at
-once (``DEFERRED_SECTIONS``), so the axis's other fields are compared past it. An axis the installed vLLM cannot drive, or a mode it does not run
-in, is not applicable with its reason.
+once (``DEFERRED_SECTIONS``), so the axis's other fields are compared past it. Each axis has a
+test per mode it runs in; one the installed vLLM cannot drive is not applicable with its reason.
 
 Each axis's positive control is a named mutant in ``tests/mutants/runtime_mutants.py``.
 """

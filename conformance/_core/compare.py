@@ -31,6 +31,11 @@ class FieldDifference:
     mode: str = "sync"
     not_applicable: tuple[str, ...] = ()
 
+    @property
+    def section(self) -> str:
+        """The snapshot section the difference is in (``stats``, ``outputs`` ...)."""
+        return self.path.split(".", 1)[0]
+
     def headline(self) -> str:
         up, sub = _short(self.upstream), _short(self.subject)
         line = (

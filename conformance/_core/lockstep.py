@@ -190,11 +190,10 @@ class Lockstep:
             sub = {k: v for k, v in sub.items() if k not in self.set_aside}
         result = compare(up, sub, self.registry, ctx)
         failure = result.failure
-        section = failure.path.split(".", 1)[0] if failure is not None else ""
-        if failure is None or section not in self.defer or self.deferred is not None:
+        if failure is None or failure.section not in self.defer or self.deferred is not None:
             return result
         self.deferred = Deferred(failure, list(self.trace.ops))
-        self.set_aside.add(section)
+        self.set_aside.add(failure.section)
         return self._judge(up, sub, ctx)
 
     @property

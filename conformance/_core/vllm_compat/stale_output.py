@@ -14,6 +14,8 @@ them; ``state`` puts them in the per-request snapshot (C-01) and compares them p
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import cache
+from operator import attrgetter
 from typing import Any
 
 from conformance._core.vllm_compat.versions import ByRelease, Change
@@ -32,28 +34,18 @@ STALE_FIELDS: ByRelease[tuple[str, ...]] = ByRelease(
 )
 
 
-def _discard_frames(request: Any) -> tuple[Any, ...]:
-    return (request.async_tokens_to_discard,)
-
-
-def _stale_tokens(request: Any) -> tuple[Any, ...]:
-    return (request.num_stale_output_tokens, request.drop_stale_output)
-
-
-_READERS: dict[tuple[str, ...], Callable[[Any], tuple[Any, ...]]] = {
-    ("async_tokens_to_discard",): _discard_frames,
-    ("num_stale_output_tokens", "drop_stale_output"): _stale_tokens,
-}
-
-
 def stale_fields() -> tuple[str, ...]:
     """The installed release's stale-output field names (snapshot keys, attribute names)."""
     return STALE_FIELDS.value()
 
 
+@cache
 def stale_row() -> Callable[[Any], tuple[Any, ...]]:
-    """A reader of ``stale_fields()`` off one request, as a tuple in that order."""
-    return _READERS[STALE_FIELDS.value()]
+    """A reader of ``stale_fields()`` off one request, as a tuple in that order (made once: it
+    is read for every request of every compared step)."""
+    names = stale_fields()
+    get = attrgetter(*names)
+    return get if len(names) > 1 else lambda request: (get(request),)
 
 
 def has_stale(request: Any) -> bool:
@@ -64,14 +56,3 @@ def has_stale(request: Any) -> bool:
 def stale_in_fields(fields: Mapping[str, Any]) -> bool:
     """``has_stale`` of a request read from its snapshot fields (``request_fields``)."""
     return bool(fields[stale_fields()[0]])
-
-
-def _check_readers() -> None:
-    """Every release's field tuple needs its reader: refuse to import otherwise."""
-    tables = [STALE_FIELDS.base, *(c.value for c in STALE_FIELDS.changes)]
-    missing = [names for names in tables if names not in _READERS]
-    if missing:
-        raise AssertionError(f"no stale-output reader for {missing}")
-
-
-_check_readers()
