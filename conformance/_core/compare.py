@@ -36,6 +36,11 @@ class FieldDifference:
         """The snapshot section the difference is in (``stats``, ``outputs`` ...)."""
         return self.path.split(".", 1)[0]
 
+    @property
+    def field(self) -> str:
+        """The differing field with its request left open (``field_of``)."""
+        return field_of(self.path)
+
     def headline(self) -> str:
         up, sub = _short(self.upstream), _short(self.subject)
         line = (
@@ -110,6 +115,19 @@ def request_of(segs: tuple[str, ...]) -> str | None:
     if len(segs) >= 3 and segs[0] == "sched_out":
         return segs[2]
     return None
+
+
+def field_of(path: str) -> str:
+    """``path`` with the request it names written ``*``: ``requests.r14.output_token_ids`` is
+    ``requests.*.output_token_ids``. A shrunk failure is the same failure when it differs in the
+    same field: which request meets a defect depends on the workload, not on the defect."""
+    segs = path.split(".")
+    at = 1 if segs[0] in _REQUEST_SECTIONS else 2 if segs[0] == "sched_out" else None
+    if at is None or len(segs) <= at:
+        return path
+    _, hash_, rest = segs[at].partition("#")
+    segs[at] = "*" + hash_ + rest
+    return ".".join(segs)
 
 
 def compare(

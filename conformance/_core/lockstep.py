@@ -11,8 +11,8 @@ tests can assert that a situation really happened rather than trusting the gener
 
 ``run_trace`` replays a whole ``Trace`` and stops at the first untolerated difference;
 ``Shrinker`` (and ``shrink``) reduces a failing trace while the same field still fails — whole
-requests, chunks of operations, repeated steps, aborted ids, request sizes — within a wall-clock
-bound (``OMNI_CONFORMANCE_SHRINK_SECONDS``, default 60 s), so saved failures are short.
+requests, chunks of operations, repeated steps, aborted ids, request sizes, the KV-cache pool —
+within a wall-clock bound (``OMNI_CONFORMANCE_SHRINK_SECONDS``, default 60 s), so saved failures are short.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from conformance._core.capabilities import NotApplicable
-from conformance._core.compare import Comparison, FieldDifference, compare
+from conformance._core.compare import Comparison, FieldDifference, compare, field_of
 from conformance._core.config import HarnessConfig
 from conformance._core.differences import Registry
 from conformance._core.harness_faults import forget_pending
@@ -352,20 +352,30 @@ class ShrinkResult:
     seconds: float
     complete: bool  # False: the time or run bound ended the search (the trace is the best found)
     reproduced: bool  # False: the input trace did not fail at all, and is returned unchanged
+    # The KV-cache pool the input trace ran with, when the shrinker found the failure with fewer
+    # blocks (the trace's config then says how many); None: unchanged.
+    original_num_blocks: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        d: dict[str, Any] = {
             "original_ops": self.original_ops,
             "ops": len(self.trace.ops),
             "runs": self.runs,
             "seconds": round(self.seconds, 3),
             "complete": self.complete,
         }
+        if self.original_num_blocks is not None:
+            d["num_blocks"] = {
+                "original": self.original_num_blocks,
+                "shrunk": self.trace.config.num_blocks,
+            }
+        return d
 
 
-def _weight(ops: list[Op]) -> tuple[int, int, int]:
-    """Shrink order: fewer operations first, then smaller requests and fewer aborted ids, then
-    requests added earlier (a trace in which requests arrive first reads most easily)."""
+def _weight(ops: list[Op], num_blocks: int = 0) -> tuple[int, int, int, int]:
+    """Shrink order: fewer operations first, then a smaller KV-cache pool (``num_blocks``), then
+    smaller requests and fewer aborted ids, then requests added earlier (a trace in which
+    requests arrive first reads most easily)."""
     detail = 0
     late = 0
     for i, op in enumerate(ops):
@@ -384,7 +394,7 @@ def _weight(ops: list[Op]) -> tuple[int, int, int]:
             detail += len(op.request_ids)
         elif isinstance(op, ResetPrefixCache):
             detail += op.reset_running_requests + op.reset_connector
-    return len(ops), detail, late
+    return len(ops), num_blocks, detail, late
 
 
 def _without_request(ops: list[Op], rid: str) -> list[Op]:
@@ -404,6 +414,13 @@ def _without_request(ops: list[Op], rid: str) -> list[Op]:
 def _smaller_ints(n: int, floor: int) -> list[int]:
     """Candidate values below ``n`` (and at least ``floor``), smallest first."""
     return sorted({v for v in (floor, n // 4, n // 2, (3 * n) // 4, n - 1) if floor <= v < n})
+
+
+def _pool_sizes(num_blocks: int) -> list[int]:
+    """Smaller KV-cache pools to try, fewest first: every size up to 16 blocks, eighths of the
+    pool above that (at most 22 runs a round, however large the pool)."""
+    small = range(2, min(num_blocks, 17))
+    return sorted({*small, *(num_blocks * k // 8 for k in range(1, 8))} - {0, 1, num_blocks})
 
 
 def _simplifications(op: AddRequest) -> list[list[dict[str, Any]]]:
@@ -450,9 +467,11 @@ class Shrinker:
     final stage, no trace headers, the first client, not plain, no priority, no KV transfer
     parameters, no grammar, no KV report mode, reading the prefix cache); move requests earlier (past the
     steps before them), which lets the steps that only waited for them go in the next round; trade a step for a block
-    more of some earlier request's prompt (KV-cache pressure with fewer operations). Every
-    candidate is strictly smaller (``_weight``) than the current trace, so the search ends, and
-    each distinct candidate runs at most once.
+    more of some earlier request's prompt (KV-cache pressure with fewer operations); run the same
+    operations with a smaller KV-cache pool, so that pressure which took many steps of decoding
+    to build (a preemption with steps in flight, say) comes sooner and those steps go in the next
+    round. Every candidate is strictly smaller (``_weight``) than the current trace, so the
+    search ends, and each distinct candidate runs at most once.
 
     Bounded by ``time_budget`` seconds (default ``shrink_seconds()``) and optionally ``budget``
     runs; when a bound is hit the best trace found so far is the result, so a failure is always
@@ -476,66 +495,96 @@ class Shrinker:
         self.time_budget = shrink_seconds() if time_budget is None else float(time_budget)
         self.runs = 0
         self.deadline = 0.0
-        self._tried: set[tuple[Op, ...]] = set()
+        self._tried: set[tuple[int, tuple[Op, ...]]] = set()
 
-    def _trace(self, ops: list[Op]) -> Trace:
-        return Trace(self.config, list(ops), dict(self.prefixes), dict(self.meta))
+    def _trace(self, ops: list[Op], config: HarnessConfig | None = None) -> Trace:
+        return Trace(config or self.config, list(ops), dict(self.prefixes), dict(self.meta))
 
-    def _verdict(self, ops: list[Op]) -> list[Op] | None:
+    def _size(self, ops: list[Op], config: HarnessConfig | None = None) -> tuple[int, ...]:
+        return _weight(ops, (config or self.config).num_blocks)
+
+    def _verdict(self, ops: list[Op], config: HarnessConfig | None = None) -> list[Op] | None:
         """The ops to keep when ``ops`` still fails (its executed prefix), else None."""
         self.runs += 1
         try:
-            verdict = self.still_fails(self._trace(ops))
+            verdict = self.still_fails(self._trace(ops, config))
         except Exception:  # a candidate that crashes the harness is not the same failure
             return None
         if not verdict:
             return None
         return list(verdict.ops) if isinstance(verdict, Trace) else list(ops)
 
-    def _try(self, candidate: list[Op]) -> bool:
-        key = tuple(candidate)
-        if not candidate or key in self._tried or _weight(candidate) >= _weight(self.ops):
+    def _try(self, candidate: list[Op], config: HarnessConfig | None = None) -> bool:
+        config = config or self.config
+        key = (config.num_blocks, tuple(candidate))
+        current = self._size(self.ops)
+        if not candidate or key in self._tried or self._size(candidate, config) >= current:
             return False
         if time.monotonic() >= self.deadline or (
             self.max_runs is not None and self.runs >= self.max_runs
         ):
             raise _OutOfBudget
         self._tried.add(key)
-        kept = self._verdict(candidate)
-        if kept is None or _weight(kept) >= _weight(self.ops):
+        kept = self._verdict(candidate, config)
+        if kept is None or self._size(kept, config) >= current:
             return False
-        self.ops = kept
+        self.ops, self.config = kept, config
         return True
 
     def run(self) -> ShrinkResult:
         started = time.monotonic()
         self.deadline = started + self.time_budget
-        original = len(self.ops)
+        original, original_blocks = len(self.ops), self.config.num_blocks
         first = self._verdict(self.ops)
         if first is None:
             return ShrinkResult(
                 self._trace(self.ops), original, self.runs, time.monotonic() - started, True, False
             )
-        self.ops = first
-        complete = False
-        try:
-            while True:
-                before = _weight(self.ops)
-                self._drop_requests()
-                self._drop_chunks()
-                self._collapse_steps()
-                self._trim_aborts()
-                self._simplify_adds()
-                self._hoist_adds()
-                self._trade_steps()
-                if _weight(self.ops) >= before:
-                    break
-            complete = True
-        except _OutOfBudget:
-            pass
+        found = (first, self.config)
+        # Two searches from the found trace, the smaller result kept: one shrinks the pool only
+        # once the operations are as small as they go (a reset that preempts everything needs
+        # no pressure, and a small pool taken early can trap it in a longer minimum); one takes
+        # the pool first, while the found trace still has requests and steps to spare (pressure
+        # built by many steps of decoding arrives in a few with fewer blocks).
+        results: list[tuple[tuple[int, ...], list[Op], HarnessConfig]] = []
+        complete = True
+        for pool_first in (False, True):
+            self.ops, self.config, self._tried = list(found[0]), found[1], set()
+            try:
+                self._search(pool_first)
+            except _OutOfBudget:
+                complete = False
+            results.append((self._size(self.ops), self.ops, self.config))
+            if not complete:
+                break
+        _, self.ops, self.config = min(results, key=lambda r: r[0])
         return ShrinkResult(
-            self._trace(self.ops), original, self.runs, time.monotonic() - started, complete, True
+            self._trace(self.ops),
+            original,
+            self.runs,
+            time.monotonic() - started,
+            complete,
+            True,
+            original_blocks if self.config.num_blocks != original_blocks else None,
         )
+
+    def _search(self, pool_first: bool) -> None:
+        """Run the passes until a round makes no progress (``_OutOfBudget`` ends it early)."""
+        while True:
+            before = self._size(self.ops)
+            if pool_first:
+                self._shrink_pool()
+            self._drop_requests()
+            self._drop_chunks()
+            self._collapse_steps()
+            self._trim_aborts()
+            self._simplify_adds()
+            self._hoist_adds()
+            self._trade_steps()
+            if not pool_first:
+                self._shrink_pool()
+            if self._size(self.ops) >= before:
+                return
 
     # ---- passes ---------------------------------------------------------------------------
 
@@ -599,6 +648,29 @@ class Shrinker:
                         break
             j -= 1
 
+    def _shrink_pool(self) -> None:
+        """The same operations with fewer KV-cache blocks: of every smaller pool, the one whose
+        run fails soonest (the shortest executed prefix, then the fewest blocks). Not the first
+        that fails: whether a pool shows the failure, and how early, is not monotone in its size
+        (the pressure lands on other steps), and a pool that fails late leaves a longer local
+        minimum. Two is the floor: vLLM's block pool keeps one block back as its null block."""
+        best: tuple[tuple[int, ...], list[Op], HarnessConfig] | None = None
+        for n in _pool_sizes(self.config.num_blocks):
+            config = self.config.with_(num_blocks=n)
+            key = (n, tuple(self.ops))
+            if key in self._tried:
+                continue
+            if time.monotonic() >= self.deadline or (
+                self.max_runs is not None and self.runs >= self.max_runs
+            ):
+                break
+            self._tried.add(key)
+            kept = self._verdict(self.ops, config)
+            if kept is not None and (best is None or self._size(kept, config) < best[0]):
+                best = (self._size(kept, config), kept, config)
+        if best is not None and best[0] < self._size(self.ops):
+            self.ops, self.config = best[1], best[2]
+
     def _hoist_adds(self) -> None:
         """Move each request earlier, before the steps that precede it, then one op earlier;
         steps that only waited for a late arrival then become removable."""
@@ -649,11 +721,13 @@ def shrink(
 
 
 def same_failure(subject: Subject, path: str, **kw: Any) -> Callable[[Trace], Trace | bool]:
-    """A ``shrink`` check: the executed prefix when the run's first difference is at ``path``."""
+    """A ``shrink`` check: the executed prefix when the run's first difference is in the field
+    ``path`` names, of whichever request (``compare.field_of``)."""
+    wanted = field_of(path)
 
     def predicate(t: Trace) -> Trace | bool:
         res = run_trace(t, subject, **kw)
-        if res.failure is not None and res.failure.path == path:
+        if res.failure is not None and res.failure.field == wanted:
             return res.trace
         return False
 

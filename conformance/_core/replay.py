@@ -130,7 +130,7 @@ def _shrunk(
     result = Shrinker(found, check, time_budget=time_budget).run()
     info = result.to_dict()
     rerun = run_trace(result.trace, subject, registry=registry, use_worker=use_worker)
-    if rerun.failure is not None and rerun.failure.path == failure.path:
+    if rerun.failure is not None and rerun.failure.field == failure.field:
         return result.trace, rerun.failure, info
     info["discarded"] = "the shrunk trace did not fail the same way when re-run"
     return found, failure, info

@@ -18,6 +18,7 @@ import contextlib
 import copy
 import dataclasses
 import inspect
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -76,6 +77,17 @@ class RequeuePreemptedAtBack:
         result = super()._preempt_request(request, *args, **kwargs)  # type: ignore[misc]
         self.waiting.remove_request(request)  # type: ignore[attr-defined]
         self.waiting.add_request(request)  # type: ignore[attr-defined]
+        return result
+
+
+class StaleOutputDropped:
+    """C-01: the output a preempted request had in flight is thrown away instead of delivered,
+    as a runtime whose ``update_from_output`` drops every stale output does (vllm-omni's): the
+    request loses that token and samples its position again after a full re-prefill."""
+
+    def _preempt_request(self, request: Any, *args: Any, **kwargs: Any) -> Any:
+        result = super()._preempt_request(request, *args, **kwargs)  # type: ignore[misc]
+        request.drop_stale_output = True  # upstream asks this only of resets and hand-offs
         return result
 
 
@@ -1670,11 +1682,13 @@ class StatisticsThrottled:
     interval; a count keeps the mutant deterministic). The statistics passed in for a withheld
     update are lost."""
 
-    _calls: dict[int, int] = {}  # kept beside the scheduler: an undeclared attribute is C-12
+    # Kept beside the scheduler (an undeclared attribute is C-12), weakly: keyed by id() a new
+    # scheduler could inherit a collected one's count, and a replay would not match its run.
+    _calls: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
     def make_stats(self, *args: Any, **kwargs: Any) -> Any:
         stats = super().make_stats(*args, **kwargs)  # type: ignore[misc]
-        calls = self._calls[id(self)] = self._calls.get(id(self), 0) + 1
+        calls = self._calls[self] = self._calls.get(self, 0) + 1
         return stats if calls % 3 == 1 else None
 
 
@@ -2098,6 +2112,24 @@ def _on_routed_path(
 
             why = f"this release routes experts by {ROUTED_EXPERTS_PATH.value()}, not {path}"
             pytest.skip(f"not applicable: {why}")
+        return apply()
+
+    return gated
+
+
+def _delivers_stale_output(
+    apply: Callable[[], contextlib.AbstractContextManager[Any]],
+) -> Callable[[], contextlib.AbstractContextManager[Any]]:
+    """Gate for a mutant that drops stale output: from vLLM 0.28, where a preemption's stale
+    output is delivered unless ``drop_stale_output`` is set; 0.26 has no such field."""
+
+    def gated() -> contextlib.AbstractContextManager[Any]:
+        from conformance._core.vllm_compat.stale_output import stale_fields
+
+        if "drop_stale_output" not in stale_fields():
+            import pytest
+
+            pytest.skip(f"not applicable: this release's stale output is {stale_fields()}")
         return apply()
 
     return gated
@@ -2734,6 +2766,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-stats-events-async",
         "the step's running count is taken before schedule() preempts and admits",
         _sub(scheduler_mixin=StatsCountedBeforePreemption),
+    ),
+    Mutant(
+        "stale_output_dropped",
+        "C-01",
+        "axis-pipeline-2-sync",
+        "a preempted request's in-flight output is dropped, not delivered (the batch queue "
+        "of pipeline parallelism keeps a step in flight)",
+        _delivers_stale_output(_sub(scheduler_mixin=StaleOutputDropped)),
     ),
     Mutant(
         "statistics_throttled",
