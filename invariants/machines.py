@@ -36,11 +36,11 @@ from conformance._core.lockstep import (
     SubjectBroken,
     run_trace,
 )
-from conformance._core.machine import PREFIXES, TIGHT, LockstepMachine
+from conformance._core.machine import PREFIXES, TIGHT, LockstepMachine, StreamsInput
 from conformance._core.replay import failures_dir, record_failure
 from conformance._core.sides import Side
 from conformance._core.vllm_compat import environment_versions
-from conformance._core.workload import Abort, AddRequest, Step, Trace
+from conformance._core.workload import Abort, AddRequest, Step, StreamInput, Trace
 from invariants.audits import (
     CheckingExecutor,
     RecordingSink,
@@ -119,9 +119,20 @@ class AuditedLockstep(Lockstep):
     def apply(self, op: Op) -> Comparison:
         live_before = set(self.sub.scheduler.requests)
         result = super().apply(op)
+        # A streaming session's turn ends with a finish reason and the session goes on: that
+        # output is no terminal outcome while upstream still holds the session.
+        continuing = self.live_sessions() if self.sessions else set()
         if isinstance(op, AddRequest) and op.request_id in self.sub.scheduler.requests:
             self.ledger[op.request_id] = RequestLedger(self.trace.prompt_of(op), plain=op.plain)
             self.terminal.entered(op.request_id)
+        elif isinstance(op, StreamInput) and op.end and op.request_id in live_before:
+            # The stream's end finishes a session waiting for input at once, as an abort
+            # (upstream's ``finish_requests(..., FINISHED_ABORTED)``): no output, no turn.
+            if op.request_id not in continuing:
+                entry = self.ledger.get(op.request_id)
+                if entry is not None and entry.finish_reason is None:
+                    entry.aborted = True
+                self.terminal.stream_ended(op.request_id)
         elif isinstance(op, Abort):
             for rid in op.request_ids:
                 entry = self.ledger.get(rid)
@@ -135,7 +146,7 @@ class AuditedLockstep(Lockstep):
         recent = self.sink.take_recent() if self.sink is not None else []
         if isinstance(op, Step):
             where = f"step {len(self.trace.ops) - 1} ({op.describe()})"
-            self.terminal.emitted(sub_outputs, where)
+            self.terminal.emitted(sub_outputs, where, continuing)
             # Reported with the chunk ledger at the end (``teardown_problems``): a chunk that
             # should not have been sent at all is named by its own clause first.
             self.ref_problems.extend(chunk_ref_problems(self.delivery, sub_outputs, recent, where))
@@ -150,7 +161,7 @@ class AuditedLockstep(Lockstep):
                     continue
                 if out["new_token_ids"]:
                     entry.steps.append(tuple(out["new_token_ids"]))
-                if out.get("finish_reason") is not None:
+                if out.get("finish_reason") is not None and key.split("#", 1)[0] not in continuing:
                     entry.finish_reason = out["finish_reason"]
         if self.failure is None and self.audits:
             self.problems.extend(self.audit())
@@ -358,6 +369,10 @@ class InvariantMachine(LockstepMachine):
                     raise AssertionError(describe(self.session, problems))
         finally:
             self.session.shutdown()
+
+
+class SessionInvariantMachine(StreamsInput, InvariantMachine):
+    """``InvariantMachine`` whose client also streams input to its sessions (``StreamsInput``)."""
 
 
 @dataclass

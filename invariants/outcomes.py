@@ -17,7 +17,7 @@ once the workload has drained, a request the stage accepted that never got an ou
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,9 @@ from conformance._core import vllm_compat as vc
 # in the others it finished already (its finished output is, or will be, its outcome) or is gone.
 ENDS_REQUEST = frozenset({"waiting", "running", "in_flight", "preempted"})
 CLIENT_ABORT = "client abort"
+# A streaming session waiting for input whose client closed the stream: vLLM finishes it as
+# aborted, with no output.
+STREAM_ENDED = "stream ended"
 
 
 class TerminalOutcomes:
@@ -45,13 +48,25 @@ class TerminalOutcomes:
         if seen is not None and not seen and state in ENDS_REQUEST:
             seen.append(CLIENT_ABORT)
 
-    def emitted(self, outputs: Mapping[str, Mapping[str, Any]], where: str) -> None:
-        """One step's outputs (``conformance._core.observe.observe_outputs``: ``<id>`` or ``<id>#n``)."""
+    def stream_ended(self, request_id: str) -> None:
+        seen = self.outcomes.get(request_id)
+        if seen is not None and not seen:
+            seen.append(STREAM_ENDED)
+
+    def emitted(
+        self,
+        outputs: Mapping[str, Mapping[str, Any]],
+        where: str,
+        continuing: Collection[str] = (),
+    ) -> None:
+        """One step's outputs (``conformance._core.observe.observe_outputs``: ``<id>`` or
+        ``<id>#n``); ``continuing``: streaming sessions whose turn ended and which go on (their
+        finish reason ends the turn, not the request)."""
         for key, out in outputs.items():
             reason = out.get("finish_reason")
             rid = key.split("#", 1)[0]
             seen = self.outcomes.get(rid)
-            if reason is None or seen is None:
+            if reason is None or seen is None or rid in continuing:
                 continue
             if seen == [CLIENT_ABORT] and reason == "abort" and rid not in self._acknowledged:
                 self._acknowledged.add(rid)

@@ -18,7 +18,9 @@ from conformance._core.axes import AXES, DEFERRED_SECTIONS
 from conformance._core.capabilities import NotApplicable
 from conformance.plugin import covers
 from invariants.machines import (
+    InvariantMachine,
     MachineRun,
+    SessionInvariantMachine,
     harness_config,
     raise_failure,
     run_machine,
@@ -53,6 +55,7 @@ def test_scheduler_axis(request, conformance, conformance_subject, axis, mode, f
         request_values=axis.request_values,
         defer=DEFERRED_SECTIONS,
     )
-    outcome = run_machine(run, suite_settings(CI_EXAMPLES))
+    machine = SessionInvariantMachine if axis.streams_input else InvariantMachine
+    outcome = run_machine(run, suite_settings(CI_EXAMPLES), machine)
     covers(request.node, run.clauses | {"C-09"})
     raise_failure(outcome, run)

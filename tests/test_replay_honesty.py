@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from conformance._core.config import HarnessConfig
-from conformance._core.lockstep import Lockstep, run_trace, shrink_seconds
+from conformance._core.lockstep import POOL_FIELDS, Lockstep, run_trace, shrink_seconds
 from conformance._core.machine import PREFIXES, TIGHT, random_request
 from conformance._core.preflight import EXIT_ENV, EXIT_NOT_REPRODUCED, EXIT_REPRODUCED
 from conformance._core.replay import load_trace, record_failure
@@ -99,13 +99,13 @@ def test_trace_meta_records_provenance(saved, forward_free_session):
     assert shrink["complete"] and shrink["ops"] == len(json.loads(path.read_text())["ops"])
     assert shrink["original_ops"] == meta["found"]["ops"]
     # The harness config travels as the trace's config, scheduling mode included; the shrinker
-    # may have found the failure with a smaller KV-cache pool, and says so.
+    # may have found the failure with a smaller KV-cache pool (and context), and says so.
     config = load_trace(path).config
-    assert config.with_(num_blocks=TIGHT.num_blocks) == TIGHT
-    if config.num_blocks != TIGHT.num_blocks:
-        assert shrink["num_blocks"] == {"original": TIGHT.num_blocks, "shrunk": config.num_blocks}
-    else:
-        assert "num_blocks" not in shrink
+    pool = {name: getattr(TIGHT, name) for name in POOL_FIELDS}
+    assert config.with_(**pool) == TIGHT
+    for name, was in pool.items():
+        now = getattr(config, name)
+        assert shrink.get(name) == (None if now == was else {"original": was, "shrunk": now})
 
 
 # ---- replay says what happened ----------------------------------------------------------

@@ -12,7 +12,13 @@ from __future__ import annotations
 import pytest
 
 from conformance._core.compare import field_of
-from conformance._core.lockstep import Shrinker, _pool_sizes, run_trace, same_failure
+from conformance._core.lockstep import (
+    Shrinker,
+    _pool_sizes,
+    _smaller_pool,
+    run_trace,
+    same_failure,
+)
 from conformance._core.machine import TIGHT
 from conformance._core.workload import AddRequest, Step, Trace
 from omni_runtime.conformance_subject import OmniSubject
@@ -20,10 +26,17 @@ from tests.mutants import runtime_mutants as M
 
 
 def test_pool_sizes_are_bounded_and_below_the_pool():
-    assert _pool_sizes(14) == list(range(2, 14))
-    assert _pool_sizes(2) == [] and _pool_sizes(3) == [2]
-    big = _pool_sizes(64)
+    assert _pool_sizes(14, 2) == list(range(2, 14))
+    assert _pool_sizes(8, 8) == [] and _pool_sizes(9, 8) == [8]
+    big = _pool_sizes(64, 2)
     assert len(big) <= 22 and max(big) < 64 and min(big) == 2
+
+
+def test_a_smaller_pool_is_one_vllm_starts_with():
+    # vLLM starts only when one request of max_model_len tokens fits in the pool.
+    assert _smaller_pool(TIGHT, 10) == TIGHT.with_(num_blocks=10)  # 160 tokens hold 128
+    small = _smaller_pool(TIGHT, 5)  # four blocks beside the null block
+    assert small.num_blocks == 5 and small.max_model_len == 4 * TIGHT.block_size
 
 
 def test_a_field_difference_names_its_field_for_any_request():
@@ -70,6 +83,7 @@ def test_a_smaller_pool_brings_an_in_flight_preemption_sooner(dropping):
     shrunk = result.trace
     assert len(shrunk.ops) <= 12 and len(shrunk.ops) < len(fixed_pool.trace.ops)
     assert shrunk.config.num_blocks < trace.config.num_blocks
+    assert shrunk.config.max_model_len < shrunk.config.num_blocks * shrunk.config.block_size
     assert result.to_dict()["num_blocks"] == {
         "original": trace.config.num_blocks,
         "shrunk": shrunk.config.num_blocks,

@@ -45,6 +45,12 @@ class Axis:
     # The scheduling modes the axis runs in (``sync``, ``async``).
     modes: tuple[str, ...] = ("sync", "async")
 
+    @property
+    def streams_input(self) -> bool:
+        """Whether the axis's requests may be streaming sessions, whose client then also
+        streams them input (``conformance._core.machine.StreamsInput``)."""
+        return "resumable" in self.request_values
+
     def config(self, base: HarnessConfig) -> HarnessConfig:
         return base.with_(**self.changes)
 
@@ -208,6 +214,15 @@ AXES: tuple[Axis, ...] = (
         # The tail survives only from the step that ends at the checkpoint to the next
         # schedule; async scheduling schedules the next chunk before the abort can come.
         modes=("sync",),
+    ),
+    Axis(
+        "streaming-sessions",
+        "streaming input sessions: resumable requests stop at max_tokens and wait for more "
+        "input under their id; input applied at once to a waiting session or queued behind a "
+        "running turn, the turn's output kept in the prompt; the stream's end finishing a "
+        "waiting session at once or a running one after its queued turns",
+        {"log_stats": True},
+        request_values={"resumable": (False, True, True)},
     ),
     # Structured outputs (``conformance._core.grammars``): drawn grammars compile 0-2 steps
     # after admission, the token source follows each bitmask but sometimes breaks it.

@@ -41,6 +41,7 @@ from conformance._core.workload import (
     Op,
     ResetPrefixCache,
     Step,
+    StreamInput,
     Trace,
 )
 
@@ -104,6 +105,8 @@ class Lockstep:
         self._sub_obs: Observation | None = None
         # Upstream's preemption count per request after the last operation (``_count``).
         self._preemptions: tuple[list[str], list[int]] = ([], [])
+        # Streaming input sessions started (``AddRequest.resumable``): id -> its stream ended.
+        self.sessions: dict[str, bool] = {}
         self.initial_free = self.up.free_blocks()
 
     @staticmethod
@@ -136,13 +139,24 @@ class Lockstep:
         self.trace.ops.append(op)
         arrival = float(self._arrivals)
         prompt = None
-        if isinstance(op, AddRequest):
+        # What both sides are given: a session's input is the request its client sends.
+        sent: Op = self.trace.session_input(op, index) if isinstance(op, StreamInput) else op
+        if isinstance(sent, AddRequest):
             self._arrivals += 1
-            prompt = self.trace.prompt_of(op)
-            if op.arrival is not None:
-                arrival = op.arrival
-        up = self.up.observe(op, prompt, self.config, arrival)
-        sub = self.sub.observe(op, prompt, self.config, arrival)
+            prompt = self.trace.prompt_of(sent)
+            if sent.arrival is not None:
+                arrival = sent.arrival
+        if isinstance(op, AddRequest) and op.resumable:
+            self.sessions.setdefault(op.request_id, False)
+        elif isinstance(op, StreamInput):
+            self.stats["stream_end" if op.end else "stream_input"] += 1
+            if op.end:
+                self.sessions[op.request_id] = True
+        up = self.up.observe(sent, prompt, self.config, arrival)
+        # A prompt list of its own: vLLM's ``Request`` keeps the list it is given, and a
+        # streaming session's input extends it in place.
+        sub_prompt = None if prompt is None else list(prompt)
+        sub = self.sub.observe(sent, sub_prompt, self.config, arrival)
         # The harness's own code failed on upstream's input: a bug in the gate. On the subject's
         # input alone it is the subject's doing, and the difference is reported as usual.
         harness_error = getattr(self.up, "harness_error", None)
@@ -258,12 +272,41 @@ class Lockstep:
     def has_work(self) -> bool:
         return self.up.busy() or self.sub.busy()
 
+    def open_sessions(self) -> list[str]:
+        """Streaming sessions upstream still holds whose input stream has not ended."""
+        live = set(self.up.live_ids())
+        return [rid for rid, ended in self.sessions.items() if not ended and rid in live]
+
+    def live_sessions(self) -> set[str]:
+        """Streaming sessions upstream still holds, their stream ended or not: a turn of one
+        ends with a finish reason, and the request goes on."""
+        return set(self.sessions).intersection(self.up.live_ids())
+
     def drain(self, max_steps: int = 500) -> None:
-        """Step until neither side has work; then deliver chunks (C-06 needs transfers acked)."""
+        """End the input stream of every open session (as a client that closes its streams
+        does); step until neither side has work; then deliver chunks (C-06 needs transfers
+        acked). With sessions, a client also gives up on what upstream cannot serve: a session
+        keeps its KV-cache blocks between turns, so sessions can hold the pool while each waits
+        for blocks another holds; after ``STUCK_STEPS`` steps in which upstream schedules
+        nothing, the requests it still holds are aborted, on both sides alike."""
+        for rid in self.open_sessions():
+            if self.failure is not None:
+                return
+            self.apply(StreamInput(rid, end=True))
+        idle = 0
         for _ in range(max_steps):
             if self.failure is not None or not self.has_work():
                 break
             self.apply(Step())
+            if not self.sessions:
+                continue
+            scheduled = (self._up_obs.get("sched_out") if self._up_obs else None) or {}
+            idle = 0 if scheduled.get("total_tokens") else idle + 1
+            if idle >= STUCK_STEPS:
+                for rid in sorted(self.up.live_ids()):  # one at a time: a set's order varies
+                    if self.failure is None:
+                        self.apply(Abort((rid,)))
+                idle = 0
         if self.failure is None:
             self.apply(DeliverChunks())
 
@@ -285,6 +328,10 @@ class Lockstep:
                 problems.append(f"{label}: omni state survives for {sorted(leaked)}")
         return problems
 
+
+# Steps in which upstream schedules nothing before a drain with streaming sessions aborts what it
+# still holds (``Lockstep.drain``).
+STUCK_STEPS = 4
 
 # The trace ``meta`` key naming the snapshot sections a trace's run leaves out of the
 # comparison: a difference found after another section's had been deferred replays that way.
@@ -344,6 +391,10 @@ class _OutOfBudget(Exception):
     pass
 
 
+# The configuration fields the shrinker may make smaller (``Shrinker._shrink_pool``).
+POOL_FIELDS = ("num_blocks", "max_model_len")
+
+
 @dataclass
 class ShrinkResult:
     trace: Trace
@@ -352,9 +403,9 @@ class ShrinkResult:
     seconds: float
     complete: bool  # False: the time or run bound ended the search (the trace is the best found)
     reproduced: bool  # False: the input trace did not fail at all, and is returned unchanged
-    # The KV-cache pool the input trace ran with, when the shrinker found the failure with fewer
-    # blocks (the trace's config then says how many); None: unchanged.
-    original_num_blocks: int | None = None
+    # The configuration the input trace ran with, when the shrinker found the failure with a
+    # smaller KV-cache pool (the trace's config then says how small); None: unchanged.
+    original_config: HarnessConfig | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -364,11 +415,11 @@ class ShrinkResult:
             "seconds": round(self.seconds, 3),
             "complete": self.complete,
         }
-        if self.original_num_blocks is not None:
-            d["num_blocks"] = {
-                "original": self.original_num_blocks,
-                "shrunk": self.trace.config.num_blocks,
-            }
+        if self.original_config is not None:
+            for name in POOL_FIELDS:
+                was, now = getattr(self.original_config, name), getattr(self.trace.config, name)
+                if was != now:
+                    d[name] = {"original": was, "shrunk": now}
         return d
 
 
@@ -390,6 +441,9 @@ def _weight(ops: list[Op], num_blocks: int = 0) -> tuple[int, int, int, int]:
             detail += op.grammar is not None
             detail += op.kv_cache_report_mode is not None
             detail += op.skip_reading_prefix_cache
+            detail += op.resumable
+        elif isinstance(op, StreamInput):
+            detail += len(op.prompt) + (op.max_tokens or 0)
         elif isinstance(op, Abort):
             detail += len(op.request_ids)
         elif isinstance(op, ResetPrefixCache):
@@ -400,7 +454,7 @@ def _weight(ops: list[Op], num_blocks: int = 0) -> tuple[int, int, int, int]:
 def _without_request(ops: list[Op], rid: str) -> list[Op]:
     out: list[Op] = []
     for op in ops:
-        if isinstance(op, AddRequest) and op.request_id == rid:
+        if isinstance(op, AddRequest | StreamInput) and op.request_id == rid:
             continue
         if isinstance(op, Abort) and rid in op.request_ids:
             rest = tuple(r for r in op.request_ids if r != rid)
@@ -416,11 +470,33 @@ def _smaller_ints(n: int, floor: int) -> list[int]:
     return sorted({v for v in (floor, n // 4, n // 2, (3 * n) // 4, n - 1) if floor <= v < n})
 
 
-def _pool_sizes(num_blocks: int) -> list[int]:
-    """Smaller KV-cache pools to try, fewest first: every size up to 16 blocks, eighths of the
-    pool above that (at most 22 runs a round, however large the pool)."""
-    small = range(2, min(num_blocks, 17))
-    return sorted({*small, *(num_blocks * k // 8 for k in range(1, 8))} - {0, 1, num_blocks})
+def _pool_sizes(num_blocks: int, floor: int) -> list[int]:
+    """Smaller KV-cache pools to try, fewest first, none below ``floor``: every size up to 16
+    blocks, eighths of the pool above that (at most 22 runs a round, however large the pool)."""
+    small = range(floor, min(num_blocks, 17))
+    eighths = (num_blocks * k // 8 for k in range(1, 8))
+    return sorted({*small, *(n for n in eighths if n >= floor)} - {num_blocks})
+
+
+def _smaller_pool(config: HarnessConfig, num_blocks: int) -> HarnessConfig:
+    """``config`` with ``num_blocks`` blocks, its context capped to what they hold beside the
+    null block: vLLM starts only when one request of ``max_model_len`` tokens fits."""
+    fits = (num_blocks - 1) * max(1, config.block_size)
+    return config.with_(num_blocks=num_blocks, max_model_len=min(config.max_model_len, fits))
+
+
+def _longest_request(ops: list[Op], prefixes: dict[str, tuple[int, ...]]) -> int:
+    """The most tokens any request of ``ops`` may reach: its prompt and output, and every
+    streamed input with its output. A pool or context smaller than that would starve it (the
+    harness admits what the engine's input processor would refuse) into failures of its own."""
+    sizes: Counter[str] = Counter()
+    for op in ops:
+        if isinstance(op, AddRequest):
+            head = len(prefixes.get(op.prefix, ())) if op.prefix else 0
+            sizes[op.request_id] += head + len(op.prompt) + op.max_tokens
+        elif isinstance(op, StreamInput):
+            sizes[op.request_id] += len(op.prompt) + (op.max_tokens or 0)
+    return max(sizes.values(), default=0)
 
 
 def _simplifications(op: AddRequest) -> list[list[dict[str, Any]]]:
@@ -454,6 +530,8 @@ def _simplifications(op: AddRequest) -> list[list[dict[str, Any]]]:
         groups.append([{"kv_cache_report_mode": None}])
     if op.skip_reading_prefix_cache:
         groups.append([{"skip_reading_prefix_cache": False}])
+    if op.resumable:
+        groups.append([{"resumable": False}])
     return [g for g in groups if g]
 
 
@@ -534,7 +612,7 @@ class Shrinker:
     def run(self) -> ShrinkResult:
         started = time.monotonic()
         self.deadline = started + self.time_budget
-        original, original_blocks = len(self.ops), self.config.num_blocks
+        original, original_config = len(self.ops), self.config
         first = self._verdict(self.ops)
         if first is None:
             return ShrinkResult(
@@ -565,7 +643,7 @@ class Shrinker:
             time.monotonic() - started,
             complete,
             True,
-            original_blocks if self.config.num_blocks != original_blocks else None,
+            original_config if self.config != original_config else None,
         )
 
     def _search(self, pool_first: bool) -> None:
@@ -653,10 +731,14 @@ class Shrinker:
         run fails soonest (the shortest executed prefix, then the fewest blocks). Not the first
         that fails: whether a pool shows the failure, and how early, is not monotone in its size
         (the pressure lands on other steps), and a pool that fails late leaves a longer local
-        minimum. Two is the floor: vLLM's block pool keeps one block back as its null block."""
+        minimum. The context shrinks with the pool where it must (``_smaller_pool``), never
+        below the longest request (``_longest_request``)."""
         best: tuple[tuple[int, ...], list[Op], HarnessConfig] | None = None
-        for n in _pool_sizes(self.config.num_blocks):
-            config = self.config.with_(num_blocks=n)
+        longest = _longest_request(self.ops, self.prefixes)
+        for n in _pool_sizes(self.config.num_blocks, 2):
+            config = _smaller_pool(self.config, n)
+            if config.max_model_len < longest:
+                continue
             key = (n, tuple(self.ops))
             if key in self._tried:
                 continue

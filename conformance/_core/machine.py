@@ -25,7 +25,14 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from conformance._core import hash_seed
 from conformance._core.config import HarnessConfig
-from conformance._core.workload import Abort, AddRequest, DeliverChunks, ResetPrefixCache, Step
+from conformance._core.workload import (
+    Abort,
+    AddRequest,
+    DeliverChunks,
+    ResetPrefixCache,
+    Step,
+    StreamInput,
+)
 
 if TYPE_CHECKING:
     import random
@@ -58,6 +65,11 @@ def random_request(
         ignore_eos=rng.random() < 0.5,
         **axis_fields,
     )
+
+
+def session_chunk(salt: int, length: int) -> tuple[int, ...]:
+    """The tokens of one chunk a client streams into a session."""
+    return tuple(100 + (salt * 53 + i) % 200 for i in range(length))
 
 
 def client_trace_headers(n: int, count: int) -> tuple[tuple[str, str], ...] | None:
@@ -217,6 +229,32 @@ class LockstepMachine(RuleBasedStateMachine):
                 self.recorder.fail(self.session, self.name)
             problems = self.session.conservation_problems()
             assert not problems, "; ".join(problems)
+
+
+class StreamsInput:
+    """The client of streaming input sessions, as a rule for a machine whose requests may be
+    resumable (the ``streaming-sessions`` axis): more input for a session upstream still holds,
+    or the end of its stream. A client sends nothing to a session that has finished, as vLLM's
+    ``AsyncLLM`` stops its input task then; the drain ends the streams left open."""
+
+    session: Any
+
+    @precondition(lambda self: not all(self.session.sessions.values()))
+    @rule(
+        data=st.data(),
+        length=st.integers(1, 16),
+        salt=st.integers(0, 3),
+        max_tokens=st.integers(1, 6),
+    )
+    def stream_input(self, data: st.DataObject, length: int, salt: int, max_tokens: int) -> None:
+        open_ids = self.session.open_sessions()
+        if not open_ids:
+            return
+        rid = data.draw(st.sampled_from(open_ids))
+        if salt == 0 and length % 2:  # about one input in eight ends the stream
+            self.session.apply(StreamInput(rid, end=True))
+        else:
+            self.session.apply(StreamInput(rid, session_chunk(salt, length), max_tokens))
 
 
 def machine_for(

@@ -202,7 +202,7 @@ def request_kwargs(
     the client's ``EngineCoreRequest``; a subject whose runtime builds a ``Request`` subclass
     passes them on beside its own fields. A subject's ``make_request`` must carry
     ``op.trace_headers`` and ``op.client_index`` into its request the way its engine does."""
-    return {
+    kwargs: dict[str, Any] = {
         "request_id": op.request_id,
         "prompt_token_ids": prompt,
         "sampling_params": make_sampling_params(op, cfg),
@@ -213,6 +213,9 @@ def request_kwargs(
         "client_index": op.client_index,
         "priority": op.priority,
     }
+    if op.resumable:  # only then: releases before streaming sessions have no such argument
+        kwargs["resumable"] = True
+    return kwargs
 
 
 @dataclass(frozen=True)

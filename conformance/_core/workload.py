@@ -2,8 +2,8 @@
 
 A ``Trace`` is a ``HarnessConfig``, named shared prompt prefixes and a list of operations; it is
 the unit of replay (``to_json``; ``omni-conformance replay``). The operations are deliberately
-few: ``AddRequest``, ``Step``, ``Abort``, ``ResetPrefixCache``, ``DeliverChunks`` and
-``ChunkArrives``. Nothing else changes scheduler state, so a trace fully determines both runs.
+few: ``AddRequest``, ``StreamInput``, ``Step``, ``Abort``, ``ResetPrefixCache``,
+``DeliverChunks`` and ``ChunkArrives``. Nothing else changes scheduler state, so a trace fully determines both runs.
 
 What each operation carries and does: docs/design.md, "Inside the gate"; the trace headers and
 client index of ``AddRequest``: C-07 in docs/contracts.md.
@@ -12,7 +12,7 @@ client index of ``AddRequest``: C-07 in docs/contracts.md.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -66,6 +66,9 @@ class AddRequest:
     # no local prefix-cache hit and no external (KV connector) hit, as a request for prompt
     # log-probabilities does; its blocks are still cached for others.
     skip_reading_prefix_cache: bool = False
+    # A streaming input session (``Request.resumable``): the request stops at ``max_tokens`` and
+    # waits for more input under its id (``StreamInput``) instead of finishing.
+    resumable: bool = False
 
     def headers(self) -> dict[str, str] | None:
         """The trace headers as the mapping vLLM's ``Request.trace_headers`` holds."""
@@ -94,7 +97,29 @@ class AddRequest:
                 else ""
             )
             + (" skip_reading_prefix_cache" if self.skip_reading_prefix_cache else "")
+            + (" resumable" if self.resumable else "")
         )
+
+
+@dataclass(frozen=True)
+class StreamInput:
+    """The client sends a streaming session more input under its id, as vLLM's ``AsyncLLM``
+    does for each chunk of an input stream: an ``EngineCoreRequest`` of the same id, resumable,
+    with the chunk as its prompt and the session's sampling parameters (``max_tokens`` its own
+    when given). ``end``: the stream closed, sent as vLLM sends it (a request that is not
+    resumable, prompt ``[0]``): the session finishes after the turn it is in."""
+
+    kind: ClassVar[str] = "stream_input"
+    request_id: str
+    prompt: tuple[int, ...] = ()
+    max_tokens: int | None = None
+    end: bool = False
+
+    def describe(self) -> str:
+        if self.end:
+            return f"end the input stream of {self.request_id}"
+        limit = f" max_tokens={self.max_tokens}" if self.max_tokens is not None else ""
+        return f"more input for {self.request_id}: prompt={len(self.prompt)}{limit}"
 
 
 @dataclass(frozen=True)
@@ -148,9 +173,18 @@ class ChunkArrives:
         return f"chunk arrives for {self.request_id}" + (" (final)" if self.final else "")
 
 
-Op = AddRequest | Step | Abort | ResetPrefixCache | DeliverChunks | ChunkArrives
+Op = AddRequest | StreamInput | Step | Abort | ResetPrefixCache | DeliverChunks | ChunkArrives
 OP_TYPES: dict[str, type] = {
-    t.kind: t for t in (AddRequest, Step, Abort, ResetPrefixCache, DeliverChunks, ChunkArrives)
+    t.kind: t
+    for t in (
+        AddRequest,
+        StreamInput,
+        Step,
+        Abort,
+        ResetPrefixCache,
+        DeliverChunks,
+        ChunkArrives,
+    )
 }
 
 
@@ -177,6 +211,9 @@ def op_to_dict(op: Op) -> dict[str, Any]:
             ("grammar", None),
             ("kv_cache_report_mode", None),
             ("skip_reading_prefix_cache", False),
+            ("resumable", False),
+            ("max_tokens", None),
+            ("end", False),
         ):
             continue
         d[k] = _as_lists(v)
@@ -205,6 +242,21 @@ class Trace:
     def prompt_of(self, op: AddRequest) -> list[int]:
         head = list(self.prefixes[op.prefix]) if op.prefix else []
         return head + list(op.prompt)
+
+    def session_input(self, op: StreamInput, upto: int | None = None) -> AddRequest:
+        """The request the client sends for ``op``: the session's own ``AddRequest`` (the first
+        of its id among the first ``upto`` operations) with the chunk as its prompt, resumable;
+        for the end of the stream, not resumable and prompt ``[0]`` (vLLM's end marker)."""
+        ops = self.ops if upto is None else self.ops[:upto]
+        first = next(
+            (o for o in ops if isinstance(o, AddRequest) and o.request_id == op.request_id), None
+        )
+        if first is None:
+            raise ValueError(f"trace: input for {op.request_id!r}, which no request started")
+        if op.end:
+            return replace(first, prompt=(0,), prefix=None, resumable=False)
+        limit = first.max_tokens if op.max_tokens is None else op.max_tokens
+        return replace(first, prompt=op.prompt, prefix=None, max_tokens=limit, resumable=True)
 
     def to_dict(self) -> dict[str, Any]:
         return {

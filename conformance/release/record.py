@@ -30,7 +30,15 @@ from typing import Any
 
 from conformance._core import hash_seed as hashing
 from conformance._core.config import HarnessConfig
-from conformance._core.workload import Abort, AddRequest, Op, ResetPrefixCache, Step, Trace
+from conformance._core.workload import (
+    Abort,
+    AddRequest,
+    Op,
+    ResetPrefixCache,
+    Step,
+    StreamInput,
+    Trace,
+)
 
 SCHEMA = "omni-conformance-recording/1"
 MODES = ("sync", "async")
@@ -86,7 +94,7 @@ def generate_workload(seed: int, index: int) -> Trace:
     """Workload ``index`` of the corpus of ``seed``: a pure function of the two numbers (and of
     the catalogue of scheduler axes, which is part of the code)."""
     from conformance._core.axes import axis
-    from conformance._core.machine import PREFIXES, random_request
+    from conformance._core.machine import PREFIXES, random_request, session_chunk
 
     rng = random.Random(f"omni-conformance-corpus:{seed}:{index}")
     variants = all_variants()
@@ -95,10 +103,24 @@ def generate_workload(seed: int, index: int) -> Trace:
     values = chosen.request_values if chosen is not None else None
     ops: list[Op] = []
     count = 0
+    sessions: list[str] = []
     for _ in range(rng.randint(4, 22)):
         roll = rng.random()
-        if roll < 0.36 or count == 0:
-            ops.append(random_request(rng, f"r{count}", values))
+        if sessions and roll < 0.2:
+            # The streaming-sessions axis: more input for a session, or the end of its stream
+            # (a roll of its own, so the other variants draw exactly as before).
+            rid = rng.choice(sessions)
+            if rng.random() < 0.15:
+                ops.append(StreamInput(rid, end=True))
+                sessions.remove(rid)
+            else:
+                chunk = session_chunk(rng.randint(1, 3), rng.randint(1, 16))
+                ops.append(StreamInput(rid, chunk, rng.randint(1, 6)))
+        elif roll < 0.36 or count == 0:
+            request = random_request(rng, f"r{count}", values)
+            ops.append(request)
+            if request.resumable:
+                sessions.append(request.request_id)
             count += 1
         elif roll < 0.76:
             ops.extend(Step() for _ in range(rng.randint(1, 4)))
@@ -261,21 +283,23 @@ def run_workload(trace: Trace, mode: str, max_drain: int = MAX_DRAIN) -> dict[st
     steps: list[dict[str, Any]] = []
     arrivals = 0
 
-    def apply(op: Op) -> None:
+    def apply(op: Op, index: int | None = None) -> None:
         nonlocal arrivals
         prompt = None
         arrival = float(arrivals)
-        if isinstance(op, AddRequest):
-            prompt = trace.prompt_of(op)
+        # A session's input is the request its client sends (``Trace.session_input``).
+        sent = trace.session_input(op, index) if isinstance(op, StreamInput) else op
+        if isinstance(sent, AddRequest):
+            prompt = trace.prompt_of(sent)
             arrivals += 1
-            if op.arrival is not None:
-                arrival = op.arrival
-        snap = side.apply(op, prompt, cfg, arrival)
+            if sent.arrival is not None:
+                arrival = sent.arrival
+        snap = side.apply(sent, prompt, cfg, arrival)
         ops.append(op.describe())
         steps.append(normalise(snap, hashes))
 
-    for op in trace.ops:
-        apply(op)
+    for index, op in enumerate(trace.ops):
+        apply(op, index)
     drain = 0
     while drain < max_drain and side.busy():
         apply(Step())

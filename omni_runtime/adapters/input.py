@@ -99,6 +99,10 @@ class StageInput:
     # Tracing context from the client (e.g. W3C ``traceparent``): vLLM carries it on the request
     # and returns it on the request's outputs.
     trace_headers: Mapping[str, str] | None = None
+    # A streaming input session (vLLM's ``Request.resumable``): the first input starts it, a
+    # later one under the same id is its next input, and a final one that is not resumable
+    # ends its stream. vLLM's scheduler folds those into the live request.
+    resumable: bool = False
 
 
 class InputAdapter:
@@ -106,6 +110,8 @@ class InputAdapter:
 
     ``live_ids`` answers whether a request id is already in use (a scheduler's ``requests``
     mapping, or the stage engine's set); duplicates are rejected rather than silently merged.
+    The one exception is input for a live streaming session (``StageInput.resumable``), which
+    ``live_ids`` must then map to its request to show.
     """
 
     def __init__(
@@ -131,7 +137,7 @@ class InputAdapter:
         rid = item.request_id
         if not isinstance(rid, str) or not rid:
             raise RequestRejected(repr(rid), "request_id", "must be a non-empty string")
-        if rid in self.live_ids:
+        if rid in self.live_ids and not self._session_input(rid):
             raise RequestRejected(rid, "request_id", "duplicate: a request with this id is live")
         if not isinstance(item.sampling_params, SamplingParams):
             raise RequestRejected(rid, "sampling_params", "must be vllm.SamplingParams")
@@ -173,8 +179,16 @@ class InputAdapter:
             priority=item.priority,
             trace_headers=self._trace_headers(rid, item.trace_headers),
             block_hasher=self.block_hasher,
+            resumable=item.resumable,
             omni=state,
         )
+
+    def _session_input(self, rid: str) -> bool:
+        """Whether the live request ``rid`` is a streaming session, which takes further input
+        (and the end of its stream) under its id."""
+        live = self.live_ids.get(rid) if isinstance(self.live_ids, Mapping) else None
+        # vLLM gives a resumable request its queue of pending inputs when it admits it.
+        return getattr(live, "streaming_queue", None) is not None
 
     def _prompt(
         self, rid: str, item: StageInput

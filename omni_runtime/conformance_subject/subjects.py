@@ -94,6 +94,7 @@ class OmniSchedulerSubject(BaseSubject):
                 trace_headers=op.headers(),
                 client_index=op.client_index,
                 priority=op.priority,
+                resumable=op.resumable,
             )
         )
 

@@ -397,6 +397,10 @@ class ChunkTransferAdapter:
         else:
             new_ids = out.new_token_ids
             reason = None if out.finish_reason is None else str(out.finish_reason)
+            if reason is not None and not in_freed and live_slot(request_id) is not None:
+                # A streaming session's turn ended (vLLM keeps the request for its next input):
+                # its end, and the EOF, come when the session finishes.
+                reason = None
         if in_freed:
             if reason is None:
                 reason = freed[request_id][1]

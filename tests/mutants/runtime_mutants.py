@@ -91,6 +91,15 @@ class StaleOutputDropped:
         return result
 
 
+class SessionEndsAtFirstTurn:
+    """C-01/C-04: a streaming input session finishes when its first turn stops, as a runtime
+    whose stop handling ignores ``Request.resumable`` does: its later input starts a new
+    request instead of continuing the session."""
+
+    def _handle_stopped_request(self, request: Any) -> bool:
+        return True
+
+
 class FreeBlocksReversed:
     """C-05: a finished request's blocks return to the free queue head-first (eviction order)."""
 
@@ -2766,6 +2775,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-stats-events-async",
         "the step's running count is taken before schedule() preempts and admits",
         _sub(scheduler_mixin=StatsCountedBeforePreemption),
+    ),
+    Mutant(
+        "session_ends_at_first_turn",
+        "C-01",
+        "axis-streaming-sessions-sync",
+        "a streaming input session finishes when its first turn stops",
+        _sub(scheduler_mixin=SessionEndsAtFirstTurn),
     ),
     Mutant(
         "stale_output_dropped",

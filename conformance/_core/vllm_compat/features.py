@@ -7,6 +7,7 @@ listed with the release that brought it and the reason the report gives (not app
 from __future__ import annotations
 
 from conformance._core.vllm_compat.aux_outputs import aux_axis_unavailable
+from conformance._core.vllm_compat.sessions import NO_SESSIONS
 from conformance._core.vllm_compat.versions import ByRelease, Change
 
 # axis name -> why it cannot run; every axis runs on the releases after the last change.
@@ -33,7 +34,7 @@ _NEGATIVE_CHUNK = (
 )
 MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
     "scheduler axes missing",
-    {**_MISSING_BEFORE_030, "pipeline-4": _NEGATIVE_CHUNK},
+    {**_MISSING_BEFORE_030, "pipeline-4": _NEGATIVE_CHUNK, "streaming-sessions": NO_SESSIONS},
     [
         Change(
             "0.28.0",

@@ -16,6 +16,7 @@ from operator import attrgetter
 from typing import Any
 
 from conformance._core.vllm_compat.aux_outputs import same_aux_outputs
+from conformance._core.vllm_compat.sessions import session_fields, session_reader
 from conformance._core.vllm_compat.stale_output import has_stale, stale_fields, stale_row
 from conformance._core.vllm_compat.stats import request_events, spec_decode_metrics
 from conformance._core.vllm_compat.structured import grammar_state
@@ -162,6 +163,9 @@ def request_fields(request: Any) -> dict[str, Any]:
     structured = request.structured_output_request
     if structured is not None:  # present only for a structured request: others read as before
         fields["grammar"] = grammar_state(structured)
+    session = session_fields(request)
+    if session is not None:  # likewise only for a streaming input session
+        fields["session"] = session
     return fields
 
 
@@ -339,6 +343,7 @@ def same_scheduler_state(a: Any, b: Any) -> bool:
     ids = list(held_a)
     in_order = list(held_b) == ids  # the usual case: both hold them in arrival order
     stale = stale_row()
+    session = session_reader()
     # ``request_fields`` pair by pair, without building rows (``_check_request_pairs`` below
     # keeps the attributes read here those ``_rows`` reads). A status is compared by identity:
     # enum members are singletons, and ``RequestStatus`` is an ``IntEnum``, whose ``==`` would
@@ -362,6 +367,7 @@ def same_scheduler_state(a: Any, b: Any) -> bool:
             (x.structured_output_request is not None or y.structured_output_request is not None)
             and _grammar_of(x) != _grammar_of(y)
         )
+        or session(x) != session(y)
     ]:
         return False
     kv_a, kv_b = a.kv_cache_manager, b.kv_cache_manager
