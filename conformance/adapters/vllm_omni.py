@@ -129,9 +129,10 @@ def _omni_output_envelope(ctx: Mapping[str, Any]) -> bool:
     value = ctx.get("subject")
     if field == "__type__":
         return value == "OmniEngineCoreOutput"
-    if field == "num_generation_tokens":
+    if field in ("num_generation_tokens", "new_prompt_len_snapshot"):
         return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-    return False
+    # A streaming session's turn ended: the orchestrator keeps the session for its next input.
+    return field == "is_segment_finished" and value is True
 
 
 def _synthesized_abort(ctx: Mapping[str, Any]) -> bool:
@@ -161,10 +162,17 @@ VO_TEST = "tests/test_vllm_omni_subject.py::test_documented_differences_happen"
 DIFFERENCES: tuple[Difference, ...] = (
     Difference(
         id="VLLM-OMNI-OUT-001",
-        fields=("outputs.*.__type__", "outputs.*.num_generation_tokens"),
+        fields=(
+            "outputs.*.__type__",
+            "outputs.*.num_generation_tokens",
+            "outputs.*.is_segment_finished",
+            "outputs.*.new_prompt_len_snapshot",
+        ),
         condition=(
             "every output: its class is OmniEngineCoreOutput, and (vllm-omni 0.30) its trailing "
-            "num_generation_tokens (absent upstream) holds a token count"
+            "num_generation_tokens (absent upstream) holds a token count; the output that ends "
+            "a streaming session's turn sets is_segment_finished (and may carry the session's "
+            "prompt length in new_prompt_len_snapshot)"
         ),
         applies=_omni_output_envelope,
         rationale=(
@@ -181,6 +189,8 @@ DIFFERENCES: tuple[Difference, ...] = (
             "in every loaded vllm module)",
             "vllm_omni/engine/__init__.py:OmniEngineCoreOutput (a comment per added field)",
             f"{SCHED}/omni_scheduler_mixin.py:OmniSchedulerMixin._make_omni_engine_output",
+            "vllm_omni/engine/orchestrator.py (docstring of the session finish marker: streaming "
+            "segment stops set is_segment_finished=True)",
         ),
         tests=(VO_TEST,),
         clauses=("C-02",),
