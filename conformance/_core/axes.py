@@ -216,6 +216,22 @@ AXES: tuple[Axis, ...] = (
         modes=("sync",),
     ),
     Axis(
+        "logprobs",
+        "sampled-token logprobs: requests ask for 0-5 candidates per token, the runner returns "
+        "every request's rows (per token, with offsets, under speculative decoding), each output "
+        "must carry exactly its own request's rows for the tokens it emits, stops included; "
+        "16-token prefill chunks, so partial prefills share steps with sampling requests",
+        {"log_stats": True, "long_prefill_token_threshold": 16},
+        request_values={"logprobs": (None, 0, 1, 5)},
+    ),
+    Axis(
+        "logprobs-spec-decode",
+        "logprobs with three drafts a step: rows per sampled token, a request's share found by "
+        "its offset and cut where a stop ends its accepted drafts",
+        {"log_stats": True, "num_speculative_tokens": 3, "long_prefill_token_threshold": 16},
+        request_values={"logprobs": (None, 1, 5)},
+    ),
+    Axis(
         "streaming-sessions",
         "streaming input sessions: resumable requests stop at max_tokens and wait for more "
         "input under their id; input applied at once to a waiting session or queued behind a "

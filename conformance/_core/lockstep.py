@@ -442,6 +442,7 @@ def _weight(ops: list[Op], num_blocks: int = 0) -> tuple[int, int, int, int]:
             detail += op.kv_cache_report_mode is not None
             detail += op.skip_reading_prefix_cache
             detail += op.resumable
+            detail += op.logprobs is not None
         elif isinstance(op, StreamInput):
             detail += len(op.prompt) + (op.max_tokens or 0)
         elif isinstance(op, Abort):
@@ -532,6 +533,8 @@ def _simplifications(op: AddRequest) -> list[list[dict[str, Any]]]:
         groups.append([{"skip_reading_prefix_cache": False}])
     if op.resumable:
         groups.append([{"resumable": False}])
+    if op.logprobs is not None:
+        groups.append([{"logprobs": None}])
     return [g for g in groups if g]
 
 

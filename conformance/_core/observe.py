@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from conformance._core import vllm_compat as vc
+from conformance._core.logprobs import output_logprobs
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -114,6 +115,9 @@ def observe_outputs(outputs: dict[int, EngineCoreOutputs] | None) -> dict[str, A
             aux = vc.aux_output_fields(out)
             if aux:
                 entry.update(aux)
+            logprobs = output_logprobs(out)
+            if logprobs is not None:
+                entry["logprobs"] = logprobs
             extra = vc.output_extra_fields(out)
             if extra:
                 entry.update(extra)

@@ -188,6 +188,8 @@ def make_sampling_params(op: AddRequest, cfg: HarnessConfig) -> SamplingParams:
         sp.extra_args = {**(sp.extra_args or {}), "kv_cache_report_mode": op.kv_cache_report_mode}
     if op.skip_reading_prefix_cache:
         sp.skip_reading_prefix_cache = True
+    if op.logprobs is not None:
+        sp.logprobs = op.logprobs
     if op.grammar is not None:
         from conformance._core.grammars import constrain
 

@@ -26,6 +26,7 @@ from conformance._core import vllm_compat as vc
 from conformance._core.ec_connectors import RunnerReport
 from conformance._core.harness_faults import harness_code
 from conformance._core.kv_connectors import WorkerStandIn
+from conformance._core.logprobs import runner_logprobs
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
@@ -59,6 +60,8 @@ class _ReqView:
     eos: int | None
     # A structured request's allowed ids when it last sampled: the drafter keeps to them.
     allowed: np.ndarray | None = None
+    # The logprobs the request asks for per sampled token (``SamplingParams.logprobs``).
+    logprobs: int | None = None
 
 
 def _first(hits: np.ndarray, start: int) -> int:
@@ -156,6 +159,7 @@ class DeterministicTokenSource:
                 num_tokens=len(new.prefill_token_ids or new.prompt_token_ids or ()),
                 stop_ids=tuple(sp.stop_token_ids or ()) if sp is not None else (),
                 eos=sp.eos_token_id if sp is not None else None,
+                logprobs=sp.logprobs if sp is not None else None,
             )
         computed = vc.computed_before(so)
         for rid in so.scheduled_cached_reqs.req_ids:
@@ -171,11 +175,14 @@ class DeterministicTokenSource:
         grammar, self._grammar = self._grammar, None
         grammar_rows = vc.grammar_rows(grammar, self.num_drafts, self.vocab, so)
         sampled: list[list[int]] = []
+        # Where each request's first sampled token sits (its logprob rows are keyed by it).
+        positions: list[int] = []
         for rid in req_ids:
             view = self._reqs.get(rid)
             # Drafts sit at the end of what is scheduled: the step verifies them.
             proposed = drafts.get(rid, ())
             end = computed.get(rid, 0) + so.num_scheduled_tokens[rid] - len(proposed)
+            positions.append(end)
             if view is None or end < view.num_tokens or not self._report.samples:
                 # A partial prefill chunk: nothing to sample yet. An encoder-only runner never
                 # samples: it publishes the prompt's encoder outputs.
@@ -201,6 +208,15 @@ class DeterministicTokenSource:
             view.num_tokens = end + len(ids)
         self._drafted = req_ids
         aux = {} if self.aux is None else self.aux.outputs(so, req_ids, computed, sampled)
+        asked = [v.logprobs for rid in req_ids if (v := self._reqs.get(rid)) and v.logprobs]
+        if asked:
+            # As a runner does: every request's rows, as many candidates as any asks for.
+            aux["logprobs"] = runner_logprobs(
+                list(zip(req_ids, positions, sampled, strict=True)),
+                max(asked),
+                self.vocab,
+                per_token=self.num_drafts > 0,
+            )
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},

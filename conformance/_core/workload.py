@@ -69,6 +69,9 @@ class AddRequest:
     # A streaming input session (``Request.resumable``): the request stops at ``max_tokens`` and
     # waits for more input under its id (``StreamInput``) instead of finishing.
     resumable: bool = False
+    # ``SamplingParams.logprobs``: candidates per sampled token the output must carry (the
+    # ``logprobs`` axis; ``conformance._core.logprobs``). None: none asked for.
+    logprobs: int | None = None
 
     def headers(self) -> dict[str, str] | None:
         """The trace headers as the mapping vLLM's ``Request.trace_headers`` holds."""
@@ -98,6 +101,7 @@ class AddRequest:
             )
             + (" skip_reading_prefix_cache" if self.skip_reading_prefix_cache else "")
             + (" resumable" if self.resumable else "")
+            + (f" logprobs={self.logprobs}" if self.logprobs is not None else "")
         )
 
 
@@ -212,6 +216,7 @@ def op_to_dict(op: Op) -> dict[str, Any]:
             ("kv_cache_report_mode", None),
             ("skip_reading_prefix_cache", False),
             ("resumable", False),
+            ("logprobs", None),
             ("max_tokens", None),
             ("end", False),
         ):

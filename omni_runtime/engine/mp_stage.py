@@ -288,6 +288,9 @@ class MPStageEngine:
             client_index=PARENT_CLIENT,
             priority=request.priority,
             trace_headers=request.trace_headers,
+            # A streaming session's input (and the end of its stream) is folded into the live
+            # request by the stage's scheduler: it must arrive as such.
+            resumable=request.resumable,
         )
 
     def abort(self, request_ids: Iterable[str]) -> list[str]:

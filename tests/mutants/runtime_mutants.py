@@ -100,6 +100,34 @@ class SessionEndsAtFirstTurn:
         return True
 
 
+class _SampledOrder:
+    """A step's logprobs as a runtime that slices by the request's place among those that
+    sampled would read them (``slice_request`` is all a scheduler calls)."""
+
+    def __init__(self, lists: Any, order: dict[int, int]) -> None:
+        self.lists, self.order = lists, order
+
+    def __bool__(self) -> bool:
+        return True
+
+    def slice_request(self, req_idx: int, num_positions: int) -> Any:
+        return self.lists.slice_request(self.order.get(req_idx, req_idx), num_positions)
+
+
+class LogprobsBySampledOrder:
+    """C-02: an output's logprobs are the rows at its place among the step's requests that
+    sampled, not at its own index in the batch: a runtime that drops partial prefills before
+    slicing hands a request its neighbour's rows."""
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        lists = model_runner_output.logprobs
+        if lists is not None and lists.cu_num_generated_tokens is None:
+            sampled = [i for i, ids in enumerate(model_runner_output.sampled_token_ids) if ids]
+            order = {i: n for n, i in enumerate(sampled)}
+            model_runner_output.logprobs = _SampledOrder(lists, order)
+        return super().update_from_output(scheduler_output, model_runner_output)  # type: ignore[misc]
+
+
 class FreeBlocksReversed:
     """C-05: a finished request's blocks return to the free queue head-first (eviction order)."""
 
@@ -2775,6 +2803,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-stats-events-async",
         "the step's running count is taken before schedule() preempts and admits",
         _sub(scheduler_mixin=StatsCountedBeforePreemption),
+    ),
+    Mutant(
+        "logprobs_by_sampled_order",
+        "C-02",
+        "axis-logprobs-sync",
+        "an output's logprobs are sliced at its place among the requests that sampled",
+        _sub(scheduler_mixin=LogprobsBySampledOrder),
     ),
     Mutant(
         "session_ends_at_first_turn",

@@ -15,6 +15,7 @@ from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
+from conformance._core.logprobs import output_logprobs
 from conformance._core.vllm_compat.aux_outputs import same_aux_outputs
 from conformance._core.vllm_compat.sessions import session_fields, session_reader
 from conformance._core.vllm_compat.stale_output import has_stale, stale_fields, stale_row
@@ -499,6 +500,10 @@ def same_outputs(a: dict[int, Any] | None, b: dict[int, Any] | None) -> bool:
         or x.kv_transfer_params != y.kv_transfer_params
         or x.ec_transfer_params != y.ec_transfer_params
         or not same_aux_outputs(x, y)
+        or (
+            (x.new_logprobs is not None or y.new_logprobs is not None)
+            and output_logprobs(x) != output_logprobs(y)
+        )
         or spec_decode_metrics(x) != spec_decode_metrics(y)
     ]:
         return False
