@@ -208,7 +208,10 @@ class DeterministicTokenSource:
             view.num_tokens = end + len(ids)
         self._drafted = req_ids
         aux = {} if self.aux is None else self.aux.outputs(so, req_ids, computed, sampled)
-        asked = [v.logprobs for rid in req_ids if (v := self._reqs.get(rid)) and v.logprobs]
+        # ``logprobs=0`` asks too: the sampled token's own logprob, no other candidate.
+        asked = [
+            v.logprobs for rid in req_ids if (v := self._reqs.get(rid)) and v.logprobs is not None
+        ]
         if asked:
             # As a runner does: every request's rows, as many candidates as any asks for.
             aux["logprobs"] = runner_logprobs(
