@@ -41,7 +41,7 @@ CI_EXAMPLES = 12
     [pytest.param(a, mode, id=f"{a.name}-{mode}") for a in AXES for mode in a.modes],
 )
 def test_scheduler_axis(request, conformance, conformance_subject, axis, mode, feature):
-    why = axis.unavailable()
+    why = axis.unavailable(mode)
     if why is not None:
         raise NotApplicable(f"scheduler axis {axis.name}: {why}")
     cfg = axis.config(harness_config(feature, mode=mode, prefix=True))

@@ -49,7 +49,7 @@ def _axis_off(test_name: str) -> bool:
     for axis in AXES:
         for mode in ("sync", "async"):
             if params.endswith(f"-{axis.name}-{mode}"):
-                return axis.unavailable() is not None
+                return axis.unavailable(mode) is not None
     raise AssertionError(f"no scheduler axis matches {test_name}")
 
 

@@ -575,13 +575,13 @@ _VERDICTS: dict[str, Verdict] = {}
 # The scheduler axis each axis probe runs: a mutant whose probe's axis the installed vLLM cannot
 # run (``Axis.unavailable``) is not applicable there, with the axis's reason (its path is
 # release-specific: ``encoder_instance_never_stops`` breaks 0.28's encoder-only instances).
-PROBE_AXES = {f"axis-{a.name}-{mode}": a for a in AXES for mode in a.modes}
+PROBE_AXES = {f"axis-{a.name}-{mode}": (a, mode) for a in AXES for mode in a.modes}
 
 
 def _judge(name: str, tmp_path: Path, shrink: bool) -> Verdict:
     mutant = CATALOGUE.by_name(name)
     chosen = PROBE_AXES.get(mutant.probe)
-    why = chosen.unavailable() if chosen is not None else None
+    why = chosen[0].unavailable(chosen[1]) if chosen is not None else None
     if why is not None:
         pytest.skip(f"not applicable: mutant {name}'s probe {mutant.probe}: {why}")
     verdict = run_mutant(mutant, tmp_path, shrink=shrink)

@@ -54,11 +54,15 @@ class Axis:
     def config(self, base: HarnessConfig) -> HarnessConfig:
         return base.with_(**self.changes)
 
-    def unavailable(self) -> str | None:
-        """Why the installed vLLM cannot run this axis (None: it can)."""
+    def unavailable(self, mode: str | None = None) -> str | None:
+        """Why the installed vLLM cannot run this axis (None: it can), or the axis in ``mode``
+        (``sync``, ``async``) when given."""
         from conformance._core.vllm_compat import axis_unavailable
 
-        return axis_unavailable(self.name)
+        why = axis_unavailable(self.name)
+        if why is None and mode is not None:
+            why = axis_unavailable(f"{self.name}:{mode}")
+        return why
 
 
 # The Mamba layout with the harness connector as a P/D producer restoring Mamba state, with KV

@@ -139,6 +139,11 @@ class Lockstep:
         self.trace.ops.append(op)
         arrival = float(self._arrivals)
         prompt = None
+        if isinstance(op, StreamInput) and op.request_id not in self.open_sessions():
+            # A client stops streaming to a session that has finished or whose stream it ended
+            # (as ``AsyncLLM`` does): nothing is sent, so a shortened trace cannot start a new
+            # request under a finished session's id.
+            return Comparison()
         # What both sides are given: a session's input is the request its client sends.
         sent: Op = self.trace.session_input(op, index) if isinstance(op, StreamInput) else op
         if isinstance(sent, AddRequest):
@@ -531,8 +536,6 @@ def _simplifications(op: AddRequest) -> list[list[dict[str, Any]]]:
         groups.append([{"kv_cache_report_mode": None}])
     if op.skip_reading_prefix_cache:
         groups.append([{"skip_reading_prefix_cache": False}])
-    if op.resumable:
-        groups.append([{"resumable": False}])
     if op.logprobs is not None:
         groups.append([{"logprobs": None}])
     return [g for g in groups if g]

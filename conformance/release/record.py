@@ -263,7 +263,7 @@ def run_workload(trace: Trace, mode: str, max_drain: int = MAX_DRAIN) -> dict[st
 
     if "axis" in trace.meta:
         chosen = axis(trace.meta["axis"])
-        why = chosen.unavailable()
+        why = chosen.unavailable(mode)
         if why is None and mode not in chosen.modes:
             why = f"the axis runs in {', '.join(chosen.modes)} only"
         if why is not None:

@@ -32,19 +32,30 @@ _NEGATIVE_CHUNK = (
     "loop schedules a negative token count (the clamp has no floor at 0 before 0.28), "
     "update_from_output then asserts and the request never finishes, so upstream is no oracle"
 )
+_ASYNC_SESSIONS = (
+    "this release's own streaming sessions fail the gate under async scheduling (the upstream "
+    "control: a session whose stream ended never gets its terminal outcome, C-62, seen on "
+    "0.30); 0.31 changed how a stopped turn's in-flight output is handled "
+    "(_handle_stopped_request resumes from the materialized frontier), and 0.33 passes"
+)
 MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
     "scheduler axes missing",
     {**_MISSING_BEFORE_030, "pipeline-4": _NEGATIVE_CHUNK, "streaming-sessions": NO_SESSIONS},
     [
         Change(
             "0.28.0",
-            _MISSING_BEFORE_030,
+            {**_MISSING_BEFORE_030, "streaming-sessions:async": _ASYNC_SESSIONS},
             "a running request's chunk is floored at 0 (_reserve_prefill_lookahead)",
         ),
         Change(
             "0.30.0",
-            {"kv-offload": _OLD_OFFLOAD},
+            {"kv-offload": _OLD_OFFLOAD, "streaming-sessions:async": _ASYNC_SESSIONS},
             "KVConnectorOutput.failed_recving: a worker reports a failed load",
+        ),
+        Change(
+            "0.31.0",
+            {"kv-offload": _OLD_OFFLOAD},
+            "a stopped session resumes from its materialized frontier (_handle_stopped_request)",
         ),
         Change("0.33.0", {}, "offloading TransferJob.sync: a load may block the step"),
     ],
