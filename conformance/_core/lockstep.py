@@ -598,15 +598,19 @@ class Shrinker:
             return None
         return list(verdict.ops) if isinstance(verdict, Trace) else list(ops)
 
+    def _spent(self) -> bool:
+        """Whether the time or run bound is reached."""
+        return time.monotonic() >= self.deadline or (
+            self.max_runs is not None and self.runs >= self.max_runs
+        )
+
     def _try(self, candidate: list[Op], config: HarnessConfig | None = None) -> bool:
         config = config or self.config
         key = (config.num_blocks, tuple(candidate))
         current = self._size(self.ops)
         if not candidate or key in self._tried or self._size(candidate, config) >= current:
             return False
-        if time.monotonic() >= self.deadline or (
-            self.max_runs is not None and self.runs >= self.max_runs
-        ):
+        if self._spent():
             raise _OutOfBudget
         self._tried.add(key)
         kept = self._verdict(candidate, config)
@@ -748,9 +752,7 @@ class Shrinker:
             key = (n, tuple(self.ops))
             if key in self._tried:
                 continue
-            if time.monotonic() >= self.deadline or (
-                self.max_runs is not None and self.runs >= self.max_runs
-            ):
+            if self._spent():
                 break
             self._tried.add(key)
             kept = self._verdict(self.ops, config)

@@ -89,6 +89,8 @@ class DeterministicTokenSource:
         self.edges = tuple(t for t in edges if 0 <= t < vocab)
         self.num_drafts = num_drafts
         self._reqs: dict[str, _ReqView] = {}
+        # Requests that asked for logprobs (``execute`` builds rows only while there are any).
+        self._logprob_ids: set[str] = set()
         self._drafted: list[str] = []  # the last step's requests, in its order
         self._grammar: GrammarOutput | None = None  # for the next step (``receive_grammar``)
         self._kv = WorkerStandIn()  # a KV connector's worker half (none configured: idle)
@@ -153,8 +155,11 @@ class DeterministicTokenSource:
 
         for rid in so.finished_req_ids:
             self._reqs.pop(rid, None)
+            self._logprob_ids.discard(rid)
         for new in so.scheduled_new_reqs:
             sp = new.sampling_params
+            if sp is not None and sp.logprobs is not None:
+                self._logprob_ids.add(new.req_id)
             self._reqs[new.req_id] = _ReqView(
                 num_tokens=len(new.prefill_token_ids or new.prompt_token_ids or ()),
                 stop_ids=tuple(sp.stop_token_ids or ()) if sp is not None else (),
@@ -175,14 +180,11 @@ class DeterministicTokenSource:
         grammar, self._grammar = self._grammar, None
         grammar_rows = vc.grammar_rows(grammar, self.num_drafts, self.vocab, so)
         sampled: list[list[int]] = []
-        # Where each request's first sampled token sits (its logprob rows are keyed by it).
-        positions: list[int] = []
         for rid in req_ids:
             view = self._reqs.get(rid)
             # Drafts sit at the end of what is scheduled: the step verifies them.
             proposed = drafts.get(rid, ())
             end = computed.get(rid, 0) + so.num_scheduled_tokens[rid] - len(proposed)
-            positions.append(end)
             if view is None or end < view.num_tokens or not self._report.samples:
                 # A partial prefill chunk: nothing to sample yet. An encoder-only runner never
                 # samples: it publishes the prompt's encoder outputs.
@@ -208,18 +210,8 @@ class DeterministicTokenSource:
             view.num_tokens = end + len(ids)
         self._drafted = req_ids
         aux = {} if self.aux is None else self.aux.outputs(so, req_ids, computed, sampled)
-        # ``logprobs=0`` asks too: the sampled token's own logprob, no other candidate.
-        asked = [
-            v.logprobs for rid in req_ids if (v := self._reqs.get(rid)) and v.logprobs is not None
-        ]
-        if asked:
-            # As a runner does: every request's rows, as many candidates as any asks for.
-            aux["logprobs"] = runner_logprobs(
-                list(zip(req_ids, positions, sampled, strict=True)),
-                max(asked),
-                self.vocab,
-                per_token=self.num_drafts > 0,
-            )
+        if self._logprob_ids:  # read per step only while some request asks for logprobs
+            self._attach_logprobs(aux, so, req_ids, computed, drafts, sampled)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
@@ -228,6 +220,34 @@ class DeterministicTokenSource:
             # None (the default) unless the runner attaches its EC connector's output.
             ec_connector_output=self._report.ec_connector_output(so),
             **aux,
+        )
+
+    def _attach_logprobs(
+        self,
+        aux: dict,
+        so: SchedulerOutput,
+        req_ids: list[str],
+        computed: dict[str, int],
+        drafts: dict,
+        sampled: list[list[int]],
+    ) -> None:
+        # ``logprobs=0`` asks too: the sampled token's own logprob, no other candidate.
+        asked = [
+            v.logprobs for rid in req_ids if (v := self._reqs.get(rid)) and v.logprobs is not None
+        ]
+        if not asked:
+            return
+        # Where each request's first sampled token sits (its rows are keyed by it).
+        positions = [
+            computed.get(rid, 0) + so.num_scheduled_tokens[rid] - len(drafts.get(rid, ()))
+            for rid in req_ids
+        ]
+        # As a runner does: every request's rows, as many candidates as any asks for.
+        aux["logprobs"] = runner_logprobs(
+            list(zip(req_ids, positions, sampled, strict=True)),
+            max(asked),
+            self.vocab,
+            per_token=self.num_drafts > 0,
         )
 
     @harness_code
