@@ -254,21 +254,33 @@ def normalise(snapshot: dict[str, Any], hashes: _Hashes) -> dict[str, Any]:
     return plain
 
 
-def run_workload(trace: Trace, mode: str, max_drain: int = MAX_DRAIN) -> dict[str, Any]:
-    """Run ``trace`` on the installed vLLM's own scheduler in ``mode``; the recorded run (no
-    operation, and why, when the release cannot run the trace's scheduler axis in ``mode``)."""
+def not_applicable(trace: Trace, mode: str) -> str | None:
+    """Why the installed release cannot run ``trace``'s scheduler axis in ``mode``, or None."""
     from conformance._core.axes import axis
+
+    if "axis" not in trace.meta:
+        return None
+    chosen = axis(trace.meta["axis"])
+    why = chosen.unavailable(mode)
+    if why is None and mode not in chosen.modes:
+        why = f"the axis runs in {', '.join(chosen.modes)} only"
+    return why
+
+
+def workload_steps(
+    trace: Trace, mode: str, max_drain: int = MAX_DRAIN
+) -> str | Iterator[tuple[str, dict[str, Any], bool]]:
+    """Run ``trace`` on the installed vLLM's own scheduler in ``mode`` an operation at a time:
+    (operation described, normalised observation, whether it was a drain step) as the iterator
+    is advanced, so that a caller comparing two releases can stop at their first difference
+    (``conformance.release.release_shrink``). A string instead says why the release cannot run
+    it (the axis, or vLLM's config validation refuses the combination in this mode)."""
     from conformance._core.sides import make_side
     from conformance._core.subjects import UpstreamSubject
 
-    if "axis" in trace.meta:
-        chosen = axis(trace.meta["axis"])
-        why = chosen.unavailable(mode)
-        if why is None and mode not in chosen.modes:
-            why = f"the axis runs in {', '.join(chosen.modes)} only"
-        if why is not None:
-            return {"ops": [], "drain": 0, "steps": [], "not_applicable": why}
-
+    why = not_applicable(trace, mode)
+    if why is not None:
+        return why
     cfg = trace.config.with_(async_scheduling=mode == "async")
     try:
         side = make_side(UpstreamSubject(), cfg, None)
@@ -277,13 +289,17 @@ def run_workload(trace: Trace, mode: str, max_drain: int = MAX_DRAIN) -> dict[st
         reason = next(
             (ln.strip() for ln in first if "Value error" in ln), first[0] if first else ""
         )
-        return {"ops": [], "drain": 0, "steps": [], "not_applicable": f"vLLM refuses it: {reason}"}
+        return f"vLLM refuses it: {reason}"
+    return _steps(trace, side, cfg, max_drain)
+
+
+def _steps(
+    trace: Trace, side: Any, cfg: HarnessConfig, max_drain: int
+) -> Iterator[tuple[str, dict[str, Any], bool]]:
     hashes = _Hashes()
-    ops: list[str] = []
-    steps: list[dict[str, Any]] = []
     arrivals = 0
 
-    def apply(op: Op, index: int | None = None) -> None:
+    def apply(op: Op, index: int | None = None) -> dict[str, Any]:
         nonlocal arrivals
         prompt = None
         arrival = float(arrivals)
@@ -294,17 +310,30 @@ def run_workload(trace: Trace, mode: str, max_drain: int = MAX_DRAIN) -> dict[st
             arrivals += 1
             if sent.arrival is not None:
                 arrival = sent.arrival
-        snap = side.apply(sent, prompt, cfg, arrival)
-        ops.append(op.describe())
-        steps.append(normalise(snap, hashes))
+        return normalise(side.apply(sent, prompt, cfg, arrival), hashes)
 
     for index, op in enumerate(trace.ops):
-        apply(op, index)
+        yield op.describe(), apply(op, index), False
     drain = 0
     while drain < max_drain and side.busy():
-        apply(Step())
+        yield Step().describe(), apply(Step()), True
         drain += 1
-    return {"ops": ops, "drain": drain, "steps": steps}
+
+
+def run_workload(trace: Trace, mode: str, max_drain: int = MAX_DRAIN) -> dict[str, Any]:
+    """Run ``trace`` on the installed vLLM's own scheduler in ``mode``; the recorded run (no
+    operation, and why, when the release cannot run the trace's scheduler axis in ``mode``)."""
+    steps = workload_steps(trace, mode, max_drain)
+    if isinstance(steps, str):
+        return {"ops": [], "drain": 0, "steps": [], "not_applicable": steps}
+    ops: list[str] = []
+    observed: list[dict[str, Any]] = []
+    drain = 0
+    for described, snap, drained in steps:
+        ops.append(described)
+        observed.append(snap)
+        drain += drained
+    return {"ops": ops, "drain": drain, "steps": observed}
 
 
 # ---- writing and reading ------------------------------------------------------------------

@@ -3,7 +3,9 @@
 This module owns the comparison of two recordings (``conformance.release.record``) of one corpus
 made on two releases, the grouping of first differences into behaviour changes, the shortest
 workload that shows each change (written as a trace that runs on either release), and the report
-(JSON, and Markdown from the template ``conformance/templates/release-diff.md.j2``).
+(JSON, and Markdown from the template ``conformance/templates/release-diff.md.j2``). Given the two
+releases' interpreters (``--shrink-with``), each change's trace is then shrunk against both
+(``conformance.release.release_shrink``); without them it is the found workload, cut.
 
 Both recordings must be of the same corpus (``IDENTITY``, and each workload's trace), else
 ``CorpusMismatch`` names the file and the field. Per workload and mode the first difference is
@@ -21,7 +23,7 @@ import itertools
 import json
 import re
 import sys
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -133,6 +135,9 @@ class Change:
     differences: list[FirstDifference]
     shortest: FirstDifference
     trace: str | None = None  # the written trace, relative to the report folder
+    # How the trace was made (``release_shrink.ShrinkOutcome.to_dict``): found and written
+    # lengths, and whether it was shrunk against both releases or only cut.
+    shrink: dict[str, Any] | None = None
 
     @property
     def summary(self) -> str:
@@ -143,8 +148,18 @@ class Change:
         return (
             f"{self.pattern} after {self.op_kind}: {workloads} workload(s), {runs} run(s) "
             f"[{modes}]; shortest {s.length} ops ({s.workload} {s.mode}, {s.path}: "
-            f"{_short(s.a)} -> {_short(s.b)})" + (f"; trace {self.trace}" if self.trace else "")
+            f"{_short(s.a)} -> {_short(s.b)})" + self._trace_text()
         )
+
+    def _trace_text(self) -> str:
+        if not self.trace:
+            return ""
+        how = self.shrink or {}
+        if how.get("status") == "shrunk":
+            return f"; trace {self.trace} (shrunk {how['found_length']} -> {how['length']} ops)"
+        if how.get("status") in ("not reproduced", "failed"):
+            return f"; trace {self.trace} (cut, not shrunk: {how['status']})"
+        return f"; trace {self.trace} (cut)"
 
     def to_dict(self) -> dict[str, Any]:
         modes = sorted({d.mode for d in self.differences}, key=MODES.index)
@@ -157,6 +172,7 @@ class Change:
             "modes": modes,
             "shortest": {**self.shortest.to_dict(), "length": self.shortest.length},
             "trace": self.trace,
+            "shrink": self.shrink,
             "summary": self.summary,
         }
 
@@ -171,6 +187,8 @@ class DiffResult:
     runs: list[tuple[str, str, FirstDifference | None]] = field(default_factory=list)
     changes: list[Change] = field(default_factory=list)
     workloads: int = 0
+    # With which releases' interpreters the traces were shrunk (None: they were cut).
+    shrink: dict[str, Any] | None = None
 
     @property
     def differences(self) -> list[FirstDifference]:
@@ -429,17 +447,37 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", text).strip("_")[:80]
 
 
-def write_traces(result: DiffResult, out_dir: Path) -> None:
+# Makes a change's trace from the found one: the trace to write and how it was made
+# (``release_shrink.ShrinkOutcome.to_dict``).
+TraceMaker = Callable[[Change, Any], tuple[Any, dict[str, Any]]]
+
+
+def traced(change: Change) -> bool:
+    """Whether the change gets a trace: a release that gained or lost an axis has no
+    behaviour to replay."""
+    return change.pattern != AXIS_CHANGE
+
+
+def write_traces(result: DiffResult, out_dir: Path, make: TraceMaker | None = None) -> None:
+    """Each change's trace: ``make`` (the shrinker) given the found one, else the found one."""
+    from conformance.release.release_shrink import cut
+
     folder = out_dir / "traces"
     for old in folder.glob("change-*.json") if folder.is_dir() else ():
         old.unlink()  # a trace of an earlier diff into this folder must not pass for this one's
     for change in result.changes:
-        if change.pattern == AXIS_CHANGE:
-            continue  # a release gained or lost an axis: there is no behaviour to replay
+        if not traced(change):
+            continue
         what = f"{change.op_kind}-{change.pattern.replace('*', 'each')}"
         name = f"change-{change.id[1:]}-{_slug(what)}.json"
-        shortest_trace(result, change).save(folder / name)
+        found = shortest_trace(result, change)
+        if make is None:
+            trace, how = found, cut(found).to_dict()
+        else:
+            trace, how = make(change, found)
+        trace.save(folder / name)
         change.trace = f"traces/{name}"
+        change.shrink = how
 
 
 # ---- the report ---------------------------------------------------------------------------
@@ -493,6 +531,7 @@ def build_report(result: DiffResult) -> dict[str, Any]:
             "only_in_a": sorted(set(b.header["absent_fields"]) - set(a.header["absent_fields"])),
             "only_in_b": sorted(set(a.header["absent_fields"]) - set(b.header["absent_fields"])),
         },
+        "shrink": result.shrink,
         "changes": [{**c.to_dict(), "variants": _variants(a, c)} for c in result.changes],
         "first_differences": [d.to_dict() for d in result.differences],
     }
@@ -521,11 +560,14 @@ def summary_entry(report: Mapping[str, Any], where: str | None = None) -> dict[s
     }
 
 
-def write_report(result: DiffResult, out_dir: str | Path) -> dict[str, Any]:
-    """Write traces, ``release-diff.json`` and ``release-diff.md`` into ``out_dir``."""
+def write_report(
+    result: DiffResult, out_dir: str | Path, make: TraceMaker | None = None
+) -> dict[str, Any]:
+    """Write traces (made by ``make``, else cut), ``release-diff.json`` and ``release-diff.md``
+    into ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    write_traces(result, out)
+    write_traces(result, out, make)
     report = build_report(result)
     schemas.validate("release-diff", report)  # a mismatch is this module's bug: say it here
     (out / "release-diff.json").write_text(json.dumps(report, indent=1, sort_keys=True) + "\n")
@@ -533,11 +575,30 @@ def write_report(result: DiffResult, out_dir: str | Path) -> dict[str, Any]:
     return report
 
 
-def release_diff(a: str | Path, b: str | Path, out_dir: str | Path) -> dict[str, Any]:
-    """Load, compare and report; ``RecordingError`` / ``CorpusMismatch`` for bad input."""
+def release_diff(
+    a: str | Path,
+    b: str | Path,
+    out_dir: str | Path,
+    *,
+    shrink_with: tuple[str | Path, str | Path] | None = None,
+    shrink_seconds: float | None = None,
+    progress: Callable[[str], None] | None = None,
+    config_changes: tuple[Mapping[str, Any] | None, Mapping[str, Any] | None] = (None, None),
+) -> dict[str, Any]:
+    """Load, compare and report; ``RecordingError`` / ``CorpusMismatch`` for bad input. With
+    ``shrink_with`` (A's and B's python executables) each change's trace is shrunk against both
+    releases, at most ``shrink_seconds`` per change; a problem with the interpreters is in the
+    report (each change's ``shrink``), not raised. ``config_changes`` plant a configuration
+    difference in A's or B's interpreter (the self-tests run one release on both sides)."""
     rec_a, lines_a = open_recording(a)
     rec_b, lines_b = open_recording(b)
-    return write_report(diff_streams(rec_a, lines_a, rec_b, lines_b), out_dir)
+    result = diff_streams(rec_a, lines_a, rec_b, lines_b)
+    if shrink_with is None or not any(traced(c) for c in result.changes):
+        return write_report(result, out_dir)
+    from conformance.release.release_shrink import shrinking
+
+    with shrinking(result, shrink_with, shrink_seconds, progress, config_changes) as make:
+        return write_report(result, out_dir, make)
 
 
 # ---- the command --------------------------------------------------------------------------
@@ -562,8 +623,29 @@ def cmd_release_diff(args: argparse.Namespace) -> int:
     problem = folder_problem(out)
     if problem:
         return _error(f"--out {out}: {problem}")
+    shrink_with = None
+    if args.shrink_with:
+        from conformance.release.release_shrink import resolve_python
+
+        try:
+            shrink_with = (resolve_python(args.shrink_with[0]), resolve_python(args.shrink_with[1]))
+        except ValueError as exc:
+            return _error(f"--shrink-with {exc}")
+    if args.shrink_seconds is not None and args.shrink_seconds <= 0:
+        return _error(f"--shrink-seconds {args.shrink_seconds}: must be more than 0")
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
     try:
-        report = release_diff(args.a, args.b, out)
+        report = release_diff(
+            args.a,
+            args.b,
+            out,
+            shrink_with=shrink_with,
+            shrink_seconds=args.shrink_seconds,
+            progress=say,
+        )
     except (RecordingError, CorpusMismatch) as exc:
         return _error(str(exc))
     if report["status"] == "identical":
@@ -591,4 +673,20 @@ def add_parser(sub: Any) -> None:
     d.add_argument("a", help="recording of the older release (omni-conformance record)")
     d.add_argument("b", help="recording of the newer release")
     d.add_argument("--out", default=None, help="report folder (default: release-diff-<A>-<B>)")
+    d.add_argument(
+        "--shrink-with",
+        nargs=2,
+        metavar=("A_PYTHON", "B_PYTHON"),
+        default=None,
+        help="the two releases' interpreters (python executables, environment folders, or "
+        "environment names such as vllm-0.30.0): shrink each change's trace against both "
+        "(without: the found workload, cut after its difference)",
+    )
+    d.add_argument(
+        "--shrink-seconds",
+        type=float,
+        default=None,
+        help="time bound for shrinking one change (default: $OMNI_CONFORMANCE_SHRINK_SECONDS "
+        "or 60)",
+    )
     d.set_defaults(func=cmd_release_diff)
