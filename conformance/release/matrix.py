@@ -411,6 +411,7 @@ def run_release_diff(
     recordings.mkdir(parents=True, exist_ok=True)
     ordered = sorted(dict.fromkeys(versions), key=release)
     made: dict[str, Path] = {}
+    pythons: dict[str, Path] = {}  # each release's interpreter, to shrink the changes' traces
     problems: dict[str, str] = {}
     for i, v in enumerate(ordered, 1):
         env, error = _environment_for(EnvSpec(v), opts, say, i, len(ordered))
@@ -433,6 +434,7 @@ def run_release_diff(
             say(f"    vLLM {v}: {problems[v]}")
             continue
         made[v] = target
+        pythons[v] = env.python
         say(f"    vLLM {v}: recorded in {duration_text(time.monotonic() - started)}")
     pairs: list[dict[str, Any]] = []
     for a, b in zip(ordered, ordered[1:], strict=False):
@@ -442,7 +444,9 @@ def run_release_diff(
             continue
         where = folder / f"{a}--{b}"
         try:
-            report = release_diff(made[a], made[b], where)
+            report = release_diff(
+                made[a], made[b], where, shrink_with=(pythons[a], pythons[b]), progress=say
+            )
         except (RecordingError, CorpusMismatch) as exc:
             pairs.append({"from": a, "to": b, "changes": [f"not compared ({exc})"]})
             continue
