@@ -55,6 +55,7 @@ from conformance._core.subjects import (
     Subject,
     SubjectUnsupported,
     UpstreamSubject,
+    image_features,
     load_subject,
     make_sampling_params,
     request_kwargs,
@@ -80,6 +81,7 @@ __all__ = [
     "load_subject",
     "make_sampling_params",
     "request_kwargs",
+    "image_features",
     "SchedulerHoldings",
     "scheduler_holdings",
     # capabilities

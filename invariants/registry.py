@@ -28,7 +28,15 @@ from invariants.machines import AuditedLockstep, harness_config
 
 # The top-level sections of a lock-step snapshot (``conformance._core.observe``): a field pattern
 # outside them can never match, so the entry would tolerate nothing.
-SNAPSHOT_SECTIONS = ("requests.", "queues.", "block_pool.", "sched_out.", "outputs.", "audit.")
+SNAPSHOT_SECTIONS = (
+    "requests.",
+    "queues.",
+    "block_pool.",
+    "encoder_cache.",
+    "sched_out.",
+    "outputs.",
+    "audit.",
+)
 
 
 def registry_problems(entries: Sequence[Any]) -> list[str]:

@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conformance._core import ec_connectors, kv_connectors
-from conformance._core.config import MOE_MODEL, HarnessConfig
+from conformance._core.config import MM_MODEL, MOE_MODEL, HarnessConfig
 from conformance._core.grammars import GRAMMAR_VALUES
+from conformance._core.multimodal import IMAGE_DRAWS
 
 # Per-request draws of the KV-cache manager's request options (``AddRequest``): a client that
 # wants every reused block re-published as an event ("full"), and one that skips reading the
@@ -275,6 +276,25 @@ AXES: tuple[Axis, ...] = (
             {"ec_connector": ec_connectors.EXAMPLE, "ec_role": f"ec_{role}", "log_stats": True},
         )
         for role in ("producer", "consumer", "both")
+    ),
+    # Multimodal inputs (``conformance._core.multimodal``): a LLaVA-shaped model, whose encoder
+    # budget and cache vLLM sizes at the token budget (48 tokens: three large images).
+    Axis(
+        "multimodal",
+        "images in requests: encoder inputs scheduled with the tokens that need them under the "
+        "encoder compute budget, images shared between requests served from the encoder "
+        "cache, unused entries evicted when space runs out, an image's placeholder tokens "
+        "scheduled in chunks, prefix-cache hits keyed by the images a block shows, an "
+        "identifier reused for an image of another size",
+        {"model": str(MM_MODEL), "log_stats": True},
+        request_values={"images": IMAGE_DRAWS},
+    ),
+    Axis(
+        "multimodal-whole-images",
+        "multimodal with chunked multimodal input off: a step that cannot take an image's "
+        "placeholder tokens whole stops before the image",
+        {"model": str(MM_MODEL), "disable_chunked_mm_input": True, "log_stats": True},
+        request_values={"images": IMAGE_DRAWS},
     ),
     # Auxiliary outputs (``vllm_compat.aux_outputs``): what the runner returns beside tokens,
     # which the scheduler must route to the right request's output.

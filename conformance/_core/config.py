@@ -29,6 +29,16 @@ BUNDLED_TINY = "conformance:assets/tiny-llama"
 # A mixture-of-experts shape (the routed-experts axis), named in traces as the tiny model is.
 MOE_MODEL = Path(__file__).parents[1] / "assets" / "tiny-moe"
 BUNDLED_MOE = "conformance:assets/tiny-moe"
+# A multimodal shape (the multimodal axes): LLaVA around the tiny model's text layers, with a
+# 56-pixel vision tower of 14-pixel patches (16 tokens an image) and the tokenizer and processor
+# files vLLM reads to size the encoder budget. No weights: the token source stands in for it.
+MM_MODEL = Path(__file__).parents[1] / "assets" / "tiny-llava"
+# Folder -> the name a saved trace gives it, so that traces replay on another machine.
+BUNDLED_MODELS: dict[Path, str] = {
+    TINY_MODEL: BUNDLED_TINY,
+    MOE_MODEL: BUNDLED_MOE,
+    MM_MODEL: "conformance:assets/tiny-llava",
+}
 
 # V2 runner folds resumed requests into scheduled_new_reqs; both sides must agree on one flavour.
 os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
@@ -93,6 +103,9 @@ class HarnessConfig:
     # attention beside sliding-window layers) or "hybrid-mamba" (beside Mamba layers cached in
     # "align" mode), grouped by vLLM's planner into several KV-cache groups ("": one group).
     kv_layout: str = ""
+    # With a multimodal model (``MM_MODEL``): an image's placeholder tokens are scheduled in one
+    # step or not at all (``SchedulerConfig.disable_chunked_mm_input``), instead of in chunks.
+    disable_chunked_mm_input: bool = False
 
     def with_(self, **changes: Any) -> HarnessConfig:
         return replace(self, **changes)
@@ -103,24 +116,31 @@ class HarnessConfig:
             if d[name] == default:
                 del d[name]
         # Saved traces must replay on another machine: name bundled models relative to us.
-        if Path(self.model).resolve() == TINY_MODEL.resolve():
-            d["model"] = BUNDLED_TINY
-        elif Path(self.model).resolve() == MOE_MODEL.resolve():
-            d["model"] = BUNDLED_MOE
+        here = Path(self.model).resolve()
+        for folder, name in BUNDLED_MODELS.items():
+            if here == folder.resolve():
+                d["model"] = name
         return d
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HarnessConfig:
         data = dict(data)
-        if data.get("model") == BUNDLED_TINY:
-            data["model"] = str(TINY_MODEL)
-        elif data.get("model") == BUNDLED_MOE:
-            data["model"] = str(MOE_MODEL)
+        for folder, name in BUNDLED_MODELS.items():
+            if data.get("model") == name:
+                data["model"] = str(folder)
         data["token_edges"] = tuple(data.get("token_edges", ()))  # a list in JSON
         return cls(**data)
 
     def model_shape(self) -> dict[str, Any]:
-        return json.loads((Path(self.model) / "config.json").read_text())
+        """The model's ``config.json``; a multimodal model's text layers (``text_config``) are
+        the shape that matters here (KV cache, vocabulary, end of sequence), read over it."""
+        shape = json.loads((Path(self.model) / "config.json").read_text())
+        return {**shape, **shape.get("text_config", {})}
+
+    @property
+    def multimodal(self) -> bool:
+        """Whether the model takes images (its requests may carry them: ``AddRequest.images``)."""
+        return "vision_config" in json.loads((Path(self.model) / "config.json").read_text())
 
 
 # The axis fields and their defaults: omitted from ``to_dict`` at the default.
@@ -140,6 +160,7 @@ _AXIS_DEFAULTS: dict[str, Any] = {
     "return_sampling_mask": False,
     "return_routed_experts": False,
     "kv_layout": "",
+    "disable_chunked_mm_input": False,
 }
 
 _HASH_READY = False
@@ -205,6 +226,7 @@ def build_vllm_config(
         long_prefill_token_threshold=cfg.long_prefill_token_threshold,
         async_scheduling=cfg.async_scheduling,
         is_encoder_decoder=False,
+        disable_chunked_mm_input=cfg.disable_chunked_mm_input,
         policy=cfg.scheduling_policy,  # type: ignore[arg-type]  # checked by SchedulerConfig
         **sched_kw,
     )
@@ -289,7 +311,11 @@ def observability_kw(cfg: HarnessConfig) -> dict[str, Any]:
 
 
 def tokenizer_kw(cfg: HarnessConfig) -> dict[str, Any]:
-    """``ModelConfig``'s tokenizer arguments: none loaded, unless grammars need one."""
+    """``ModelConfig``'s tokenizer arguments: none loaded, unless grammars need one or the model
+    is multimodal (vLLM's multimodal processor, which sizes the encoder budget, needs the
+    model's own: it finds the image token in it)."""
+    if cfg.multimodal:
+        return {"skip_tokenizer_init": False, "tokenizer": cfg.model}
     if not cfg.structured_outputs:
         return {"skip_tokenizer_init": True}
     from conformance._core.grammars import tokenizer_folder

@@ -29,6 +29,7 @@ from conformance._core.compare import Comparison, FieldDifference, compare, fiel
 from conformance._core.config import HarnessConfig
 from conformance._core.differences import Registry
 from conformance._core.harness_faults import forget_pending
+from conformance._core.multimodal import IMAGES
 from conformance._core.observe import Observation, same_state
 from conformance._core.oracle_process import ProcessSide
 from conformance._core.pristine import oracle_placement
@@ -448,6 +449,7 @@ def _weight(ops: list[Op], num_blocks: int = 0) -> tuple[int, int, int, int]:
             detail += op.skip_reading_prefix_cache
             detail += op.resumable
             detail += op.logprobs is not None
+            detail += len(op.images)
         elif isinstance(op, StreamInput):
             detail += len(op.prompt) + (op.max_tokens or 0)
         elif isinstance(op, Abort):
@@ -499,7 +501,8 @@ def _longest_request(ops: list[Op], prefixes: dict[str, tuple[int, ...]]) -> int
     for op in ops:
         if isinstance(op, AddRequest):
             head = len(prefixes.get(op.prefix, ())) if op.prefix else 0
-            sizes[op.request_id] += head + len(op.prompt) + op.max_tokens
+            images = sum(IMAGES[name][1] for name, _ in op.images)
+            sizes[op.request_id] += head + len(op.prompt) + images + op.max_tokens
         elif isinstance(op, StreamInput):
             sizes[op.request_id] += len(op.prompt) + (op.max_tokens or 0)
     return max(sizes.values(), default=0)
@@ -538,6 +541,10 @@ def _simplifications(op: AddRequest) -> list[list[dict[str, Any]]]:
         groups.append([{"skip_reading_prefix_cache": False}])
     if op.logprobs is not None:
         groups.append([{"logprobs": None}])
+    if op.images:
+        # No image, then each image alone (the one a failure needs may be either).
+        alone = [{"images": (im,)} for im in op.images] if len(op.images) > 1 else []
+        groups.append([{"images": ()}, *alone])
     return [g for g in groups if g]
 
 
@@ -549,7 +556,7 @@ class Shrinker:
     operations; collapse runs of repeated steps; drop aborted ids one at a time; simplify each
     request (no shared prefix, shorter prompt, fewer max_tokens, no stop ids, ignore_eos, no
     final stage, no trace headers, the first client, not plain, no priority, no KV transfer
-    parameters, no grammar, no KV report mode, reading the prefix cache); move requests earlier (past the
+    parameters, no grammar, no KV report mode, reading the prefix cache, fewer images); move requests earlier (past the
     steps before them), which lets the steps that only waited for them go in the next round; trade a step for a block
     more of some earlier request's prompt (KV-cache pressure with fewer operations); run the same
     operations with a smaller KV-cache pool, so that pressure which took many steps of decoding

@@ -25,6 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from conformance._core import hash_seed
 from conformance._core.config import HarnessConfig
+from conformance._core.multimodal import IMAGES
 from conformance._core.workload import (
     Abort,
     AddRequest,
@@ -44,22 +45,37 @@ PREFIXES: dict[str, tuple[int, ...]] = {
     "doc": tuple(range(300, 348)),
 }
 STOP_IDS = (5, 6)
+# The tight budget's context (``TIGHT``).
+TIGHT_LEN = 128
+
+
+def own_length(length: int, prefix: str | None, axis_fields: Mapping[str, Any], room: int) -> int:
+    """How many of its own tokens a request drawn with ``length`` gets: at most what leaves its
+    whole prompt (prefix, images' placeholders, own tokens) under ``room`` tokens, at least one.
+    An engine's input processor refuses a prompt that fills the context, so the harness never
+    sends one (only images can make a drawn prompt that long)."""
+    used = len(PREFIXES[prefix]) if prefix else 0
+    used += sum(IMAGES[name][1] for name, _ in axis_fields.get("images", ()))
+    return max(1, min(length, room - used))
 
 
 def random_request(
     rng: random.Random,
     request_id: str,
     request_values: Mapping[str, tuple[Any, ...]] | None = None,
+    max_model_len: int = TIGHT_LEN,
 ) -> AddRequest:
     """One request as the machine's rule draws it, from a ``random.Random`` instead of
     hypothesis (seeded corpora and unshrunk programs): prompt, shared prefix, limits, stops, and
     an axis's per-request fields (``request_values``)."""
     length, salt = rng.randint(1, 40), rng.randint(0, 3)
     axis_fields = {k: rng.choice(v) for k, v in sorted((request_values or {}).items())}
+    prefix = rng.choice([None, "sys", "doc"])
+    length = own_length(length, prefix, axis_fields, max_model_len - 1)
     return AddRequest(
         request_id,
         tuple(100 + (salt * 37 + i) % 200 for i in range(length)),
-        prefix=rng.choice([None, "sys", "doc"]),
+        prefix=prefix,
         max_tokens=rng.randint(1, 20),
         stop_token_ids=STOP_IDS if rng.random() < 0.5 else (),
         ignore_eos=rng.random() < 0.5,
@@ -91,7 +107,9 @@ def second_client(length: int, salt: int, max_tokens: int) -> int:
 
 # The tight budget the suite runs with: 14 blocks of 16 tokens, so preemption and eviction happen.
 # Derive variants with ``TIGHT.with_(...)``.
-TIGHT = HarnessConfig(num_blocks=14, max_num_batched_tokens=48, max_num_seqs=6, max_model_len=128)
+TIGHT = HarnessConfig(
+    num_blocks=14, max_num_batched_tokens=48, max_num_seqs=6, max_model_len=TIGHT_LEN
+)
 # Whether this interpreter hashes strings with PYTHONHASHSEED=0, read from the interpreter itself:
 # the environment variable says nothing about this process once a conftest has set it for the
 # workers it starts (the root conftest does), so ``pytest -m invariants`` without ``-n`` ran
@@ -161,9 +179,10 @@ class LockstepMachine(RuleBasedStateMachine):
         # scheduler's fast path) while some interleave two.
         client_index = second_client(length, salt, max_tokens)
         self.counter += 1
-        prompt = tuple(100 + (salt * 37 + i) % 200 for i in range(length))
         final_stage, plain = final.draw(st.sampled_from(self.destinations))
         axis_fields = {k: final.draw(st.sampled_from(v)) for k, v in self.request_values}
+        length = own_length(length, prefix, axis_fields, self.config.max_model_len - 1)
+        prompt = tuple(100 + (salt * 37 + i) % 200 for i in range(length))
         self.session.apply(
             AddRequest(
                 rid,

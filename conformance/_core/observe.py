@@ -49,7 +49,7 @@ def observe_state(scheduler: Scheduler, subject: Subject) -> dict[str, Any]:
     pool = vc.block_pool(scheduler)
     refs, hashed = vc.block_table(pool)
     leaked = leaked_omni_ids(scheduler, subject)
-    return {
+    state = {
         "requests": requests,
         "queues": vc.scheduler_queues(scheduler),
         "block_pool": {
@@ -61,11 +61,16 @@ def observe_state(scheduler: Scheduler, subject: Subject) -> dict[str, Any]:
         },
         "audit": {"leaked_omni_ids": leaked},
     }
+    encoder = vc.encoder_cache_state(scheduler)
+    if encoder is not None:  # a multimodal model's only: text runs' snapshots are unchanged
+        state["encoder_cache"] = encoder
+    return state
 
 
 def observe_schedule(so: SchedulerOutput) -> dict[str, Any]:
     """The ``SchedulerOutput``, copied right after ``schedule()`` returned."""
     fields = vc.schedule_fields(so)
+    fields.update(vc.encoder_schedule_fields(so))
     ec_meta = vc.ec_metadata(so)
     if ec_meta is not None:  # an EC connector's step metadata: absent without one
         fields["ec_connector_metadata"] = ec_meta

@@ -217,7 +217,18 @@ def request_kwargs(
     }
     if op.resumable:  # only then: releases before streaming sessions have no such argument
         kwargs["resumable"] = True
+    if op.images:
+        kwargs["mm_features"] = image_features(op, prompt)
     return kwargs
+
+
+def image_features(op: AddRequest, prompt: list[int]) -> list[Any]:
+    """The multimodal features (``MultiModalFeatureSpec``) of ``op``'s images in ``prompt`` (the
+    prompt ``Trace.prompt_of`` expanded them in), as vLLM's input processor makes them; empty
+    for a request without images."""
+    from conformance._core.multimodal import feature_specs, placements
+
+    return feature_specs(placements(len(op.prompt), op.images, len(prompt)))
 
 
 @dataclass(frozen=True)

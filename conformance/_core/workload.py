@@ -72,6 +72,10 @@ class AddRequest:
     # ``SamplingParams.logprobs``: candidates per sampled token the output must carry (the
     # ``logprobs`` axis; ``conformance._core.logprobs``). None: none asked for.
     logprobs: int | None = None
+    # Images the client sends (the multimodal axes; ``conformance._core.multimodal``): (name in
+    # ``IMAGES``, position among the request's own tokens) pairs. The prompt the engine gets
+    # has each expanded into its placeholder tokens there (``Trace.prompt_of``).
+    images: tuple[tuple[str, int], ...] = ()
 
     def headers(self) -> dict[str, str] | None:
         """The trace headers as the mapping vLLM's ``Request.trace_headers`` holds."""
@@ -102,6 +106,7 @@ class AddRequest:
             + (" skip_reading_prefix_cache" if self.skip_reading_prefix_cache else "")
             + (" resumable" if self.resumable else "")
             + (f" logprobs={self.logprobs}" if self.logprobs is not None else "")
+            + (f" images={_images(self.images)}" if self.images else "")
         )
 
 
@@ -196,6 +201,12 @@ def _as_lists(v: Any) -> Any:
     return [_as_lists(x) for x in v] if isinstance(v, tuple) else v
 
 
+def _images(images: tuple[tuple[str, int], ...]) -> str:
+    from conformance._core.multimodal import describe
+
+    return describe(images)
+
+
 def _as_tuples(v: Any) -> Any:
     return tuple(_as_tuples(x) for x in v) if isinstance(v, list) else v
 
@@ -217,6 +228,7 @@ def op_to_dict(op: Op) -> dict[str, Any]:
             ("skip_reading_prefix_cache", False),
             ("resumable", False),
             ("logprobs", None),
+            ("images", ()),
             ("max_tokens", None),
             ("end", False),
         ):
@@ -246,6 +258,10 @@ class Trace:
 
     def prompt_of(self, op: AddRequest) -> list[int]:
         head = list(self.prefixes[op.prefix]) if op.prefix else []
+        if op.images:
+            from conformance._core.multimodal import expand
+
+            return head + expand(op.prompt, op.images)
         return head + list(op.prompt)
 
     def session_input(self, op: StreamInput, upto: int | None = None) -> AddRequest:

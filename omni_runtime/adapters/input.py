@@ -103,6 +103,11 @@ class StageInput:
     # later one under the same id is its next input, and a final one that is not resumable
     # ends its stream. vLLM's scheduler folds those into the live request.
     resumable: bool = False
+    # The prompt's multimodal items (vLLM's ``MultiModalFeatureSpec``), in prompt order: each
+    # names its placeholder tokens in the prompt and the identifier its encoder output is cached
+    # under. They key the encoder cache and the prefix cache's block hashes, so a stage must pass
+    # them on as its client sent them.
+    mm_features: Sequence[Any] | None = None
 
 
 class InputAdapter:
@@ -155,6 +160,7 @@ class InputAdapter:
                 "token a generating stage needs room for",
             )
         final = self._final_stage(rid, item.final_stage_id)
+        mm_features = self._mm_features(rid, item.mm_features, n)
         # One slot object per request, built once: a discarded first draft would leave a hole
         # between the request's own allocations, and the scheduler's per-request passes run
         # measurably slower over requests spread out in memory (benchmarks/test_bench_scheduler).
@@ -180,8 +186,31 @@ class InputAdapter:
             trace_headers=self._trace_headers(rid, item.trace_headers),
             block_hasher=self.block_hasher,
             resumable=item.resumable,
+            mm_features=mm_features,
             omni=state,
         )
+
+    @staticmethod
+    def _mm_features(rid: str, features: Sequence[Any] | None, n: int) -> list[Any] | None:
+        """The multimodal items, checked as vLLM's scheduler relies on them: placeholders inside
+        the prompt, in prompt order, not overlapping, each with an identifier."""
+        if not features:
+            return None
+        end = 0
+        for i, f in enumerate(features):
+            where = f"mm_features[{i}]"
+            pos = getattr(f, "mm_position", None)
+            if pos is None or not getattr(f, "identifier", None):
+                raise RequestRejected(rid, where, "needs an identifier and an mm_position")
+            if pos.offset < end or pos.length < 1 or pos.offset + pos.length > n:
+                raise RequestRejected(
+                    rid,
+                    f"{where}.mm_position",
+                    f"placeholder [{pos.offset}, {pos.offset + pos.length}) must lie in the "
+                    f"{n}-token prompt after the previous item's (which ends at {end})",
+                )
+            end = pos.offset + pos.length
+        return list(features)
 
     def _session_input(self, rid: str) -> bool:
         """Whether the live request ``rid`` is a streaming session, which takes further input

@@ -24,6 +24,7 @@ from conformance.api import (
     block_hasher,
     build_kv_cache_config,
     build_vllm_config,
+    image_features,
     make_sampling_params,
 )
 from omni_runtime.conformance_subject.delivery import OmniChunkDelivery
@@ -95,6 +96,7 @@ class OmniSchedulerSubject(BaseSubject):
                 client_index=op.client_index,
                 priority=op.priority,
                 resumable=op.resumable,
+                mm_features=image_features(op, prompt) or None,
             )
         )
 

@@ -273,7 +273,8 @@ class MPStageEngine:
         return EngineCoreRequest(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            mm_features=None,
+            # The images' identifiers key the stage's encoder cache and its block hashes.
+            mm_features=request.mm_features or None,
             sampling_params=params,
             pooling_params=None,
             arrival_time=request.arrival_time,

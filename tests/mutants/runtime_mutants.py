@@ -91,6 +91,15 @@ class StaleOutputDropped:
         return result
 
 
+class EncoderInputsHeldToFinish:
+    """C-01: the encoder outputs a request has consumed stay referenced until it finishes, as a
+    runtime whose own ``update_from_output`` forgets upstream's step that frees them does: the
+    entries cannot be evicted while the request decodes, so other requests' images wait."""
+
+    def _free_encoder_inputs(self, request: Any) -> None:
+        return None
+
+
 class SessionEndsAtFirstTurn:
     """C-01/C-04: a streaming input session finishes when its first turn stops, as a runtime
     whose stop handling ignores ``Request.resumable`` does: its later input starts a new
@@ -2810,6 +2819,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-logprobs-sync",
         "an output's logprobs are sliced at its place among the requests that sampled",
         _sub(scheduler_mixin=LogprobsBySampledOrder),
+    ),
+    Mutant(
+        "encoder_inputs_held_to_finish",
+        "C-01",
+        "axis-multimodal-sync",
+        "consumed encoder outputs stay referenced until their request finishes",
+        _sub(scheduler_mixin=EncoderInputsHeldToFinish),
     ),
     Mutant(
         "session_ends_at_first_turn",

@@ -8,6 +8,7 @@
 ``stats``     statistics, request events and KV-cache events, as plain values;
 ``features``, ``kv_layout``  the axes the release can drive; hybrid layouts by vLLM's planner;
 ``kv_connector``, ``ec_connector``  the shipped KV and encoder-cache connectors' step metadata;
+``encoder_cache``  a multimodal model's encoder cache and each step's encoder work;
 ``structured``, ``aux_outputs``  grammars and bitmasks; sampling masks and routed experts.
 
 Callers import this package (``from conformance._core import vllm_compat as vc``); the names below are
@@ -26,6 +27,11 @@ from conformance._core.vllm_compat.ec_connector import (
     empty_ec_output,
     encoder_only,
     encoder_only_flag,
+)
+from conformance._core.vllm_compat.encoder_cache import (
+    encoder_cache_state,
+    encoder_schedule_fields,
+    same_encoder_cache,
 )
 from conformance._core.vllm_compat.features import axis_unavailable
 from conformance._core.vllm_compat.kv_connector import offload_jobs, offload_worker_meta
@@ -117,6 +123,9 @@ __all__ = [
     "empty_ec_output",
     "encoder_only",
     "encoder_only_flag",
+    "encoder_cache_state",
+    "encoder_schedule_fields",
+    "same_encoder_cache",
     "GrammarRows",
     "assign_backend",
     "defers_sampling",

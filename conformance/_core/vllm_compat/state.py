@@ -17,6 +17,7 @@ from typing import Any
 
 from conformance._core.logprobs import output_logprobs
 from conformance._core.vllm_compat.aux_outputs import same_aux_outputs
+from conformance._core.vllm_compat.encoder_cache import same_encoder_cache
 from conformance._core.vllm_compat.sessions import session_fields, session_reader
 from conformance._core.vllm_compat.stale_output import has_stale, stale_fields, stale_row
 from conformance._core.vllm_compat.stats import request_events, spec_decode_metrics
@@ -395,6 +396,8 @@ def same_scheduler_state(a: Any, b: Any) -> bool:
         if ids_a != ids_b and (ordered or sorted(ids_a) != sorted(ids_b)):
             return False
     if a.finished_req_ids != b.finished_req_ids:
+        return False
+    if not same_encoder_cache(a, b):
         return False
     return _same_pool(kv_a.block_pool, kv_b.block_pool)
 
