@@ -36,7 +36,7 @@ from conformance._core.lockstep import (
     SubjectBroken,
     run_trace,
 )
-from conformance._core.machine import PREFIXES, TIGHT, LockstepMachine, StreamsInput
+from conformance._core.machine import PREFIXES, TIGHT, LockstepMachine, Pauses, StreamsInput
 from conformance._core.replay import failures_dir, record_failure
 from conformance._core.sides import Side
 from conformance._core.vllm_compat import environment_versions
@@ -373,6 +373,19 @@ class InvariantMachine(LockstepMachine):
 
 class SessionInvariantMachine(StreamsInput, InvariantMachine):
     """``InvariantMachine`` whose client also streams input to its sessions (``StreamsInput``)."""
+
+
+class PausingInvariantMachine(Pauses, InvariantMachine):
+    """``InvariantMachine`` whose engine also pauses and resumes its scheduler (``Pauses``)."""
+
+
+def axis_machine(axis: Any) -> type[InvariantMachine]:
+    """The machine a scheduler axis runs on: with the client rules its workloads need."""
+    if axis.streams_input:
+        return SessionInvariantMachine
+    if axis.pauses:
+        return PausingInvariantMachine
+    return InvariantMachine
 
 
 @dataclass

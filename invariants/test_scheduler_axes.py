@@ -18,9 +18,8 @@ from conformance._core.axes import AXES, DEFERRED_SECTIONS
 from conformance._core.capabilities import NotApplicable
 from conformance.plugin import covers
 from invariants.machines import (
-    InvariantMachine,
     MachineRun,
-    SessionInvariantMachine,
+    axis_machine,
     harness_config,
     raise_failure,
     run_machine,
@@ -55,7 +54,6 @@ def test_scheduler_axis(request, conformance, conformance_subject, axis, mode, f
         request_values=axis.request_values,
         defer=DEFERRED_SECTIONS,
     )
-    machine = SessionInvariantMachine if axis.streams_input else InvariantMachine
-    outcome = run_machine(run, suite_settings(CI_EXAMPLES), machine)
+    outcome = run_machine(run, suite_settings(CI_EXAMPLES), axis_machine(axis))
     covers(request.node, run.clauses | {"C-09"})
     raise_failure(outcome, run)

@@ -114,7 +114,13 @@ def _axis_probe(axis_name: str, mode: str, feature_name: str = "off"):
     def probe(subject: Any, cfg: settings) -> tuple[BaseException | None, int]:
         cfg = settings(cfg, **AXIS_PROBE_SETTINGS.get(axis_name, {}))
         from conformance._core.axes import DEFERRED_SECTIONS, axis
-        from invariants.machines import LocalRecorder, MachineRun, harness_config, run_machine
+        from invariants.machines import (
+            LocalRecorder,
+            MachineRun,
+            axis_machine,
+            harness_config,
+            run_machine,
+        )
 
         chosen = axis(axis_name)
         feature = _feature(subject, feature_name)
@@ -128,7 +134,7 @@ def _axis_probe(axis_name: str, mode: str, feature_name: str = "off"):
             request_values=chosen.request_values,
             defer=DEFERRED_SECTIONS,
         )
-        outcome = run_machine(run, cfg)
+        outcome = run_machine(run, cfg, axis_machine(chosen))
         return _failure(outcome.error), outcome.ops
 
     return probe

@@ -45,6 +45,8 @@ class Axis:
     request_values: Mapping[str, tuple[Any, ...]] = field(default_factory=dict)
     # The scheduling modes the axis runs in (``sync``, ``async``).
     modes: tuple[str, ...] = ("sync", "async")
+    # The engine also pauses and resumes the scheduler (``conformance._core.machine.Pauses``).
+    pauses: bool = False
 
     @property
     def streams_input(self) -> bool:
@@ -235,6 +237,13 @@ AXES: tuple[Axis, ...] = (
         "its offset and cut where a stop ends its accepted drafts",
         {"log_stats": True, "num_speculative_tokens": 3, "long_prefill_token_threshold": 16},
         request_values={"logprobs": (None, 1, 5)},
+    ),
+    Axis(
+        "pause",
+        "the engine pauses its scheduler (no new requests; nothing at all) and resumes it, "
+        "with requests waiting, running, preempted and arriving meanwhile",
+        {"log_stats": True},
+        pauses=True,
     ),
     Axis(
         "streaming-sessions",

@@ -40,6 +40,7 @@ from conformance._core.workload import (
     AddRequest,
     DeliverChunks,
     Op,
+    Pause,
     ResetPrefixCache,
     Step,
     StreamInput,
@@ -108,6 +109,8 @@ class Lockstep:
         self._preemptions: tuple[list[str], list[int]] = ([], [])
         # Streaming input sessions started (``AddRequest.resumable``): id -> its stream ended.
         self.sessions: dict[str, bool] = {}
+        # The scheduler was last paused (``Pause``), not resumed: the drain resumes it.
+        self.paused = False
         self.initial_free = self.up.free_blocks()
 
     @staticmethod
@@ -158,6 +161,9 @@ class Lockstep:
             self.stats["stream_end" if op.end else "stream_input"] += 1
             if op.end:
                 self.sessions[op.request_id] = True
+        elif isinstance(op, Pause):
+            self.paused = op.state != "off"
+            self.stats[f"pause_{op.state}"] += 1
         up = self.up.observe(sent, prompt, self.config, arrival)
         # A prompt list of its own: vLLM's ``Request`` keeps the list it is given, and a
         # streaming session's input extends it in place.
@@ -294,7 +300,10 @@ class Lockstep:
         acked). With sessions, a client also gives up on what upstream cannot serve: a session
         keeps its KV-cache blocks between turns, so sessions can hold the pool while each waits
         for blocks another holds; after ``STUCK_STEPS`` steps in which upstream schedules
-        nothing, the requests it still holds are aborted, on both sides alike."""
+        nothing, the requests it still holds are aborted, on both sides alike. A paused
+        scheduler is resumed first, as the engine is before it drains."""
+        if self.paused and self.failure is None:
+            self.apply(Pause("off"))
         for rid in self.open_sessions():
             if self.failure is not None:
                 return
@@ -456,6 +465,8 @@ def _weight(ops: list[Op], num_blocks: int = 0) -> tuple[int, int, int, int]:
             detail += len(op.request_ids)
         elif isinstance(op, ResetPrefixCache):
             detail += op.reset_running_requests + op.reset_connector
+        elif isinstance(op, Pause):
+            detail += op.state != "off"
     return len(ops), num_blocks, detail, late
 
 

@@ -27,9 +27,11 @@ from conformance._core import hash_seed
 from conformance._core.config import HarnessConfig
 from conformance._core.multimodal import IMAGES
 from conformance._core.workload import (
+    PAUSE_STATES,
     Abort,
     AddRequest,
     DeliverChunks,
+    Pause,
     ResetPrefixCache,
     Step,
     StreamInput,
@@ -274,6 +276,17 @@ class StreamsInput:
             self.session.apply(StreamInput(rid, end=True))
         else:
             self.session.apply(StreamInput(rid, session_chunk(salt, length), max_tokens))
+
+
+class Pauses:
+    """The engine pausing and resuming its scheduler, as a rule (the ``pause`` axis): no new
+    requests, nothing at all, or resumed; the drain resumes a scheduler left paused."""
+
+    session: Any
+
+    @rule(state=st.sampled_from(PAUSE_STATES))
+    def pause(self, state: str) -> None:
+        self.session.apply(Pause(state))
 
 
 def machine_for(

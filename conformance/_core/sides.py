@@ -21,6 +21,7 @@ from conformance._core.workload import (
     ChunkArrives,
     DeliverChunks,
     Op,
+    Pause,
     ResetPrefixCache,
     Step,
 )
@@ -110,6 +111,8 @@ class Side:
                 extra["result"] = sched.reset_prefix_cache(
                     op.reset_running_requests, op.reset_connector
                 )
+            elif isinstance(op, Pause):
+                vc.set_pause(sched, op.state)
             elif isinstance(op, DeliverChunks):
                 self.chunks.extend(self.subject.drain_chunks(sched))
             elif isinstance(op, ChunkArrives):

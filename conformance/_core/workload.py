@@ -162,6 +162,24 @@ class ResetPrefixCache:
 
 
 @dataclass(frozen=True)
+class Pause:
+    """The engine pauses or resumes its scheduler (``set_pause_state``, as vLLM's
+    ``pause_scheduler`` and ``resume_scheduler`` do): ``new`` schedules no new requests, ``all``
+    schedules nothing, ``off`` resumes."""
+
+    kind: ClassVar[str] = "pause"
+    state: str
+
+    def describe(self) -> str:
+        return (
+            "resume the scheduler" if self.state == "off" else f"pause the scheduler ({self.state})"
+        )
+
+
+PAUSE_STATES = ("new", "all", "off")
+
+
+@dataclass(frozen=True)
 class DeliverChunks:
     kind: ClassVar[str] = "deliver_chunks"
 
@@ -182,7 +200,16 @@ class ChunkArrives:
         return f"chunk arrives for {self.request_id}" + (" (final)" if self.final else "")
 
 
-Op = AddRequest | StreamInput | Step | Abort | ResetPrefixCache | DeliverChunks | ChunkArrives
+Op = (
+    AddRequest
+    | StreamInput
+    | Step
+    | Abort
+    | ResetPrefixCache
+    | Pause
+    | DeliverChunks
+    | ChunkArrives
+)
 OP_TYPES: dict[str, type] = {
     t.kind: t
     for t in (
@@ -190,6 +217,7 @@ OP_TYPES: dict[str, type] = {
         StreamInput,
         Step,
         Abort,
+        Pause,
         ResetPrefixCache,
         DeliverChunks,
         ChunkArrives,

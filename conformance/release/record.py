@@ -31,9 +31,11 @@ from typing import Any
 from conformance._core import hash_seed as hashing
 from conformance._core.config import HarnessConfig
 from conformance._core.workload import (
+    PAUSE_STATES,
     Abort,
     AddRequest,
     Op,
+    Pause,
     ResetPrefixCache,
     Step,
     StreamInput,
@@ -101,6 +103,7 @@ def generate_workload(seed: int, index: int) -> Trace:
     variant = rng.choice(sorted(variants))
     chosen = axis(variant.removeprefix("axis-")) if variant.startswith("axis-") else None
     values = chosen.request_values if chosen is not None else None
+    pauses = chosen is not None and chosen.pauses
     ops: list[Op] = []
     count = 0
     sessions: list[str] = []
@@ -127,6 +130,10 @@ def generate_workload(seed: int, index: int) -> Trace:
         elif roll < 0.92:
             known = [f"r{i}" for i in range(count)]
             ops.append(Abort(tuple(rng.sample(known, rng.randint(1, min(3, len(known)))))))
+        elif pauses and rng.random() < 0.75:
+            # The pause axis: the engine pauses or resumes its scheduler (a roll of its own, so
+            # the other variants draw exactly as before).
+            ops.append(Pause(rng.choice(PAUSE_STATES)))
         else:
             form = rng.choice(["plain", "running", "connector"])
             ops.append(
@@ -312,8 +319,12 @@ def _steps(
                 arrival = sent.arrival
         return normalise(side.apply(sent, prompt, cfg, arrival), hashes)
 
+    paused = False
     for index, op in enumerate(trace.ops):
+        paused = op.state != "off" if isinstance(op, Pause) else paused
         yield op.describe(), apply(op, index), False
+    if paused:  # the engine resumes a paused scheduler before it drains (``Lockstep.drain``)
+        yield Pause("off").describe(), apply(Pause("off")), True
     drain = 0
     while drain < max_drain and side.busy():
         yield Step().describe(), apply(Step()), True

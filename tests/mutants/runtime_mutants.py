@@ -100,6 +100,18 @@ class EncoderInputsHeldToFinish:
         return None
 
 
+class PauseAllKeepsRunning:
+    """C-01: a scheduler paused for everything still runs its running requests, as a runtime
+    with one "paused" flag that only holds back new requests does."""
+
+    def set_pause_state(self, pause_state: Any) -> None:
+        from vllm.v1.core.sched.interface import PauseState
+
+        if pause_state == PauseState.PAUSED_ALL:
+            pause_state = PauseState.PAUSED_NEW
+        super().set_pause_state(pause_state)  # type: ignore[misc]
+
+
 class SessionEndsAtFirstTurn:
     """C-01/C-04: a streaming input session finishes when its first turn stops, as a runtime
     whose stop handling ignores ``Request.resumable`` does: its later input starts a new
@@ -2826,6 +2838,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-multimodal-sync",
         "consumed encoder outputs stay referenced until their request finishes",
         _sub(scheduler_mixin=EncoderInputsHeldToFinish),
+    ),
+    Mutant(
+        "pause_all_keeps_running",
+        "C-01",
+        "axis-pause-sync",
+        "a scheduler paused for everything still runs its running requests",
+        _sub(scheduler_mixin=PauseAllKeepsRunning),
     ),
     Mutant(
         "session_ends_at_first_turn",

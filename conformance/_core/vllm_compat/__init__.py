@@ -9,6 +9,7 @@
 ``features``, ``kv_layout``  the axes the release can drive; hybrid layouts by vLLM's planner;
 ``kv_connector``, ``ec_connector``  the shipped KV and encoder-cache connectors' step metadata;
 ``encoder_cache``  a multimodal model's encoder cache and each step's encoder work;
+``pause``     the engine's pause states;
 ``structured``, ``aux_outputs``  grammars and bitmasks; sampling masks and routed experts.
 
 Callers import this package (``from conformance._core import vllm_compat as vc``); the names below are
@@ -35,6 +36,7 @@ from conformance._core.vllm_compat.encoder_cache import (
 )
 from conformance._core.vllm_compat.features import axis_unavailable
 from conformance._core.vllm_compat.kv_connector import offload_jobs, offload_worker_meta
+from conformance._core.vllm_compat.pause import pause_state, set_pause
 from conformance._core.vllm_compat.scheduler_output import (
     computed_before,
     draft_token_ids,
@@ -118,6 +120,8 @@ __all__ = [
     "aux_runner",
     "same_aux_outputs",
     "axis_unavailable",
+    "pause_state",
+    "set_pause",
     "ec_metadata",
     "ec_transfer_params",
     "empty_ec_output",

@@ -18,6 +18,7 @@ from typing import Any
 from conformance._core.logprobs import output_logprobs
 from conformance._core.vllm_compat.aux_outputs import same_aux_outputs
 from conformance._core.vllm_compat.encoder_cache import same_encoder_cache
+from conformance._core.vllm_compat.pause import pause_state
 from conformance._core.vllm_compat.sessions import session_fields, session_reader
 from conformance._core.vllm_compat.stale_output import has_stale, stale_fields, stale_row
 from conformance._core.vllm_compat.stats import request_events, spec_decode_metrics
@@ -205,6 +206,9 @@ def scheduler_queues(scheduler: Any) -> dict[str, Any]:
         ids = queue_ids(getattr(scheduler, name))
         out[name] = ids if ordered else sorted(ids)
     out["finished_pending"] = sorted(scheduler.finished_req_ids)
+    paused = pause_state(scheduler)
+    if paused is not None:  # only while paused: snapshots of runs that never pause unchanged
+        out["paused"] = paused
     return out
 
 
@@ -396,6 +400,8 @@ def same_scheduler_state(a: Any, b: Any) -> bool:
         if ids_a != ids_b and (ordered or sorted(ids_a) != sorted(ids_b)):
             return False
     if a.finished_req_ids != b.finished_req_ids:
+        return False
+    if pause_state(a) != pause_state(b):
         return False
     if not same_encoder_cache(a, b):
         return False
