@@ -220,7 +220,17 @@ class ReleasePair:
             side.send(what, *message)
         # Opening a session may be a child's first use of vLLM's scheduler (its imports).
         timeout = START_TIMEOUT_S if what == "open" else OP_TIMEOUT_S
-        return [side.recv(what, timeout) for side in self.sides]
+        replies: list[Any] = []
+        errors: list[ReleaseProcessError] = []
+        for side in self.sides:
+            # Every side's reply is read even when one fails, or it would answer the next call.
+            try:
+                replies.append(side.recv(what, timeout))
+            except ReleaseProcessError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+        return replies
 
     def run(self, trace: Trace, mode: str) -> tuple[dict[str, Any], dict[str, Any]]:
         """``trace``'s operations (no drain: a trace ends where its difference is) on both
