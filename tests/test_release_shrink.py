@@ -251,6 +251,28 @@ def test_a_step_is_traded_for_a_few_prompt_tokens() -> None:
     assert at_boundary(ours) and len(ours.ops[0].prompt) == 31
 
 
+def test_a_request_is_shrunk_in_prompt_and_max_tokens_together() -> None:
+    """A difference at a request's end, when prompt and output together end on the right step:
+    shortening one field alone moves the end off it, so the one-field passes stop at 17
+    operations; the joint pass (for a trace longer than 12) finds 6."""
+
+    def at_end(t: Trace) -> Trace | bool:
+        if not t.ops or not isinstance(t.ops[0], AddRequest) or len(t.ops[0].prompt) == 0:
+            return False
+        if any(isinstance(op, AddRequest) for op in t.ops[1:]):
+            return False
+        total = len(t.ops[0].prompt) + t.ops[0].max_tokens
+        step = total // 2
+        if total % 11 or len(t.ops) <= step:
+            return False
+        return Trace(t.config, list(t.ops[: step + 1]), dict(t.prefixes), dict(t.meta))
+
+    found = Trace(TIGHT, [AddRequest("r0", tuple(range(100, 126)), max_tokens=7)] + [Step()] * 20)
+    gate = Shrinker(found, at_end, time_budget=30).run().trace
+    ours = ReleaseShrinker(found, at_end, time_budget=30).run().trace
+    assert len(gate.ops) == 17 and len(ours.ops) == 6
+
+
 # ---- another release ----------------------------------------------------------------------
 
 
@@ -293,3 +315,40 @@ def test_a_real_change_between_releases_shrinks_to_at_most_12_operations(
     how = change["shrink"]
     assert how["status"] == "shrunk" and how["found_length"] == 21, how
     assert how["length"] <= LIMIT, how
+
+
+def test_the_matrix_shrinks_with_the_environments_it_recorded_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from conformance.release import matrix
+    from conformance.release import release_diff as release_diff_module
+    from conformance.release.envs import Environment, EnvSpec
+
+    def env_of(spec: EnvSpec, *args: Any) -> tuple[Environment, None]:
+        root = tmp_path / "envs" / spec.name
+        return Environment(spec, root, root / "bin" / "python", "uv"), None
+
+    def recorded(cmd: list[str], log_path: Path, env: dict[str, str], timeout: float) -> int:
+        Path(cmd[cmd.index("--out") + 1]).write_text("")
+        return 0
+
+    asked: list[Any] = []
+
+    def diff(a: Path, b: Path, out: Path, **kw: Any) -> dict[str, Any]:
+        asked.append(kw["shrink_with"])
+        side = {"vllm": a.stem.removeprefix("vllm-")}
+        return {
+            "status": "identical",
+            "workloads": 0,
+            "identical_workloads": 0,
+            "a": side,
+            "b": {"vllm": b.stem.removeprefix("vllm-")},
+        }
+
+    monkeypatch.setattr(matrix, "_environment_for", env_of)
+    monkeypatch.setattr(matrix, "_run_logged", recorded)
+    monkeypatch.setattr(release_diff_module, "release_diff", diff)
+    opts = matrix.MatrixOptions(out=tmp_path, envs_dir=tmp_path / "envs", release_diff="only")
+    matrix.run_release_diff(["0.30.0", "0.28.0"], opts, lambda line: None)
+    envs = tmp_path / "envs"
+    assert asked == [(envs / "vllm-0.28.0/bin/python", envs / "vllm-0.30.0/bin/python")]

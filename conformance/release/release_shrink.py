@@ -45,6 +45,10 @@ OP_TIMEOUT_S = 120.0
 LOG_TAIL_CHARS = 1500
 # How often a dead or hung child is started again within one pair before the pair gives up.
 MAX_RESTARTS = 3
+# Above this many operations a trace gets the shrinker's joint pass over each request's prompt
+# and max_tokens (``ReleaseShrinker._retime_adds``); issue 46 asks for release-diff traces of at
+# most 12 operations.
+JOINT_ABOVE = 12
 # The planted configuration changes a child applies (``ReleaseProcess(config_changes=...)``).
 CHANGES_ENV = "OMNI_CONFORMANCE_RELEASE_CONFIG_CHANGES"
 
@@ -296,6 +300,38 @@ class ReleaseShrinker(Shrinker):
             if j < len(self.ops) and isinstance(self.ops[j], Step):
                 self._trade_step_for_tokens(j, block)
             j -= 1
+        if len(self.ops) > JOINT_ABOVE:
+            self._retime_adds()
+
+    def _retime_adds(self) -> None:
+        """Each request with every shorter prompt and smaller ``max_tokens`` together, the pair
+        whose run shows the change soonest kept (as the pool pass picks its pool). A change at
+        a request's end (the order its blocks are freed in) needs its prompt and output to end
+        on the right steps: shortening either alone moves the end off them, so the one-field
+        passes stop at a longer trace. Quadratic in the request's size, hence only for a
+        trace still longer than ``JOINT_ABOVE``."""
+        i = 0
+        while i < len(self.ops):
+            op = self.ops[i]
+            if isinstance(op, AddRequest):
+                current = self._size(self.ops)
+                best: tuple[tuple[int, ...], list[Any]] | None = None
+                for n in range(1, len(op.prompt) + 1):
+                    for m in range(1, op.max_tokens + 1):
+                        changed = replace(op, prompt=op.prompt[:n], max_tokens=m)
+                        candidate = [*self.ops[:i], changed, *self.ops[i + 1 :]]
+                        key = (self.config.num_blocks, tuple(candidate))
+                        if changed == op or key in self._tried:
+                            continue
+                        if self._spent():
+                            return  # the next pass's ``_try`` ends the search
+                        self._tried.add(key)
+                        kept = self._verdict(candidate)
+                        if kept is not None and (best is None or self._size(kept) < best[0]):
+                            best = (self._size(kept), kept)
+                if best is not None and best[0] < current:
+                    self.ops = best[1]
+            i += 1
 
     def _trade_step_for_tokens(self, j: int, block: int) -> bool:
         for i in range(j):
