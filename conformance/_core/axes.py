@@ -238,6 +238,35 @@ AXES: tuple[Axis, ...] = (
         {"log_stats": True, "num_speculative_tokens": 3, "long_prefill_token_threshold": 16},
         request_values={"logprobs": (None, 1, 5)},
     ),
+    # Limits (``SamplingParams.min_tokens``, the context, the sequence caps).
+    Axis(
+        "limits",
+        "min_tokens (the runner samples no stop id or EOS before it, as vLLM's sampler masks "
+        "them), a 64-token context that requests reach (finished as length-capped), three "
+        "sequences at most",
+        {"max_model_len": 64, "max_num_seqs": 3, "log_stats": True},
+        request_values={"min_tokens": (0, 2, 10)},
+    ),
+    Axis(
+        "limits-active-seqs",
+        "max_num_active_seqs 2 of 4 sequences (admission stops while two run), and an 8-token "
+        "long-prefill cap floored at a fair share of the budget (adaptive)",
+        {
+            "max_num_seqs": 4,
+            "long_prefill_token_threshold": 8,
+            "scheduler_options": {
+                "max_num_active_seqs": 2,
+                "long_prefill_token_threshold_adaptive": True,
+            },
+            "log_stats": True,
+        },
+    ),
+    Axis(
+        "prefill-cadence",
+        "prefill_schedule_interval 3: new prefills start only every third step, decodes in "
+        "between",
+        {"scheduler_options": {"prefill_schedule_interval": 3}, "log_stats": True},
+    ),
     Axis(
         "pause",
         "the engine pauses its scheduler (no new requests; nothing at all) and resumes it, "

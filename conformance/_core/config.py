@@ -106,6 +106,10 @@ class HarnessConfig:
     # With a multimodal model (``MM_MODEL``): an image's placeholder tokens are scheduled in one
     # step or not at all (``SchedulerConfig.disable_chunked_mm_input``), instead of in chunks.
     disable_chunked_mm_input: bool = False
+    # Further ``SchedulerConfig`` fields, for the limits and cadence axes (``max_num_active_seqs``,
+    # ``long_prefill_token_threshold_adaptive``, ``prefill_schedule_interval``): releases differ
+    # in which they have (``vllm_compat.features``).
+    scheduler_options: dict[str, Any] = field(default_factory=dict)
 
     def with_(self, **changes: Any) -> HarnessConfig:
         return replace(self, **changes)
@@ -161,6 +165,7 @@ _AXIS_DEFAULTS: dict[str, Any] = {
     "return_routed_experts": False,
     "kv_layout": "",
     "disable_chunked_mm_input": False,
+    "scheduler_options": {},
 }
 
 _HASH_READY = False
@@ -229,6 +234,7 @@ def build_vllm_config(
         disable_chunked_mm_input=cfg.disable_chunked_mm_input,
         policy=cfg.scheduling_policy,  # type: ignore[arg-type]  # checked by SchedulerConfig
         **sched_kw,
+        **cfg.scheduler_options,
     )
     cache_config = CacheConfig(
         **kv_layout_cache_kw(cfg),

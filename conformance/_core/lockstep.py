@@ -459,6 +459,7 @@ def _weight(ops: list[Op], num_blocks: int = 0) -> tuple[int, int, int, int]:
             detail += op.resumable
             detail += op.logprobs is not None
             detail += len(op.images)
+            detail += op.min_tokens
         elif isinstance(op, StreamInput):
             detail += len(op.prompt) + (op.max_tokens or 0)
         elif isinstance(op, Abort):
@@ -552,6 +553,8 @@ def _simplifications(op: AddRequest) -> list[list[dict[str, Any]]]:
         groups.append([{"skip_reading_prefix_cache": False}])
     if op.logprobs is not None:
         groups.append([{"logprobs": None}])
+    if op.min_tokens:
+        groups.append([{"min_tokens": 0}])
     if op.images:
         # No image, then each image alone (the one a failure needs may be either).
         alone = [{"images": (im,)} for im in op.images] if len(op.images) > 1 else []
@@ -567,7 +570,7 @@ class Shrinker:
     operations; collapse runs of repeated steps; drop aborted ids one at a time; simplify each
     request (no shared prefix, shorter prompt, fewer max_tokens, no stop ids, ignore_eos, no
     final stage, no trace headers, the first client, not plain, no priority, no KV transfer
-    parameters, no grammar, no KV report mode, reading the prefix cache, fewer images); move requests earlier (past the
+    parameters, no grammar, no KV report mode, reading the prefix cache, fewer images, no min_tokens); move requests earlier (past the
     steps before them), which lets the steps that only waited for them go in the next round; trade a step for a block
     more of some earlier request's prompt (KV-cache pressure with fewer operations); run the same
     operations with a smaller KV-cache pool, so that pressure which took many steps of decoding

@@ -190,6 +190,8 @@ def make_sampling_params(op: AddRequest, cfg: HarnessConfig) -> SamplingParams:
         sp.skip_reading_prefix_cache = True
     if op.logprobs is not None:
         sp.logprobs = op.logprobs
+    if op.min_tokens:
+        sp.min_tokens = op.min_tokens
     if op.grammar is not None:
         from conformance._core.grammars import constrain
 

@@ -62,6 +62,9 @@ class _ReqView:
     allowed: np.ndarray | None = None
     # The logprobs the request asks for per sampled token (``SamplingParams.logprobs``).
     logprobs: int | None = None
+    # Positions before this one sample no stop id and no EOS: vLLM's sampler masks them until
+    # the request has ``SamplingParams.min_tokens`` outputs (its min-tokens logits processor).
+    min_tokens_end: int = 0
 
 
 def _first(hits: np.ndarray, start: int) -> int:
@@ -102,9 +105,10 @@ class DeterministicTokenSource:
 
     def choose(self, view: _ReqView, request_id: str, position: int) -> int:
         h = zlib.crc32(f"stop:{request_id}:{position}".encode())
-        if view.stop_ids and h % self.stop_period == 0:
+        stops = position >= view.min_tokens_end
+        if stops and view.stop_ids and h % self.stop_period == 0:
             return view.stop_ids[(h >> 8) % len(view.stop_ids)]
-        if view.eos is not None and h % EOS_PERIOD == 1:
+        if stops and view.eos is not None and h % EOS_PERIOD == 1:
             return view.eos
         tok = token_at(request_id, position, self.vocab)
         if self.edges and (h >> 4) % EDGE_PERIOD == 0:
@@ -160,11 +164,13 @@ class DeterministicTokenSource:
             sp = new.sampling_params
             if sp is not None and sp.logprobs is not None:
                 self._logprob_ids.add(new.req_id)
+            prompt = len(new.prefill_token_ids or new.prompt_token_ids or ())
             self._reqs[new.req_id] = _ReqView(
-                num_tokens=len(new.prefill_token_ids or new.prompt_token_ids or ()),
+                num_tokens=prompt,
                 stop_ids=tuple(sp.stop_token_ids or ()) if sp is not None else (),
                 eos=sp.eos_token_id if sp is not None else None,
                 logprobs=sp.logprobs if sp is not None else None,
+                min_tokens_end=prompt + sp.min_tokens if sp is not None else 0,
             )
         computed = vc.computed_before(so)
         for rid in so.scheduled_cached_reqs.req_ids:

@@ -76,6 +76,9 @@ class AddRequest:
     # ``IMAGES``, position among the request's own tokens) pairs. The prompt the engine gets
     # has each expanded into its placeholder tokens there (``Trace.prompt_of``).
     images: tuple[tuple[str, int], ...] = ()
+    # ``SamplingParams.min_tokens``: stop ids and EOS do not end the request before it has this
+    # many output tokens (the limits axis).
+    min_tokens: int = 0
 
     def headers(self) -> dict[str, str] | None:
         """The trace headers as the mapping vLLM's ``Request.trace_headers`` holds."""
@@ -107,6 +110,7 @@ class AddRequest:
             + (" resumable" if self.resumable else "")
             + (f" logprobs={self.logprobs}" if self.logprobs is not None else "")
             + (f" images={_images(self.images)}" if self.images else "")
+            + (f" min_tokens={self.min_tokens}" if self.min_tokens else "")
         )
 
 
@@ -257,6 +261,7 @@ def op_to_dict(op: Op) -> dict[str, Any]:
             ("resumable", False),
             ("logprobs", None),
             ("images", ()),
+            ("min_tokens", 0),
             ("max_tokens", None),
             ("end", False),
         ):

@@ -112,6 +112,16 @@ class PauseAllKeepsRunning:
         super().set_pause_state(pause_state)  # type: ignore[misc]
 
 
+class ActiveSeqsFromSlots:
+    """C-01: admission is capped at the runner's slots (``max_num_seqs``), not at
+    ``max_num_active_seqs``, as a runtime that derives its limits from the slot count alone
+    does (vLLM 0.31 split the two)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self.max_num_active_reqs = self.max_num_running_reqs  # type: ignore[attr-defined]
+
+
 class SessionEndsAtFirstTurn:
     """C-01/C-04: a streaming input session finishes when its first turn stops, as a runtime
     whose stop handling ignores ``Request.resumable`` does: its later input starts a new
@@ -2845,6 +2855,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-pause-sync",
         "a scheduler paused for everything still runs its running requests",
         _sub(scheduler_mixin=PauseAllKeepsRunning),
+    ),
+    Mutant(
+        "active_seqs_from_slots",
+        "C-01",
+        "axis-limits-active-seqs-sync",
+        "admission is capped at max_num_seqs, not max_num_active_seqs",
+        _sub(scheduler_mixin=ActiveSeqsFromSlots),
     ),
     Mutant(
         "session_ends_at_first_turn",

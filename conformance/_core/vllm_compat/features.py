@@ -38,26 +38,49 @@ _ASYNC_SESSIONS = (
     "0.30); 0.31 changed how a stopped turn's in-flight output is handled "
     "(_handle_stopped_request resumes from the materialized frontier), and 0.33 passes"
 )
+_NO_ACTIVE_SEQS = (
+    "SchedulerConfig.max_num_active_seqs and long_prefill_token_threshold_adaptive are new in "
+    "0.31"
+)
+_NO_CADENCE = (
+    "prefill_schedule_interval throttles only a data-parallel engine's prefills before 0.33 "
+    "(one engine: inert, so the axis would check nothing)"
+)
+_NEW_IN_031 = {"limits-active-seqs": _NO_ACTIVE_SEQS, "prefill-cadence": _NO_CADENCE}
 MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
     "scheduler axes missing",
-    {**_MISSING_BEFORE_030, "pipeline-4": _NEGATIVE_CHUNK, "streaming-sessions": NO_SESSIONS},
+    {
+        **_MISSING_BEFORE_030,
+        **_NEW_IN_031,
+        "pipeline-4": _NEGATIVE_CHUNK,
+        "streaming-sessions": NO_SESSIONS,
+    },
     [
         Change(
             "0.28.0",
-            {**_MISSING_BEFORE_030, "streaming-sessions:async": _ASYNC_SESSIONS},
+            {**_MISSING_BEFORE_030, **_NEW_IN_031, "streaming-sessions:async": _ASYNC_SESSIONS},
             "a running request's chunk is floored at 0 (_reserve_prefill_lookahead)",
         ),
         Change(
             "0.30.0",
-            {"kv-offload": _OLD_OFFLOAD, "streaming-sessions:async": _ASYNC_SESSIONS},
+            {
+                "kv-offload": _OLD_OFFLOAD,
+                **_NEW_IN_031,
+                "streaming-sessions:async": _ASYNC_SESSIONS,
+            },
             "KVConnectorOutput.failed_recving: a worker reports a failed load",
         ),
         Change(
             "0.31.0",
-            {"kv-offload": _OLD_OFFLOAD},
-            "a stopped session resumes from its materialized frontier (_handle_stopped_request)",
+            {"kv-offload": _OLD_OFFLOAD, "prefill-cadence": _NO_CADENCE},
+            "a stopped session resumes from its materialized frontier (_handle_stopped_request); "
+            "SchedulerConfig.max_num_active_seqs",
         ),
-        Change("0.33.0", {}, "offloading TransferJob.sync: a load may block the step"),
+        Change(
+            "0.33.0",
+            {},
+            "offloading TransferJob.sync: a load may block the step; a local prefill cadence",
+        ),
     ],
 )
 
