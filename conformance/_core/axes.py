@@ -263,8 +263,7 @@ AXES: tuple[Axis, ...] = (
     ),
     Axis(
         "prefill-cadence",
-        "prefill_schedule_interval 3: new prefills start only every third step, decodes in "
-        "between",
+        "prefill_schedule_interval 3: new prefills start only every third step, decodes in between",
         {"scheduler_options": {"prefill_schedule_interval": 3}, "log_stats": True},
     ),
     Axis(

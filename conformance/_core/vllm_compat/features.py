@@ -39,8 +39,7 @@ _ASYNC_SESSIONS = (
     "(_handle_stopped_request resumes from the materialized frontier), and 0.33 passes"
 )
 _NO_ACTIVE_SEQS = (
-    "SchedulerConfig.max_num_active_seqs and long_prefill_token_threshold_adaptive are new in "
-    "0.31"
+    "SchedulerConfig.max_num_active_seqs and long_prefill_token_threshold_adaptive are new in 0.31"
 )
 _NO_CADENCE = (
     "prefill_schedule_interval throttles only a data-parallel engine's prefills before 0.33 "
