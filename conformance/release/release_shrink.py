@@ -8,9 +8,10 @@ normalised observations an operation at a time over a pipe, as the isolated orac
 (``conformance._core.oracle_process``). The parent compares the two streams as they come and
 stops at their first difference, found with ``release_diff.first_difference``; a candidate
 reduction is kept only when that first difference is still the same change (its field pattern
-and operation kind). Only plain JSON crosses the pipes, so the two children may run different
-vLLM and torch releases. docs/compat-matrix.md ("Upstream changes between releases") has the
-details.
+and operation kind). Only plain data crosses the pipes (a trace as JSON, normalised
+observations), so the two children may run different vLLM and torch releases. The shrinker gets
+two passes of its own (``ReleaseShrinker``). docs/compat-matrix.md ("Upstream changes between
+releases") has the details.
 """
 
 from __future__ import annotations
