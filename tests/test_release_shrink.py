@@ -207,7 +207,9 @@ def test_bad_shrink_options_are_one_line_exit_2(
     assert "--shrink-seconds 0.0: must be more than 0" in capsys.readouterr().err
 
 
-def test_interpreters_are_named_by_file_folder_or_environment(tmp_path: Path) -> None:
+def test_interpreters_are_named_by_file_folder_environment_or_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def env(name: str) -> Path:
         python = tmp_path / name / "bin" / "python"
         python.parent.mkdir(parents=True)
@@ -224,6 +226,12 @@ def test_interpreters_are_named_by_file_folder_or_environment(tmp_path: Path) ->
         resolve_python("vllm-0.30.0", tmp_path)
     with pytest.raises(ValueError, match="not a python executable"):
         resolve_python("vllm-0.31.0", tmp_path)
+    on_path = tmp_path / "path" / "python-on-path"
+    on_path.parent.mkdir()
+    on_path.write_text("")
+    on_path.chmod(0o755)
+    monkeypatch.setenv("PATH", str(on_path.parent))
+    assert resolve_python("python-on-path", tmp_path) == on_path
 
 
 def test_a_child_that_dies_is_an_error_naming_it() -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -544,9 +545,9 @@ def shrinking(
 
 def resolve_python(name: str, envs_dir: Path | None = None) -> Path:
     """An interpreter named by ``--shrink-with``: a python executable, an environment folder,
-    or an environment's name under the environments folder (``vllm-0.30.0`` also finds
-    ``vllm-0.30.0+<digest>`` when exactly one such environment exists). ``ValueError`` says
-    why none is found."""
+    an environment's name under the environments folder (``vllm-0.30.0`` also finds
+    ``vllm-0.30.0+<digest>`` when exactly one such environment exists), or a command on
+    ``PATH`` (``python``). ``ValueError`` says why none is found."""
     from conformance.release.envs import default_envs_dir, env_python
 
     path = Path(name).expanduser()
@@ -565,6 +566,9 @@ def resolve_python(name: str, envs_dir: Path | None = None) -> Path:
         if len(found) > 1:
             names = ", ".join(p.name for p in found)
             raise ValueError(f"{name}: several environments match ({names}); name one")
+    on_path = shutil.which(name) if "/" not in name else None
+    if on_path:
+        return Path(on_path)
     raise ValueError(
         f"{name}: not a python executable, an environment folder, or an environment under {root}"
     )
