@@ -65,6 +65,7 @@ __all__ = sorted(
         "build_vllm_config",
         "image_features",
         "load_subject",
+        "lora_request",
         "make_sampling_params",
         "replay",
         "request_kwargs",

@@ -57,6 +57,7 @@ from conformance._core.subjects import (
     UpstreamSubject,
     image_features,
     load_subject,
+    lora_request,
     make_sampling_params,
     request_kwargs,
     scheduler_holdings,
@@ -82,6 +83,7 @@ __all__ = [
     "make_sampling_params",
     "request_kwargs",
     "image_features",
+    "lora_request",
     "SchedulerHoldings",
     "scheduler_holdings",
     # capabilities

@@ -262,6 +262,13 @@ AXES: tuple[Axis, ...] = (
         },
     ),
     Axis(
+        "lora",
+        "requests with three LoRA adapters under max_loras 2: a step admits no request whose "
+        "adapter would make a third, prefix-cache hits only within one adapter",
+        {"max_loras": 2, "log_stats": True},
+        request_values={"lora": (0, 1, 2, 3)},
+    ),
+    Axis(
         "prefill-cadence",
         "prefill_schedule_interval 3: new prefills start only every third step, decodes in between",
         {"scheduler_options": {"prefill_schedule_interval": 3}, "log_stats": True},

@@ -110,6 +110,9 @@ class HarnessConfig:
     # ``long_prefill_token_threshold_adaptive``, ``prefill_schedule_interval``): releases differ
     # in which they have (``vllm_compat.features``).
     scheduler_options: dict[str, Any] = field(default_factory=dict)
+    # LoRA: adapters a step may serve at once (``LoRAConfig.max_loras``; 0: LoRA off). Requests
+    # then may name an adapter (``AddRequest.lora``).
+    max_loras: int = 0
 
     def with_(self, **changes: Any) -> HarnessConfig:
         return replace(self, **changes)
@@ -166,6 +169,7 @@ _AXIS_DEFAULTS: dict[str, Any] = {
     "kv_layout": "",
     "disable_chunked_mm_input": False,
     "scheduler_options": {},
+    "max_loras": 0,
 }
 
 _HASH_READY = False
@@ -258,6 +262,7 @@ def build_vllm_config(
         **ec_transfer_kw(cfg),
         **structured_outputs_kw(cfg),
         **aux_outputs.vllm_config_kw(cfg.return_routed_experts),
+        **lora_kw(cfg),
     )
     vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks
     if cfg.kv_layout:
@@ -302,6 +307,15 @@ def spec_metrics_field() -> bool:
     from vllm.config import ObservabilityConfig
 
     return "per_request_spec_decode_metrics" in ObservabilityConfig.__dataclass_fields__
+
+
+def lora_kw(cfg: HarnessConfig) -> dict[str, Any]:
+    """``VllmConfig``'s LoRA arguments (none when LoRA is off)."""
+    if not cfg.max_loras:
+        return {}
+    from vllm.config import LoRAConfig
+
+    return {"lora_config": LoRAConfig(max_loras=cfg.max_loras, max_lora_rank=8)}
 
 
 def observability_kw(cfg: HarnessConfig) -> dict[str, Any]:

@@ -460,6 +460,7 @@ def _weight(ops: list[Op], num_blocks: int = 0) -> tuple[int, int, int, int]:
             detail += op.logprobs is not None
             detail += len(op.images)
             detail += op.min_tokens
+            detail += op.lora != 0
         elif isinstance(op, StreamInput):
             detail += len(op.prompt) + (op.max_tokens or 0)
         elif isinstance(op, Abort):
@@ -526,7 +527,13 @@ def _simplifications(op: AddRequest) -> list[list[dict[str, Any]]]:
     if op.prefix is not None:
         groups.append([{"prefix": None}])
     groups.append([{"prompt": op.prompt[:n]} for n in _smaller_ints(len(op.prompt), 1)])
-    groups.append([{"max_tokens": n} for n in _smaller_ints(op.max_tokens, 1)])
+    # min_tokens follows max_tokens down: vLLM refuses it above.
+    groups.append(
+        [
+            {"max_tokens": n, **({"min_tokens": n} if op.min_tokens > n else {})}
+            for n in _smaller_ints(op.max_tokens, 1)
+        ]
+    )
     if op.stop_token_ids:
         groups.append([{"stop_token_ids": ()}])
     if not op.ignore_eos:
@@ -555,6 +562,8 @@ def _simplifications(op: AddRequest) -> list[list[dict[str, Any]]]:
         groups.append([{"logprobs": None}])
     if op.min_tokens:
         groups.append([{"min_tokens": 0}])
+    if op.lora:
+        groups.append([{"lora": 0}])
     if op.images:
         # No image, then each image alone (the one a failure needs may be either).
         alone = [{"images": (im,)} for im in op.images] if len(op.images) > 1 else []
@@ -570,7 +579,7 @@ class Shrinker:
     operations; collapse runs of repeated steps; drop aborted ids one at a time; simplify each
     request (no shared prefix, shorter prompt, fewer max_tokens, no stop ids, ignore_eos, no
     final stage, no trace headers, the first client, not plain, no priority, no KV transfer
-    parameters, no grammar, no KV report mode, reading the prefix cache, fewer images, no min_tokens); move requests earlier (past the
+    parameters, no grammar, no KV report mode, reading the prefix cache, fewer images, no min_tokens, no adapter); move requests earlier (past the
     steps before them), which lets the steps that only waited for them go in the next round; trade a step for a block
     more of some earlier request's prompt (KV-cache pressure with fewer operations); run the same
     operations with a smaller KV-cache pool, so that pressure which took many steps of decoding

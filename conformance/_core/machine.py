@@ -61,6 +61,14 @@ def own_length(length: int, prefix: str | None, axis_fields: Mapping[str, Any], 
     return max(1, min(length, room - used))
 
 
+def valid_fields(axis_fields: dict[str, Any], max_tokens: int) -> dict[str, Any]:
+    """An axis's drawn fields as a client can send them with ``max_tokens``: vLLM refuses
+    ``min_tokens`` above it."""
+    if axis_fields.get("min_tokens", 0) > max_tokens:
+        return {**axis_fields, "min_tokens": max_tokens}
+    return axis_fields
+
+
 def random_request(
     rng: random.Random,
     request_id: str,
@@ -74,14 +82,15 @@ def random_request(
     axis_fields = {k: rng.choice(v) for k, v in sorted((request_values or {}).items())}
     prefix = rng.choice([None, "sys", "doc"])
     length = own_length(length, prefix, axis_fields, max_model_len - 1)
+    max_tokens = rng.randint(1, 20)  # drawn in the order the fields below were drawn before
     return AddRequest(
         request_id,
         tuple(100 + (salt * 37 + i) % 200 for i in range(length)),
         prefix=prefix,
-        max_tokens=rng.randint(1, 20),
+        max_tokens=max_tokens,
         stop_token_ids=STOP_IDS if rng.random() < 0.5 else (),
         ignore_eos=rng.random() < 0.5,
-        **axis_fields,
+        **valid_fields(axis_fields, max_tokens),
     )
 
 
@@ -197,7 +206,7 @@ class LockstepMachine(RuleBasedStateMachine):
                 trace_headers=trace_headers,
                 client_index=client_index,
                 plain=plain,
-                **axis_fields,
+                **valid_fields(axis_fields, max_tokens),
             )
         )
 

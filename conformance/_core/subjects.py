@@ -174,6 +174,8 @@ def make_sampling_params(op: AddRequest, cfg: HarnessConfig) -> SamplingParams:
 
     sp = SamplingParams(
         max_tokens=op.max_tokens,
+        # Given here, so that vLLM's own check (at most max_tokens) applies as to a client's.
+        min_tokens=op.min_tokens,
         stop_token_ids=list(op.stop_token_ids),
         ignore_eos=op.ignore_eos,
         temperature=0.0,
@@ -190,8 +192,6 @@ def make_sampling_params(op: AddRequest, cfg: HarnessConfig) -> SamplingParams:
         sp.skip_reading_prefix_cache = True
     if op.logprobs is not None:
         sp.logprobs = op.logprobs
-    if op.min_tokens:
-        sp.min_tokens = op.min_tokens
     if op.grammar is not None:
         from conformance._core.grammars import constrain
 
@@ -221,7 +221,19 @@ def request_kwargs(
         kwargs["resumable"] = True
     if op.images:
         kwargs["mm_features"] = image_features(op, prompt)
+    if op.lora:
+        kwargs["lora_request"] = lora_request(op)
     return kwargs
+
+
+def lora_request(op: AddRequest) -> Any:
+    """The ``LoRARequest`` of ``op``'s adapter (None: it names none). The scheduler reads only
+    its id and name; no adapter is loaded (the token source stands in for the model)."""
+    if not op.lora:
+        return None
+    from vllm.lora.request import LoRARequest
+
+    return LoRARequest(f"lora-{op.lora}", op.lora, f"omni-conformance://lora-{op.lora}")
 
 
 def image_features(op: AddRequest, prompt: list[int]) -> list[Any]:

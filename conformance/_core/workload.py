@@ -79,6 +79,9 @@ class AddRequest:
     # ``SamplingParams.min_tokens``: stop ids and EOS do not end the request before it has this
     # many output tokens (the limits axis).
     min_tokens: int = 0
+    # The LoRA adapter the request runs with (``Request.lora_request``, the LoRA axis): its
+    # integer id, 0 for none. Its name (``lora-<id>``) keys the prefix cache's block hashes.
+    lora: int = 0
 
     def headers(self) -> dict[str, str] | None:
         """The trace headers as the mapping vLLM's ``Request.trace_headers`` holds."""
@@ -111,6 +114,7 @@ class AddRequest:
             + (f" logprobs={self.logprobs}" if self.logprobs is not None else "")
             + (f" images={_images(self.images)}" if self.images else "")
             + (f" min_tokens={self.min_tokens}" if self.min_tokens else "")
+            + (f" lora={self.lora}" if self.lora else "")
         )
 
 
@@ -262,6 +266,7 @@ def op_to_dict(op: Op) -> dict[str, Any]:
             ("logprobs", None),
             ("images", ()),
             ("min_tokens", 0),
+            ("lora", 0),
             ("max_tokens", None),
             ("end", False),
         ):

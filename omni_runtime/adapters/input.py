@@ -108,6 +108,9 @@ class StageInput:
     # under. They key the encoder cache and the prefix cache's block hashes, so a stage must pass
     # them on as its client sent them.
     mm_features: Sequence[Any] | None = None
+    # The LoRA adapter the request runs with (vLLM's ``LoRARequest``): its name keys the prefix
+    # cache's block hashes, and the scheduler counts adapters against ``max_loras``.
+    lora_request: Any = None
 
 
 class InputAdapter:
@@ -187,6 +190,7 @@ class InputAdapter:
             block_hasher=self.block_hasher,
             resumable=item.resumable,
             mm_features=mm_features,
+            lora_request=item.lora_request,
             omni=state,
         )
 

@@ -25,6 +25,7 @@ from conformance.api import (
     build_kv_cache_config,
     build_vllm_config,
     image_features,
+    lora_request,
     make_sampling_params,
 )
 from omni_runtime.conformance_subject.delivery import OmniChunkDelivery
@@ -97,6 +98,7 @@ class OmniSchedulerSubject(BaseSubject):
                 priority=op.priority,
                 resumable=op.resumable,
                 mm_features=image_features(op, prompt) or None,
+                lora_request=lora_request(op),
             )
         )
 

@@ -278,7 +278,7 @@ class MPStageEngine:
             sampling_params=params,
             pooling_params=None,
             arrival_time=request.arrival_time,
-            lora_request=None,
+            lora_request=request.lora_request,
             cache_salt=request.cache_salt,
             data_parallel_rank=None,
             prompt_embeds=request.prompt_embeds,

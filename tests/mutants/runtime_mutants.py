@@ -122,6 +122,15 @@ class ActiveSeqsFromSlots:
         self.max_num_active_reqs = self.max_num_running_reqs  # type: ignore[attr-defined]
 
 
+class LoraLimitIgnored:
+    """C-01: a step may serve more adapters than ``max_loras``, as a runtime whose scheduler is
+    built without the engine's LoRA configuration does (the scheduler then enforces no cap)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self.lora_config = None
+
+
 class SessionEndsAtFirstTurn:
     """C-01/C-04: a streaming input session finishes when its first turn stops, as a runtime
     whose stop handling ignores ``Request.resumable`` does: its later input starts a new
@@ -2862,6 +2871,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-limits-active-seqs-sync",
         "admission is capped at max_num_seqs, not max_num_active_seqs",
         _sub(scheduler_mixin=ActiveSeqsFromSlots),
+    ),
+    Mutant(
+        "lora_limit_ignored",
+        "C-01",
+        "axis-lora-sync",
+        "a step serves more LoRA adapters than max_loras",
+        _sub(scheduler_mixin=LoraLimitIgnored),
     ),
     Mutant(
         "session_ends_at_first_turn",
