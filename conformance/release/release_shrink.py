@@ -32,7 +32,7 @@ from typing import Any
 
 from conformance._core.lockstep import FailsCheck, Shrinker, shrink_seconds
 from conformance._core.workload import AddRequest, Step, Trace
-from conformance.release.release_diff import (
+from conformance.release.first_difference import (
     Change,
     DiffResult,
     FirstDifference,
@@ -48,8 +48,8 @@ LOG_TAIL_CHARS = 1500
 # How often a dead or hung child is started again within one pair before the pair gives up.
 MAX_RESTARTS = 3
 # Above this many operations a trace gets the shrinker's joint pass over each request's prompt
-# and max_tokens (``ReleaseShrinker._retime_adds``); issue 46 asks for release-diff traces of at
-# most 12 operations.
+# and max_tokens (``ReleaseShrinker._retime_adds``): a release-diff trace should read in at most
+# 12 operations.
 JOINT_ABOVE = 12
 # The planted configuration changes a child applies (``ReleaseProcess(config_changes=...)``).
 CHANGES_ENV = "OMNI_CONFORMANCE_RELEASE_CONFIG_CHANGES"

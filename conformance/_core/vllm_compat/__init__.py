@@ -8,8 +8,7 @@
 ``stats``     statistics, request events and KV-cache events, as plain values;
 ``features``, ``kv_layout``  the axes the release can drive; hybrid layouts by vLLM's planner;
 ``kv_connector``, ``ec_connector``  the shipped KV and encoder-cache connectors' step metadata;
-``encoder_cache``  a multimodal model's encoder cache and each step's encoder work;
-``pause``     the engine's pause states;
+``encoder_cache``, ``pause``  a multimodal model's encoder cache; the engine's pause states;
 ``structured``, ``aux_outputs``  grammars and bitmasks; sampling masks and routed experts.
 
 Callers import this package (``from conformance._core import vllm_compat as vc``); the names below are
