@@ -95,3 +95,17 @@ def test_the_encoder_cache_evicts_and_the_snapshot_shows_it():
     assert freed and set(freed) <= {"img-cat", "img-dog", "img-bird"}
     assert "img-map" in cache["cached"] and cache["num_free_slots"] >= 0
     assert sum(IMAGES[n][1] for n in ("cat", "dog", "bird")) == MM.max_num_batched_tokens
+
+
+def test_a_consumer_loads_stored_images_instead_of_encoding_them():
+    from conformance._core.axes import axis
+
+    cfg = axis("ec-consumer-multimodal").config(TIGHT)
+    session = Lockstep(cfg, UpstreamSubject())
+    session.apply(AddRequest("r", (100, 101), max_tokens=1, images=(("cat", 0), ("dog", 1))))
+    session.apply(Step())
+    snap = session.last_sub
+    assert snap is not None and session.failure is None
+    # "cat" is stored by the producer: loaded through the connector, not scheduled to encode.
+    assert snap["sched_out"]["scheduled_encoder_inputs"] == {"r": [1]}
+    assert "img-cat" in str(snap["sched_out"]["ec_connector_metadata"])

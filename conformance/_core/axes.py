@@ -340,6 +340,20 @@ AXES: tuple[Axis, ...] = (
         {"model": str(MM_MODEL), "disable_chunked_mm_input": True, "log_stats": True},
         request_values={"images": IMAGE_DRAWS},
     ),
+    Axis(
+        "ec-consumer-multimodal",
+        "multimodal with vLLM's example EC connector as consumer, three of the images already "
+        "stored by a producer: the scheduler loads those from the connector instead of "
+        "encoding them (no encoder budget spent), in the step's EC metadata",
+        {
+            "model": str(MM_MODEL),
+            "ec_connector": ec_connectors.EXAMPLE,
+            "ec_role": "ec_consumer",
+            "ec_connector_extra": {"stored": ["cat", "map", "icon"]},
+            "log_stats": True,
+        },
+        request_values={"images": IMAGE_DRAWS},
+    ),
     # Auxiliary outputs (``vllm_compat.aux_outputs``): what the runner returns beside tokens,
     # which the scheduler must route to the right request's output.
     Axis(

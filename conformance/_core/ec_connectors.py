@@ -5,8 +5,10 @@ selects, and what a runner of that instance reports.
 (vLLM's ``ECExampleConnector``); ``ec_transfer_kw`` turns it into the ``VllmConfig`` argument, so
 each scheduler builds its own connector. The example connector keeps encoder outputs in a folder:
 each configuration gets a fresh one of its own, removed with the configuration, so nothing one
-side (or an earlier run) stored can make the other side hit. The harness's requests carry no
-multimodal items, so neither side ever stores or looks anything up there.
+side (or an earlier run) stored can make the other side hit. With a multimodal model a consumer
+looks up each image it schedules there; the extra-config key ``stored`` (image names,
+``conformance._core.multimodal.IMAGES``) writes those images' encoder outputs into the folder
+first, as a producer instance would have, so the consumer loads them instead of encoding.
 
 ``runner_report`` says what a runner of the instance returns besides tokens: an encoder-only
 instance (vLLM 0.28's EC producer) samples nothing and reports no EC output; a runner with an EC
@@ -51,10 +53,12 @@ def ec_transfer_kw(cfg: ECConnectorFields) -> dict[str, Any]:
     from vllm.config import ECTransferConfig
 
     extra = dict(cfg.ec_connector_extra)
+    stored = extra.pop("stored", ())
     folder = None
     key = _STORAGE_KEY.get(cfg.ec_connector)
     if key is not None and key not in extra:
         folder = extra[key] = tempfile.mkdtemp(prefix="omni-conformance-ec-")
+        _store(folder, stored)
     config = ECTransferConfig(
         ec_connector=cfg.ec_connector,
         ec_role=cfg.ec_role,  # type: ignore[arg-type]  # checked by ECTransferConfig
@@ -64,6 +68,30 @@ def ec_transfer_kw(cfg: ECConnectorFields) -> dict[str, Any]:
     if folder is not None:
         weakref.finalize(config, shutil.rmtree, folder, ignore_errors=True)
     return {"ec_transfer_config": config}
+
+
+def _store(folder: str, images: Any) -> None:
+    """The encoder outputs of ``images`` in the example connector's layout
+    (``<folder>/<identifier>/encoder_cache.safetensors``, one embedding row per placeholder)."""
+    if not images:
+        return
+    import os
+
+    import safetensors.torch
+    import torch
+
+    from conformance._core.multimodal import IMAGES
+
+    for name in images:
+        identifier, size = IMAGES[name]
+        path = os.path.join(folder, identifier)
+        os.makedirs(path, exist_ok=True)
+        tensors = {"ec_cache": torch.zeros(size, HIDDEN)}
+        safetensors.torch.save_file(tensors, os.path.join(path, "encoder_cache.safetensors"))
+
+
+# The bundled multimodal model's embedding width (its text layers' ``hidden_size``).
+HIDDEN = 64
 
 
 @dataclass(frozen=True)

@@ -131,6 +131,18 @@ class LoraLimitIgnored:
         self.lora_config = None
 
 
+class EncoderCacheConnectorUnused:
+    """C-01: images an EC producer already stored are encoded again, as a runtime whose
+    scheduler never asks its encoder-cache connector (``has_cache_item``) does."""
+
+    def _try_schedule_encoder_inputs(self, *args: Any, **kwargs: Any) -> Any:
+        connector, self.ec_connector = self.ec_connector, None  # type: ignore[has-type]
+        try:
+            return super()._try_schedule_encoder_inputs(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            self.ec_connector = connector
+
+
 class SessionEndsAtFirstTurn:
     """C-01/C-04: a streaming input session finishes when its first turn stops, as a runtime
     whose stop handling ignores ``Request.resumable`` does: its later input starts a new
@@ -2878,6 +2890,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-lora-sync",
         "a step serves more LoRA adapters than max_loras",
         _sub(scheduler_mixin=LoraLimitIgnored),
+    ),
+    Mutant(
+        "encoder_cache_connector_unused",
+        "C-01",
+        "axis-ec-consumer-multimodal-sync",
+        "images an EC producer stored are encoded again instead of loaded",
+        _sub(scheduler_mixin=EncoderCacheConnectorUnused),
     ),
     Mutant(
         "session_ends_at_first_turn",
