@@ -162,6 +162,12 @@ AXES: tuple[Axis, ...] = (
         {"kv_layout": "hybrid-swa", "kv_events": True, "log_stats": True},
     ),
     Axis(
+        "hybrid-local",
+        "full attention beside chunked local attention (32-token chunks): blocks of a "
+        "request's earlier chunks freed as it runs, hits the local group must also cover",
+        {"kv_layout": "hybrid-local", "kv_events": True, "log_stats": True},
+    ),
+    Axis(
         "hybrid-mamba",
         "full attention beside a Mamba group in align mode: chunks split at Mamba blocks, "
         "hits inside a Mamba block (a 16-token hash unit in 32-token blocks), state copies",

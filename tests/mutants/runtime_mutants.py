@@ -3061,6 +3061,14 @@ MUTANTS: tuple[Mutant, ...] = (
         _sub(scheduler_mixin=WindowBlocksKept),
     ),
     Mutant(
+        "local_chunk_blocks_kept",
+        "C-01/C-06",
+        "axis-hybrid-local-sync",
+        "blocks of a request's earlier local-attention chunks are never freed (the same skipped "
+        "eviction as window_blocks_kept, met by the chunked-local manager)",
+        _sub(scheduler_mixin=WindowBlocksKept),
+    ),
+    Mutant(
         "mamba_split_skipped",
         "C-01/C-07",
         "axis-hybrid-mamba-sync",

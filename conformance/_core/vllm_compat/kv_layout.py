@@ -1,8 +1,8 @@
 """Hybrid KV-cache layouts: per-layer specs grouped by vLLM's own planner, as an engine does.
 
 A layout (``HarnessConfig.kv_layout``) names the kind of each attention layer of a hybrid model:
-full attention beside sliding-window layers (``hybrid-swa``), or beside Mamba layers whose state
-is cached in "align" mode (``hybrid-mamba``). ``configure`` sets the ``VllmConfig`` as vLLM's
+full attention beside sliding-window layers (``hybrid-swa``), chunked local attention
+(``hybrid-local``), or Mamba layers whose state is cached in "align" mode (``hybrid-mamba``). ``configure`` sets the ``VllmConfig`` as vLLM's
 config code sets it for such a model (Mamba cache mode and block size, the padded Mamba page, the
 hybrid KV-cache manager on); ``build`` makes the per-layer ``KVCacheSpec``s a model's layers
 report and hands them to vLLM's grouping and sizing functions with the harness's block count,
@@ -17,11 +17,12 @@ from typing import Any
 
 from conformance._core.vllm_compat.versions import ByRelease, Change
 
-LAYOUTS: tuple[str, ...] = ("hybrid-swa", "hybrid-mamba")
+LAYOUTS: tuple[str, ...] = ("hybrid-swa", "hybrid-mamba", "hybrid-local")
 # Layer kinds per layout: the first is the model's full-attention layer.
 _KINDS: dict[str, tuple[str, ...]] = {
     "hybrid-swa": ("full", "sliding"),
     "hybrid-mamba": ("full", "mamba"),
+    "hybrid-local": ("full", "local"),
 }
 # Blocks of the sliding window: short enough that the harness's prompts outgrow it, so blocks
 # fall out of the window while a request runs.
@@ -132,7 +133,12 @@ def configure(vllm_config: Any, layout: str, shape: dict[str, Any]) -> None:
 
 def layer_specs(vllm_config: Any, layout: str, shape: dict[str, Any]) -> dict[str, Any]:
     """The ``KVCacheSpec`` each layer reports (``get_kv_cache_spec``), by layer name."""
-    from vllm.v1.kv_cache_interface import FullAttentionSpec, MambaSpec, SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MambaSpec,
+        SlidingWindowSpec,
+    )
 
     cache = vllm_config.cache_config
     specs: dict[str, Any] = {}
@@ -152,6 +158,13 @@ def layer_specs(vllm_config: Any, layout: str, shape: dict[str, Any]) -> dict[st
             window = _WINDOW_BLOCKS * cache.block_size
             specs[name] = _attention_spec(
                 SlidingWindowSpec, shape, cache.block_size, sliding_window=window
+            )
+        elif kind == "local":
+            # Chunked local attention (Llama 4's): a token attends only within its chunk, so
+            # blocks of earlier chunks are freed as a request runs, and hits stop at a chunk.
+            chunk = _WINDOW_BLOCKS * cache.block_size
+            specs[name] = _attention_spec(
+                ChunkedLocalAttentionSpec, shape, cache.block_size, attention_chunk_size=chunk
             )
         else:
             specs[name] = _attention_spec(FullAttentionSpec, shape, cache.block_size)
