@@ -57,6 +57,33 @@ def hash_seed_problem() -> str | None:
     return None
 
 
+def start_piped_child(
+    python: str, module: str, log: Any, env: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], Connection, Connection]:
+    """``python -m module`` with a pipe each way, its output to ``log``: the child, the end this
+    process sends on and the end it receives on. The child gets its ends' descriptors as its two
+    arguments (``serve``). Raises ``OSError`` when the interpreter cannot start."""
+    to_child_r, to_child_w = os.pipe()
+    from_child_r, from_child_w = os.pipe()
+    try:
+        proc = subprocess.Popen(
+            [python, "-m", module, str(to_child_r), str(from_child_w)],
+            pass_fds=(to_child_r, from_child_w),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=log,
+            env=env,
+        )
+    except OSError:
+        for fd in (to_child_w, from_child_r):
+            os.close(fd)
+        raise
+    finally:
+        os.close(to_child_r)
+        os.close(from_child_w)
+    return proc, Connection(to_child_w, readable=False), Connection(from_child_r, writable=False)
+
+
 class OracleProcess:
     """A child interpreter serving upstream sides (see the module docstring)."""
 
@@ -64,28 +91,10 @@ class OracleProcess:
         problem = hash_seed_problem()
         if problem:
             raise OracleProcessError(problem)
-        to_child_r, to_child_w = os.pipe()
-        from_child_r, from_child_w = os.pipe()
         self._log = tempfile.TemporaryFile(prefix="omni-conformance-oracle-")
-        try:
-            self.proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "conformance._core.oracle_process",
-                    str(to_child_r),
-                    str(from_child_w),
-                ],
-                pass_fds=(to_child_r, from_child_w),
-                stdin=subprocess.DEVNULL,
-                stdout=self._log,
-                stderr=self._log,
-            )
-        finally:
-            os.close(to_child_r)
-            os.close(from_child_w)
-        self._out = Connection(to_child_w, readable=False)
-        self._in = Connection(from_child_r, writable=False)
+        self.proc, self._out, self._in = start_piped_child(
+            sys.executable, "conformance._core.oracle_process", self._log
+        )
         self._ids = itertools.count(1)
         self.call("hello", _none_hash())
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from conformance._core.lockstep import FailsCheck, Shrinker, shrink_seconds
+from conformance._core.oracle_process import start_piped_child
 from conformance._core.workload import AddRequest, Step, Trace
 from conformance.release.first_difference import (
     Change,
@@ -83,8 +84,6 @@ class ReleaseProcess:
             raise ReleaseProcessError(problem)
         self.python = str(python)
         self.config_changes = dict(config_changes or {})
-        to_child_r, to_child_w = os.pipe()
-        from_child_r, from_child_w = os.pipe()
         self._log = tempfile.TemporaryFile(prefix="omni-conformance-release-")
         env = dict(os.environ)
         # The children run this copy of the harness whatever the environment has installed, so
@@ -96,27 +95,11 @@ class ReleaseProcess:
         if self.config_changes:
             env[CHANGES_ENV] = json.dumps(self.config_changes)
         try:
-            self.proc = subprocess.Popen(
-                [
-                    self.python,
-                    "-m",
-                    "conformance.release.release_shrink",
-                    str(to_child_r),
-                    str(from_child_w),
-                ],
-                pass_fds=(to_child_r, from_child_w),
-                stdin=subprocess.DEVNULL,
-                stdout=self._log,
-                stderr=self._log,
-                env=env,
+            self.proc, self._out, self._in = start_piped_child(
+                self.python, "conformance.release.release_shrink", self._log, env
             )
         except OSError as exc:
             raise ReleaseProcessError(f"cannot start {self.python}: {exc}") from None
-        finally:
-            os.close(to_child_r)
-            os.close(from_child_w)
-        self._out = Connection(to_child_w, readable=False)
-        self._in = Connection(from_child_r, writable=False)
         self.info: dict[str, Any] = {}
         self.send("hello")
 
@@ -419,37 +402,25 @@ def shrink_change(
     check = same_change(pair, mode, change.pattern, change.op_kind)
     budget = shrink_seconds() if seconds is None else seconds
     started = time.monotonic()
+
+    def unshrunk(status: str, why: str, runs: int | None = None) -> tuple[Trace, ShrinkOutcome]:
+        spent = time.monotonic() - started
+        return found, ShrinkOutcome(status, len(found.ops), len(found.ops), why, spent, runs)
+
     try:
         result = ReleaseShrinker(found, check, time_budget=budget).run()
         if not result.reproduced:
             got = pair.first_difference(found, mode)
             why = f"on these interpreters the found trace shows {_describe(got)}"
-            return found, ShrinkOutcome(
-                "not reproduced",
-                len(found.ops),
-                len(found.ops),
-                why,
-                time.monotonic() - started,
-                result.runs,
-            )
+            return unshrunk("not reproduced", why, result.runs)
         final = pair.first_difference(result.trace, mode)
     except ReleaseProcessError as exc:
-        why = str(exc)
-        return found, ShrinkOutcome(
-            "failed", len(found.ops), len(found.ops), why, time.monotonic() - started
-        )
+        return unshrunk("failed", str(exc))
     if final is None or (final.pattern, final.op_kind) != (change.pattern, change.op_kind):
         # The shrinker keeps only candidates that showed the change, and runs are deterministic:
         # reaching here means they are not, which the report must say rather than hide.
         why = f"the shrunk trace ran again shows {_describe(final)}: runs are not deterministic"
-        return found, ShrinkOutcome(
-            "not reproduced",
-            len(found.ops),
-            len(found.ops),
-            why,
-            time.monotonic() - started,
-            result.runs,
-        )
+        return unshrunk("not reproduced", why, result.runs)
     trace = result.trace
     outcome = ShrinkOutcome(
         "shrunk",
