@@ -287,6 +287,14 @@ AXES: tuple[Axis, ...] = (
         pauses=True,
     ),
     Axis(
+        "pause-multimodal",
+        "pause with images: the engine also drops its encoder cache (reset_encoder_cache, as a "
+        "weight update does), so images cached or in use are encoded again",
+        {"model": str(MM_MODEL), "log_stats": True},
+        request_values={"images": IMAGE_DRAWS},
+        pauses=True,
+    ),
+    Axis(
         "streaming-sessions",
         "streaming input sessions: resumable requests stop at max_tokens and wait for more "
         "input under their id; input applied at once to a waiting session or queued behind a "

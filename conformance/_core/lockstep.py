@@ -41,6 +41,7 @@ from conformance._core.workload import (
     DeliverChunks,
     Op,
     Pause,
+    ResetEncoderCache,
     ResetPrefixCache,
     Step,
     StreamInput,
@@ -469,6 +470,8 @@ def _weight(ops: list[Op], num_blocks: int = 0) -> tuple[int, int, int, int]:
             detail += op.reset_running_requests + op.reset_connector
         elif isinstance(op, Pause):
             detail += op.state != "off"
+        elif isinstance(op, ResetEncoderCache):
+            detail += 1
     return len(ops), num_blocks, detail, late
 
 

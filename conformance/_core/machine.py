@@ -32,6 +32,7 @@ from conformance._core.workload import (
     AddRequest,
     DeliverChunks,
     Pause,
+    ResetEncoderCache,
     ResetPrefixCache,
     Step,
     StreamInput,
@@ -288,14 +289,21 @@ class StreamsInput:
 
 
 class Pauses:
-    """The engine pausing and resuming its scheduler, as a rule (the ``pause`` axis): no new
-    requests, nothing at all, or resumed; the drain resumes a scheduler left paused."""
+    """The engine pausing and resuming its scheduler, as a rule (the pause axes): no new
+    requests, nothing at all, or resumed; the drain resumes a scheduler left paused. With a
+    multimodal model the engine may also drop its encoder cache, as a weight update does."""
 
     session: Any
+    config: HarnessConfig
 
     @rule(state=st.sampled_from(PAUSE_STATES))
     def pause(self, state: str) -> None:
         self.session.apply(Pause(state))
+
+    @precondition(lambda self: self.config.multimodal)
+    @rule()
+    def reset_encoder_cache(self) -> None:
+        self.session.apply(ResetEncoderCache())
 
 
 def machine_for(

@@ -22,6 +22,7 @@ from conformance._core.workload import (
     DeliverChunks,
     Op,
     Pause,
+    ResetEncoderCache,
     ResetPrefixCache,
     Step,
 )
@@ -113,6 +114,8 @@ class Side:
                 )
             elif isinstance(op, Pause):
                 vc.set_pause(sched, op.state)
+            elif isinstance(op, ResetEncoderCache):
+                sched.reset_encoder_cache()
             elif isinstance(op, DeliverChunks):
                 self.chunks.extend(self.subject.drain_chunks(sched))
             elif isinstance(op, ChunkArrives):

@@ -188,6 +188,17 @@ PAUSE_STATES = ("new", "all", "off")
 
 
 @dataclass(frozen=True)
+class ResetEncoderCache:
+    """The engine drops every cached encoder output (``reset_encoder_cache``, as it does when
+    the model's weights are updated): later images are encoded again."""
+
+    kind: ClassVar[str] = "reset_encoder_cache"
+
+    def describe(self) -> str:
+        return "reset_encoder_cache"
+
+
+@dataclass(frozen=True)
 class DeliverChunks:
     kind: ClassVar[str] = "deliver_chunks"
 
@@ -215,6 +226,7 @@ Op = (
     | Abort
     | ResetPrefixCache
     | Pause
+    | ResetEncoderCache
     | DeliverChunks
     | ChunkArrives
 )
@@ -226,6 +238,7 @@ OP_TYPES: dict[str, type] = {
         Step,
         Abort,
         Pause,
+        ResetEncoderCache,
         ResetPrefixCache,
         DeliverChunks,
         ChunkArrives,

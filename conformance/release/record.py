@@ -36,6 +36,7 @@ from conformance._core.workload import (
     AddRequest,
     Op,
     Pause,
+    ResetEncoderCache,
     ResetPrefixCache,
     Step,
     StreamInput,
@@ -104,6 +105,7 @@ def generate_workload(seed: int, index: int) -> Trace:
     chosen = axis(variant.removeprefix("axis-")) if variant.startswith("axis-") else None
     values = chosen.request_values if chosen is not None else None
     pauses = chosen is not None and chosen.pauses
+    multimodal = corpus_config().with_(**variants[variant]).multimodal
     ops: list[Op] = []
     count = 0
     sessions: list[str] = []
@@ -133,7 +135,8 @@ def generate_workload(seed: int, index: int) -> Trace:
         elif pauses and rng.random() < 0.75:
             # The pause axis: the engine pauses or resumes its scheduler (a roll of its own, so
             # the other variants draw exactly as before).
-            ops.append(Pause(rng.choice(PAUSE_STATES)))
+            state = rng.choice([*PAUSE_STATES, "reset-encoder"] if multimodal else PAUSE_STATES)
+            ops.append(ResetEncoderCache() if state == "reset-encoder" else Pause(state))
         else:
             form = rng.choice(["plain", "running", "connector"])
             ops.append(

@@ -143,6 +143,15 @@ class EncoderCacheConnectorUnused:
             self.ec_connector = connector
 
 
+class EncoderCacheKeptOnReset:
+    """C-01: ``reset_encoder_cache`` leaves cached encoder outputs in place, as a runtime that
+    overrides it for its own caches and forgets upstream's: after a weight update, images are
+    served from outputs of the old weights."""
+
+    def reset_encoder_cache(self) -> None:
+        return None
+
+
 class SessionEndsAtFirstTurn:
     """C-01/C-04: a streaming input session finishes when its first turn stops, as a runtime
     whose stop handling ignores ``Request.resumable`` does: its later input starts a new
@@ -2897,6 +2906,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-ec-consumer-multimodal-sync",
         "images an EC producer stored are encoded again instead of loaded",
         _sub(scheduler_mixin=EncoderCacheConnectorUnused),
+    ),
+    Mutant(
+        "encoder_cache_kept_on_reset",
+        "C-01",
+        "axis-pause-multimodal-sync",
+        "reset_encoder_cache leaves cached encoder outputs in place",
+        _sub(scheduler_mixin=EncoderCacheKeptOnReset),
     ),
     Mutant(
         "session_ends_at_first_turn",
