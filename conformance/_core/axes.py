@@ -326,12 +326,20 @@ AXES: tuple[Axis, ...] = (
             f"vLLM's example EC connector as {role}: EC metadata every step, the connector's "
             "finish hook and output"
             + {
-                "producer": "; on 0.28 an encoder-only instance: nothing sampled, a request "
-                "stops once its prompt is consumed",
+                "producer": "; an encoder-only instance of the multimodal model (images drawn): "
+                "nothing sampled, a request stops once its prompt is consumed",
                 "consumer": "",
                 "both": "; ec_transfer_params from its producer half",
             }[role],
-            {"ec_connector": ec_connectors.EXAMPLE, "ec_role": f"ec_{role}", "log_stats": True},
+            {
+                "ec_connector": ec_connectors.EXAMPLE,
+                "ec_role": f"ec_{role}",
+                "log_stats": True,
+                # The producer is an encoder-only instance, which from 0.29 needs a model with
+                # an encoder to run.
+                **({"model": str(MM_MODEL)} if role == "producer" else {}),
+            },
+            request_values={"images": IMAGE_DRAWS} if role == "producer" else {},
         )
         for role in ("producer", "consumer", "both")
     ),

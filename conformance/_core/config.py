@@ -203,7 +203,7 @@ def build_vllm_config(
         VllmConfig,
     )
 
-    from conformance._core.ec_connectors import ec_transfer_kw
+    from conformance._core.ec_connectors import ec_transfer_kw, encoder_only_kw
     from conformance._core.kv_connectors import kv_transfer_kw
     from conformance._core.vllm_compat import aux_outputs
 
@@ -226,6 +226,7 @@ def build_vllm_config(
         dtype="float32",
         seed=cfg.seed,
         **aux_outputs.model_config_kw(cfg.return_sampling_mask, cfg.return_routed_experts),
+        **encoder_only_kw(cfg),
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs,

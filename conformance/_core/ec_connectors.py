@@ -94,6 +94,16 @@ def _store(folder: str, images: Any) -> None:
 HIDDEN = 64
 
 
+def encoder_only_kw(cfg: Any) -> dict[str, Any]:
+    """``ModelConfig``'s arguments for an EC producer-only instance of a multimodal model: from
+    0.29 such an instance runs the encoder only when the model says so (``mm_encoder_only``, as
+    a user's ``--mm-encoder-only`` does); 0.28 makes every EC producer-only instance one."""
+    producer_only = cfg.ec_connector and cfg.ec_role == "ec_producer"
+    if producer_only and cfg.multimodal and vc.encoder_only_flag() == "is_mm_encoder_only":
+        return {"mm_encoder_only": True}
+    return {}
+
+
 @dataclass(frozen=True)
 class RunnerReport:
     """What a runner of one instance returns besides its tokens."""

@@ -85,10 +85,6 @@ MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
 
 
 # The encoder-cache connector axes, in a table of their own.
-_EC_PRODUCER_NEEDS_MM = (
-    "vLLM refuses an EC producer-only instance of a text model (encoder-only since 0.29 means "
-    "a multimodal model's encoder; the harness's model is text-only)"
-)
 _NO_ENCODER_ONLY = (
     "this release has no encoder-only instance: an EC producer-only scheduler samples on "
     "(VllmConfig.is_encoder_only and its stop are new in 0.28)"
@@ -98,11 +94,6 @@ EC_MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
     {"ec-producer": _NO_ENCODER_ONLY},
     [
         Change("0.28.0", {}, "VllmConfig.is_encoder_only: an EC producer-only instance"),
-        Change(
-            "0.29.0",
-            {"ec-producer": _EC_PRODUCER_NEEDS_MM},
-            "an EC producer-only instance needs a multimodal model (mm_encoder_only)",
-        ),
     ],
 )
 
