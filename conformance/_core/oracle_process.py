@@ -57,49 +57,87 @@ def hash_seed_problem() -> str | None:
     return None
 
 
-def start_piped_child(
-    python: str, module: str, log: Any, env: dict[str, str] | None = None
-) -> tuple[subprocess.Popen[bytes], Connection, Connection]:
-    """``python -m module`` with a pipe each way, its output to ``log``: the child, the end this
-    process sends on and the end it receives on. The child gets its ends' descriptors as its two
-    arguments (``serve``). Raises ``OSError`` when the interpreter cannot start."""
-    to_child_r, to_child_w = os.pipe()
-    from_child_r, from_child_w = os.pipe()
-    try:
-        proc = subprocess.Popen(
-            [python, "-m", module, str(to_child_r), str(from_child_w)],
-            pass_fds=(to_child_r, from_child_w),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=log,
-            env=env,
-        )
-    except OSError:
-        for fd in (to_child_w, from_child_r):
-            os.close(fd)
-        raise
-    finally:
-        os.close(to_child_r)
-        os.close(from_child_w)
-    return proc, Connection(to_child_w, readable=False), Connection(from_child_r, writable=False)
+class PipedChild:
+    """``python -m module`` with a pipe each way and its output in a temporary log: the child
+    gets its ends' descriptors as its two arguments (``serve``). Raises ``OSError`` when the
+    interpreter cannot start. The oracle process and release-diff's release processes are both."""
+
+    def __init__(
+        self, python: str, module: str, log_prefix: str, env: dict[str, str] | None = None
+    ) -> None:
+        self._log = tempfile.TemporaryFile(prefix=log_prefix)
+        to_child_r, to_child_w = os.pipe()
+        from_child_r, from_child_w = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [python, "-m", module, str(to_child_r), str(from_child_w)],
+                pass_fds=(to_child_r, from_child_w),
+                stdin=subprocess.DEVNULL,
+                stdout=self._log,
+                stderr=self._log,
+                env=env,
+            )
+        except OSError:
+            for fd in (to_child_w, from_child_r):
+                os.close(fd)
+            self._log.close()
+            raise
+        finally:
+            os.close(to_child_r)
+            os.close(from_child_w)
+        self._out = Connection(to_child_w, readable=False)
+        self._in = Connection(from_child_r, writable=False)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None and not self._out.closed
+
+    def log_tail(self) -> str:
+        self._log.flush()
+        self._log.seek(0)
+        text = self._log.read().decode("utf-8", "replace")
+        return " ".join(text[-LOG_TAIL_CHARS:].split()) or "no output"
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def close(self) -> None:
+        for conn in (self._out, self._in):
+            if not conn.closed:
+                conn.close()
+        if self.proc.poll() is None:
+            try:
+                self.proc.wait(timeout=10)  # the child exits on end of input
+            except subprocess.TimeoutExpired:
+                self.kill()
+        self._log.close()
 
 
-class OracleProcess:
+def child_ends(argv: list[str]) -> tuple[Connection, Connection]:
+    """In a ``PipedChild``: the end it receives on and the end it replies on."""
+    return Connection(int(argv[0]), writable=False), Connection(int(argv[1]), readable=False)
+
+
+def error_reply(exc: BaseException) -> tuple[str, str]:
+    """The reply that tells the parent a request failed, and how (one line)."""
+    import traceback
+
+    return ("error", "".join(traceback.format_exception_only(exc)).strip())
+
+
+class OracleProcess(PipedChild):
     """A child interpreter serving upstream sides (see the module docstring)."""
 
     def __init__(self) -> None:
         problem = hash_seed_problem()
         if problem:
             raise OracleProcessError(problem)
-        self._log = tempfile.TemporaryFile(prefix="omni-conformance-oracle-")
-        self.proc, self._out, self._in = start_piped_child(
-            sys.executable, "conformance._core.oracle_process", self._log
+        super().__init__(
+            sys.executable, "conformance._core.oracle_process", "omni-conformance-oracle-"
         )
         self._ids = itertools.count(1)
         self.call("hello", _none_hash())
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None and not self._out.closed
 
     def new_id(self) -> int:
         return next(self._ids)
@@ -122,24 +160,6 @@ class OracleProcess:
             self._out.send(message)
         except (OSError, ValueError):
             pass
-
-    def log_tail(self) -> str:
-        self._log.flush()
-        self._log.seek(0)
-        text = self._log.read().decode("utf-8", "replace")
-        return " ".join(text[-LOG_TAIL_CHARS:].split()) or "no output"
-
-    def close(self) -> None:
-        for conn in (self._out, self._in):
-            if not conn.closed:
-                conn.close()
-        if self.proc.poll() is None:
-            try:
-                self.proc.wait(timeout=10)  # the child exits on end of input
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
 
 
 _SHARED: list[OracleProcess] = []
@@ -278,17 +298,13 @@ def serve(inbox: Connection, outbox: Connection) -> int:
             else:
                 raise ValueError(f"unknown message {kind!r}")
         except Exception as exc:  # reported to the parent, which raises OracleProcessError
-            import traceback
-
-            outbox.send(("error", "".join(traceback.format_exception_only(exc)).strip()))
+            outbox.send(error_reply(exc))
             continue
         outbox.send(("ok", reply))
 
 
 def main(argv: list[str]) -> int:
-    inbox = Connection(int(argv[0]), writable=False)
-    outbox = Connection(int(argv[1]), readable=False)
-    return serve(inbox, outbox)
+    return serve(*child_ends(argv))
 
 
 if __name__ == "__main__":

@@ -19,9 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -31,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from conformance._core.lockstep import FailsCheck, Shrinker, shrink_seconds
-from conformance._core.oracle_process import start_piped_child
+from conformance._core.oracle_process import PipedChild, child_ends, error_reply
 from conformance._core.workload import AddRequest, Step, Trace
 from conformance.release.first_difference import (
     Change,
@@ -45,7 +43,6 @@ from conformance.release.first_difference import (
 # How long a child may take to answer: starting (importing vLLM and torch) and one operation.
 START_TIMEOUT_S = 600.0
 OP_TIMEOUT_S = 120.0
-LOG_TAIL_CHARS = 1500
 # How often a dead or hung child is started again within one pair before the pair gives up.
 MAX_RESTARTS = 3
 # Above this many operations a trace gets the shrinker's joint pass over each request's prompt
@@ -66,7 +63,7 @@ def _package_root() -> str:
     return str(Path(conformance.__file__).resolve().parents[1])
 
 
-class ReleaseProcess:
+class ReleaseProcess(PipedChild):
     """One release's interpreter running traces for the parent (see the module docstring).
 
     ``config_changes`` are applied to every trace's configuration in this child only: a
@@ -84,7 +81,6 @@ class ReleaseProcess:
             raise ReleaseProcessError(problem)
         self.python = str(python)
         self.config_changes = dict(config_changes or {})
-        self._log = tempfile.TemporaryFile(prefix="omni-conformance-release-")
         env = dict(os.environ)
         # The children run this copy of the harness whatever the environment has installed, so
         # both ends of the pipe speak the same protocol and run the same recording code.
@@ -95,16 +91,13 @@ class ReleaseProcess:
         if self.config_changes:
             env[CHANGES_ENV] = json.dumps(self.config_changes)
         try:
-            self.proc, self._out, self._in = start_piped_child(
-                self.python, "conformance.release.release_shrink", self._log, env
+            super().__init__(
+                self.python, "conformance.release.release_shrink", "omni-conformance-release-", env
             )
         except OSError as exc:
             raise ReleaseProcessError(f"cannot start {self.python}: {exc}") from None
         self.info: dict[str, Any] = {}
         self.send("hello")
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None and not self._out.closed
 
     def send(self, *message: Any) -> None:
         try:
@@ -134,28 +127,6 @@ class ReleaseProcess:
 
     def _died(self, what: str) -> str:
         return f"{self.python} ended (exit {self.proc.poll()}) on {what!r}: {self.log_tail()}"
-
-    def log_tail(self) -> str:
-        self._log.flush()
-        self._log.seek(0)
-        text = self._log.read().decode("utf-8", "replace")
-        return " ".join(text[-LOG_TAIL_CHARS:].split()) or "no output"
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-
-    def close(self) -> None:
-        for conn in (self._out, self._in):
-            if not conn.closed:
-                conn.close()
-        if self.proc.poll() is None:
-            try:
-                self.proc.wait(timeout=10)  # the child exits on end of input
-            except subprocess.TimeoutExpired:
-                self.kill()
-        self._log.close()
 
 
 class ReleasePair:
@@ -607,18 +578,14 @@ def serve(inbox: Connection, outbox: Connection, config_changes: Mapping[str, An
             else:
                 raise ValueError(f"unknown message {kind!r}")
         except Exception as exc:  # reported to the parent, which raises ReleaseProcessError
-            import traceback
-
             steps = None
-            outbox.send(("error", "".join(traceback.format_exception_only(exc)).strip()))
+            outbox.send(error_reply(exc))
             continue
         outbox.send(("ok", reply))
 
 
 def main(argv: list[str]) -> int:
-    inbox = Connection(int(argv[0]), writable=False)
-    outbox = Connection(int(argv[1]), readable=False)
-    return serve(inbox, outbox, json.loads(os.environ.get(CHANGES_ENV) or "{}"))
+    return serve(*child_ends(argv), json.loads(os.environ.get(CHANGES_ENV) or "{}"))
 
 
 if __name__ == "__main__":
