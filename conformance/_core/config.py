@@ -14,6 +14,7 @@ caches ``envs`` once an ``EngineCore`` starts, so a later pin would be silently 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections.abc import Callable
@@ -141,13 +142,20 @@ class HarnessConfig:
     def model_shape(self) -> dict[str, Any]:
         """The model's ``config.json``; a multimodal model's text layers (``text_config``) are
         the shape that matters here (KV cache, vocabulary, end of sequence), read over it."""
-        shape = json.loads((Path(self.model) / "config.json").read_text())
+        shape = _model_config(self.model)
         return {**shape, **shape.get("text_config", {})}
 
     @property
     def multimodal(self) -> bool:
         """Whether the model takes images (its requests may carry them: ``AddRequest.images``)."""
-        return "vision_config" in json.loads((Path(self.model) / "config.json").read_text())
+        return "vision_config" in _model_config(self.model)
+
+
+@functools.cache
+def _model_config(model: str) -> dict[str, Any]:
+    """A model folder's ``config.json``, read once: the pause rule's precondition asks whether
+    the model is multimodal before every step hypothesis draws."""
+    return json.loads((Path(model) / "config.json").read_text())  # type: ignore[no-any-return]
 
 
 # The axis fields and their defaults: omitted from ``to_dict`` at the default.

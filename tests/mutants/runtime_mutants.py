@@ -152,6 +152,16 @@ class EncoderCacheKeptOnReset:
         return None
 
 
+class PrefillCadenceIgnored:
+    """C-01: new prefills start on every step despite ``prefill_schedule_interval``, as a
+    runtime that builds its scheduler's limits from the older fields only does (0.33's local
+    cadence)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self.local_prefill_interval = 1
+
+
 class SessionEndsAtFirstTurn:
     """C-01/C-04: a streaming input session finishes when its first turn stops, as a runtime
     whose stop handling ignores ``Request.resumable`` does: its later input starts a new
@@ -2913,6 +2923,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-pause-multimodal-sync",
         "reset_encoder_cache leaves cached encoder outputs in place",
         _sub(scheduler_mixin=EncoderCacheKeptOnReset),
+    ),
+    Mutant(
+        "prefill_cadence_ignored",
+        "C-01",
+        "axis-prefill-cadence-sync",
+        "new prefills start every step despite prefill_schedule_interval",
+        _sub(scheduler_mixin=PrefillCadenceIgnored),
     ),
     Mutant(
         "session_ends_at_first_turn",
