@@ -34,10 +34,14 @@ if TYPE_CHECKING:  # the plugin loads in every pytest run here: keep vLLM and to
 PROFILE_ENV = "OMNI_CONFORMANCE_PROFILE"
 SUBJECT_ENV = "OMNI_CONFORMANCE_SUBJECT"
 FAILURES_ENV = "OMNI_CONFORMANCE_FAILURES"
+# A sharded run (``check --ray``) sets these in each shard's pytest: the seed of the shard's
+# hypothesis search and the folder of the example database the shard reads and writes.
+SHARD_SEED_ENV = "OMNI_CONFORMANCE_SHARD_SEED"
+EXAMPLE_DB_ENV = "OMNI_CONFORMANCE_EXAMPLE_DB"
 DEFAULT_SUBJECT = "omni"
 DEFAULT_PROFILE = "ci"
 DEFAULT_FAILURES_DIR = "conformance-failures"
-PROFILES = ("ci", "dev", "thorough", "smoke")
+PROFILES = ("ci", "dev", "thorough", "smoke", "deep")
 SESSION_PLUGIN = "omni_conformance_session"
 _PROP = "omni_conformance"
 _CLAUSES_PROP = "omni_conformance_clauses"
@@ -79,6 +83,67 @@ settings.register_profile(
 settings.register_profile(
     "thorough", max_examples=CI_EXAMPLES * 10, stateful_step_count=100, **_COMMON
 )
+DEEP_EXAMPLES = CI_EXAMPLES * 10
+
+
+# deep: the nightly search, one seed per shard of ``check --ray`` (each test runs under several
+# seeds, ``--seeds-per-test``). Each shard is thorough's depth, randomized by its seed, and
+# replays what the shard's example database holds first; no hypothesis shrink phase (the
+# harness's bounded shrinker shrinks the saved trace where the shard ran, as under ci).
+settings.register_profile(
+    "deep",
+    max_examples=DEEP_EXAMPLES,
+    derandomize=False,
+    database=None,
+    stateful_step_count=100,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),
+    **_COMMON,
+)
+
+
+def suite_database() -> Any:
+    """The database a property of the suite uses: a shard's (``$OMNI_CONFORMANCE_EXAMPLE_DB``,
+    set by ``check --ray`` for a seeded shard), else none."""
+    current = settings.default
+    return current.database if current is not None and os.environ.get(EXAMPLE_DB_ENV) else None
+
+
+def example_db_key(nodeid: str) -> str:
+    """A test's folder in a sharded run's example database: one per test, so tests whose state
+    machines hypothesis keys alike (machines built by one factory) never replay each other's."""
+    import hashlib
+
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "_", nodeid)[-80:]
+    return f"{slug}-{hashlib.sha256(nodeid.encode()).hexdigest()[:12]}"
+
+
+def _load_shard_settings(profile: str, nodeid: str | None = None) -> None:
+    """A seeded shard of ``check --ray``: its seed drives the search (set once, at configure),
+    and each test's own folder of the shard's example database (under
+    ``$OMNI_CONFORMANCE_EXAMPLE_DB``) replaces the profile's database while it runs."""
+    if _shard_seed() is None:
+        return
+    if nodeid is None:
+        hypothesis_compat.seed_search(int(_shard_seed() or 0))
+        return
+    folder = os.environ.get(EXAMPLE_DB_ENV)
+    if folder and not settings.get_profile(profile).derandomize:
+        from hypothesis.database import DirectoryBasedExampleDatabase
+
+        name = f"{profile}-shard"
+        db = DirectoryBasedExampleDatabase(os.path.join(folder, example_db_key(nodeid)))
+        settings.register_profile(name, parent=settings.get_profile(profile), database=db)
+        settings.load_profile(name)
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.config.getoption("hypothesis_profile", None) is None:
+        _load_shard_settings(_profile_name(item.config), item.nodeid)
+
+
+def _shard_seed() -> int | None:
+    value = os.environ.get(SHARD_SEED_ENV, "")
+    return int(value) if value.strip() else None
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -119,7 +184,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=profile,
         choices=PROFILES,
         help="hypothesis profile: ci (derandomized, bounded), dev, thorough (10x ci "
-        "examples) or smoke (a fifth of ci's, for the gate's plumbing); --hypothesis-profile wins when given (default: {profile}; from "
+        "examples), smoke (a fifth of ci's, for the gate's plumbing) or deep (thorough's depth "
+        "per seed, for check --ray's nightly search); --hypothesis-profile wins when given (default: {profile}; from "
         f"${PROFILE_ENV}, else {DEFAULT_PROFILE})",
     )
 
@@ -140,6 +206,7 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     if config.getoption("hypothesis_profile", None) is None:
         settings.load_profile(_profile_name(config))
+        _load_shard_settings(_profile_name(config))
     # Before any test draws: the same profile must generate the same examples however the
     # suite is run (see ``freeze_local_constants``).
     hypothesis_compat.freeze_local_constants()
@@ -558,6 +625,8 @@ class ConformanceSession:
 
         profile = _profile_name(config)
         seed = config.getoption("hypothesis_seed", None)
+        if seed is None:
+            seed = _shard_seed()
         if seed is None:
             seed = 0 if settings.get_profile(profile).derandomize else "random"
         environment = environment_versions()

@@ -616,5 +616,8 @@ def examples(at_ci: int) -> int:
 
 
 def suite_settings(at_ci: int, **kw: Any) -> settings:
-    """The loaded profile with this property's example count (and no example database)."""
-    return settings(settings.default, max_examples=examples(at_ci), database=None, **kw)
+    """The loaded profile with this property's example count (and no example database but a
+    sharded deep run's, ``conformance.plugin.suite_database``)."""
+    from conformance.plugin import suite_database
+
+    return settings(settings.default, max_examples=examples(at_ci), database=suite_database(), **kw)

@@ -1,4 +1,5 @@
-"""The one place the gate reaches into hypothesis's internals: emptying its local-constants pool.
+"""The one place the gate reaches into hypothesis's internals: emptying its local-constants pool,
+and seeding the search of a shard of a sharded run (``seed_search``).
 
 Since the 6.13x releases hypothesis draws, about once in twenty draws, literals it collects from
 the project's non-test modules that happen to be imported. Which modules those are differs
@@ -50,3 +51,22 @@ def freeze_local_constants() -> bool:
 def local_constants_frozen() -> bool:
     """Whether ``freeze_local_constants`` took effect in this process (the report records it)."""
     return _frozen
+
+
+def seed_search(seed: int) -> bool:
+    """Seed the random source hypothesis draws each non-derandomized test's seed from, so one
+    shard of a sharded run (``check --ray``) searches the same examples wherever it runs. Unlike
+    ``--hypothesis-seed`` this keeps the example database in use (hypothesis turns the database
+    off under a forced seed), so a failure saved by one shard is replayed first by the next run.
+    Whether it took effect (False on a release newer than ``CHECKED_UP_TO``)."""
+    if version() > CHECKED_UP_TO:
+        return False
+    from random import Random
+
+    from hypothesis import core
+
+    local = getattr(core, "threadlocal", None)
+    if local is None or not hasattr(local, "_hypothesis_global_random"):
+        return False
+    local._hypothesis_global_random = Random(seed)
+    return True

@@ -8,7 +8,7 @@ import argparse
 import os
 from pathlib import Path
 
-PROFILES = ("ci", "dev", "thorough", "smoke")
+PROFILES = ("ci", "dev", "thorough", "smoke", "deep")
 ORACLE_CHOICES = ("auto", "process")
 
 

@@ -132,13 +132,19 @@ def cmd_check(args: argparse.Namespace) -> int:
     if problem:
         return fail_environment(problem)
     place_oracle(args.oracle)
-    for option, folder in (
-        ("--report-dir", args.report_dir),
-        ("--failures-dir", args.failures_dir),
-    ):
+    folders = [("--report-dir", args.report_dir), ("--failures-dir", args.failures_dir)]
+    if args.ray:
+        folders.append(("--example-db", args.example_db))
+    for option, folder in folders:
         problem = folder_problem(folder)
         if problem:
             return fail_environment(f"{option} {folder}: {problem}")
+    if args.ray:
+        if args.reach:
+            return fail_environment("--reach measures one process tree: not with --ray")
+        from conformance.cluster.ray_check import cmd_check_ray
+
+        return cmd_check_ray(args)
     report_dir = Path(args.report_dir)
     report_json = report_dir / "compat-report.json"
     if report_json.exists():
@@ -179,6 +185,12 @@ def cmd_check(args: argparse.Namespace) -> int:
     report = json.loads(report_json.read_text())
     if measured is not None:
         report = _with_reach(report, measured, report_dir)
+    return finish_report(report, report_json, rc)
+
+
+def finish_report(report: dict[str, Any], report_json: Path, rc: int) -> int:
+    """Print the summary of a written report and return check's exit code for it (``rc``:
+    pytest's, or 0 for a sharded run)."""
     print(_summary(report))
     print(f"report: {report_json} (+ compat-report.md, compat-report.junit.xml)")
     if report["status"] == "fail":
@@ -270,7 +282,8 @@ def register(sub: Any) -> None:
         choices=PROFILES,
         default=os.environ.get("OMNI_CONFORMANCE_PROFILE", "ci"),
         help="hypothesis profile: ci (derandomized, bounded), dev, thorough (10x ci "
-        "examples) or smoke (a fifth of ci's, for the gate's plumbing); "
+        "examples), smoke (a fifth of ci's, for the gate's plumbing) or deep (the nightly "
+        "search of check --ray: thorough's depth per seed, several seeds per test); "
         "$OMNI_CONFORMANCE_PROFILE sets the default",
     )
     c.add_argument(
@@ -303,6 +316,47 @@ def register(sub: Any) -> None:
         action="store_true",
         help="run the suite under coverage.py and add what it executed of vLLM's scheduler code "
         "(line and branch coverage per file) to the compat report; per function: 'reach'",
+    )
+    r = c.add_argument_group("on a Ray cluster (docs/cluster.md)")
+    r.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        default=None,
+        help="run the suite as shards (test x seed), each a Ray task on the cluster at ADDRESS "
+        "('auto': the cluster running on this machine, else a local Ray instance), merged into "
+        "one compat report",
+    )
+    r.add_argument(
+        "--seeds-per-test",
+        type=int,
+        default=None,
+        help="seeds each test runs under (one shard each); a derandomized profile (ci, smoke) "
+        "has one; default 8 under deep, else 1",
+    )
+    r.add_argument("--seed", type=int, default=0, help="base seed of the shards' seeds")
+    r.add_argument(
+        "--shard-by",
+        choices=("file", "test"),
+        default="file",
+        help="a shard holds a test file's tests (one pytest start each) or a single test",
+    )
+    r.add_argument(
+        "--example-db",
+        default=os.environ.get("OMNI_CONFORMANCE_EXAMPLE_DB_DIR", "conformance-examples"),
+        help="the driver's hypothesis example database (one folder per test), sent to each "
+        "shard and updated from what it returns; $OMNI_CONFORMANCE_EXAMPLE_DB_DIR sets it",
+    )
+    r.add_argument(
+        "--shard-timeout",
+        type=float,
+        default=3600.0,
+        help="seconds a shard's pytest may run; past it the shard is an error",
+    )
+    r.add_argument(
+        "--ray-retries",
+        type=int,
+        default=3,
+        help="times Ray runs a shard again whose worker or node died",
     )
     c.add_argument(
         "--tests",

@@ -117,7 +117,14 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     started = time.monotonic()
     with _terminate_as_interrupt():
         try:
-            run_matrix(cells, opts, say)
+            if args.ray:
+                from conformance.cluster.ray_matrix import run_matrix_ray
+
+                run_matrix_ray(
+                    cells, opts, say, args.ray, args.ray_retries, envs_given=bool(args.envs_dir)
+                )
+            else:
+                run_matrix(cells, opts, say)
             if opts.release_diff:
                 run_release_diff(args.vllm, opts, say)
         except KeyboardInterrupt:
@@ -203,6 +210,17 @@ def register(sub: Any) -> None:
         default=None,
         help="record upstream's schedulers on a corpus in each release's environment and diff "
         "consecutive releases (after the cells; 'only': without the cells)",
+    )
+    m.add_argument(
+        "--ray",
+        metavar="ADDRESS",
+        default=None,
+        help="run each cell as a Ray task on the cluster at ADDRESS ('auto': the cluster on this "
+        "machine, else a local Ray instance); each node builds or reuses the cell's environment "
+        "(docs/cluster.md); the release-diff still runs here",
+    )
+    m.add_argument(
+        "--ray-retries", type=int, default=3, help="times Ray runs a cell again whose node died"
     )
     m.add_argument("--corpus-seed", type=int, default=0, help="release-diff corpus seed")
     m.add_argument("--corpus-size", type=int, default=200, help="release-diff generated workloads")

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import re
 import sys
 import time
@@ -183,6 +184,9 @@ class MatrixOptions:
     corpus_seed: int = 0
     corpus_size: int = 200
     corpus_traces: str | None = None
+    # Folders the cell's child interpreter also imports from (``matrix --ray``: the source of a
+    # ``module:attr`` subject that Ray's runtime environment brought to this node).
+    pythonpath: tuple[str, ...] = ()
 
 
 def run_cell(
@@ -246,6 +250,8 @@ def _check_cell(
     data: dict[str, Any],
 ) -> None:
     child_env = _child_env()
+    if opts.pythonpath:
+        child_env["PYTHONPATH"] = os.pathsep.join(opts.pythonpath)
     cmd = [
         *env.script("omni-conformance"),
         "check",

@@ -1,0 +1,136 @@
+"""The sharded check's plan and merge, without a cluster (``conformance.cluster.shards``): shards
+are test files (or tests) x seeds, a derandomized profile gets one seed, one test's records from
+several shards fold into one record (summed counts, the worst outcome with its cause), the merged
+report is the local report's form, and the example database round-trips as files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from conformance._core.report import validate
+from conformance.cluster.ray_check import _Results
+from conformance.cluster.shards import (
+    Progress,
+    Shard,
+    fold_records,
+    merged_report,
+    pack_folder,
+    plan_shards,
+    unpack_folder,
+)
+from conformance.plugin import example_db_key
+
+IDS = ["invariants/a.py::t[x]", "invariants/a.py::t[y]", "invariants/b.py::u"]
+ENV = {"vllm": "0.33.0", "torch": "2", "python": "3.11", "hypothesis": "6"}
+
+
+def test_shards_are_files_by_seeds_seed_major():
+    shards = plan_shards(IDS, "deep", base_seed=7, seeds_per_test=2)
+    assert [(s.nodeids, s.seed) for s in shards] == [
+        (tuple(IDS[:2]), 7000),
+        (tuple(IDS[2:]), 7000),
+        (tuple(IDS[:2]), 7001),
+        (tuple(IDS[2:]), 7001),
+    ]
+    assert [s.id for s in shards] == ["s0000", "s0001", "s0002", "s0003"]
+    assert Shard.from_dict(shards[3].to_dict()) == shards[3]
+    # A derandomized profile searches the same examples under any seed: one shard per group.
+    ci = plan_shards(IDS, "ci", base_seed=7, seeds_per_test=5, by="test")
+    assert [(s.nodeids, s.seed) for s in ci] == [((n,), None) for n in IDS]
+    assert len(plan_shards(IDS, "deep", base_seed=0)) == 2 * 8  # deep's default seeds
+    with pytest.raises(ValueError):
+        plan_shards(IDS, "ci", 0, by="module")
+
+
+def _rec(outcome: str, examples: int, **kw: object) -> dict[str, object]:
+    return {
+        "nodeid": IDS[0],
+        "outcome": outcome,
+        "clauses": ["C-01"],
+        "examples": examples,
+        "steps_compared": examples * 10,
+        "tolerated": {"R-1": 1},
+        "exercised": {"preempted": examples},
+        "duration": 1.0,
+        **kw,
+    }
+
+
+def test_one_tests_shards_fold_into_one_record_with_the_worst_outcome():
+    diff = {"step": 3, "op": "step()", "path": "queues.waiting", "upstream": [1], "subject": [2]}
+    folded = fold_records(
+        [
+            _rec("passed", 20),
+            _rec("failed", 5, first_difference=diff, trace="/f/x.json", message="m"),
+            _rec("passed", 20),
+        ]
+    )
+    assert folded["outcome"] == "failed" and folded["first_difference"] == diff
+    assert folded["trace"] == "/f/x.json"
+    assert (folded["examples"], folded["steps_compared"]) == (45, 450)
+    assert folded["tolerated"] == {"R-1": 3} and folded["exercised"] == {"preempted": 45}
+    report = merged_report(
+        subject="s",
+        profile="deep",
+        seed=0,
+        environment=ENV,
+        records=[_rec("passed", 20), {**_rec("not_applicable", 0), "nodeid": IDS[2], "reason": "r"}],
+        order=IDS,
+    )
+    validate(report)  # the local report's schema
+    assert [t["nodeid"] for t in report["tests"]] == [IDS[0], IDS[2]]
+    assert report["status"] == "pass" and report["summary"]["examples"] == 20
+
+
+def test_a_lost_shard_is_an_error_for_each_of_its_tests(tmp_path: Path):
+    results = _Results(tmp_path / "failures", tmp_path / "db")
+    shard = Shard(4, tuple(IDS[:2]), None)
+    failed = results.take(shard, {"error": "lost after 3 retries: node died"}, {})
+    assert failed
+    assert [(r["nodeid"], r["outcome"]) for r in results.records] == [
+        (IDS[0], "error"),
+        (IDS[1], "error"),
+    ]
+    assert "s0004: lost after 3 retries" in str(results.records[0]["message"])
+    assert results.rows[0]["status"] == "error"
+
+
+def test_a_shards_traces_land_in_the_failures_folder_and_its_records_name_them(tmp_path: Path):
+    results = _Results(tmp_path / "failures", tmp_path / "db")
+    for i in (0, 1):  # two seeds of one test save a trace of the same name
+        rec = _rec("failed", 1, trace=f"/node/tmp{i}/failures/T.json")
+        results.take(Shard(i, (IDS[0],), i), {"records": [rec], "traces": {"T.json": f"{i}"}}, {})
+    assert sorted(p.name for p in (tmp_path / "failures").iterdir()) == ["T--s0001.json", "T.json"]
+    assert [r["trace"] for r in results.records] == [
+        str(tmp_path / "failures" / "T.json"),
+        str(tmp_path / "failures" / "T--s0001.json"),
+    ]
+
+
+def test_the_example_database_is_synced_through_the_driver(tmp_path: Path):
+    results = _Results(tmp_path / "failures", tmp_path / "db")
+    key = example_db_key(IDS[0])
+    (tmp_path / "db" / key / "k1").mkdir(parents=True)
+    (tmp_path / "db" / key / "k1" / "old").write_bytes(b"fixed")
+    shard = Shard(0, (IDS[0],), 5)
+    sent = results.sent_database(shard)
+    assert sent == {f"{key}/k1/old": b"fixed"}
+    # The shard's hypothesis dropped the fixed example and saved a new failure.
+    results.take(shard, {"records": [_rec("failed", 1)], "database": {f"{key}/k2/new": b"x"}}, sent)
+    assert pack_folder(tmp_path / "db") == {f"{key}/k2/new": b"x"}
+    assert example_db_key(IDS[0]) != example_db_key(IDS[1])
+    with pytest.raises(ValueError):
+        unpack_folder({"../escape": b""}, tmp_path / "db")
+
+
+def test_progress_counts_per_node_and_names_retried_shards():
+    p = Progress(3)
+    p.started("s0", "n1")
+    p.started("s1", "n2")
+    p.finished("s0", "n1", failed=False)
+    p.started("s1", "n1")  # Ray ran it again after n2 died
+    assert p.retried() == {"s1": ["n2", "n1"]}
+    p.finished("s1", "n1", failed=True)
+    assert p.line() == "shards 2/3: 1 done, 0 running, 1 failed  |  n1: 1 done, 0 running, 1 failed"
