@@ -8,7 +8,8 @@ examples ``omni-conformance check`` runs; a run without ``-n`` restarts itself u
 Opt-in lanes: tests that need environments beyond the installed vLLM.
 
 ``vllm_matrix`` tests build an environment for another vLLM release (gigabytes, minutes) and
-``vllm_omni`` tests need a vLLM + vllm-omni environment. They are deselected (reported as such
+``vllm_omni`` tests need a vLLM + vllm-omni environment; ``ray_cluster`` tests start a two-node
+Ray cluster on this machine (the Ray lane). They are deselected (reported as such
 by pytest, never silently skipped) unless the ``-m`` expression names their marker, e.g.
 ``pytest -m vllm_matrix``; the default test command and ``-m "not slow"`` leave them out.
 """
@@ -21,7 +22,7 @@ from conformance._core import hash_seed
 
 hash_seed.pin_for_children()
 
-OPT_IN = ("vllm_matrix", "vllm_omni")
+OPT_IN = ("vllm_matrix", "vllm_omni", "ray_cluster")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -76,7 +76,10 @@ def test_one_tests_shards_fold_into_one_record_with_the_worst_outcome():
         profile="deep",
         seed=0,
         environment=ENV,
-        records=[_rec("passed", 20), {**_rec("not_applicable", 0), "nodeid": IDS[2], "reason": "r"}],
+        records=[
+            _rec("passed", 20),
+            {**_rec("not_applicable", 0), "nodeid": IDS[2], "reason": "r"},
+        ],
         order=IDS,
     )
     validate(report)  # the local report's schema

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -67,6 +68,12 @@ def collect(args: argparse.Namespace) -> list[str]:
         )
         env = hash_seed.pinned()
         env.setdefault("HF_HUB_OFFLINE", "1")
+        # A module:attr subject from the user's folder: importable here as on the nodes.
+        from conformance.cluster.ray_env import subject_py_modules
+
+        extra = [str(Path(m).parent) for m in subject_py_modules(args.subject)]
+        if extra:
+            env["PYTHONPATH"] = os.pathsep.join([*extra, env.get("PYTHONPATH", "")]).rstrip(":")
         done = processes.run(
             pytest_command(ns), env=env, cwd=root, capture=True, merge_stderr=True, timeout_s=900
         )
@@ -167,7 +174,7 @@ def run_shards(
     import ray
     from ray.exceptions import RayError
 
-    from conformance.cluster.ray_env import start_board
+    from conformance.cluster.ray_env import start_board, take_events
 
     shard_task = _remote(args.ray_retries)
     board = start_board()
@@ -188,7 +195,7 @@ def run_shards(
     limit = args.shard_timeout + DRIVER_GRACE_S
     while pending:
         ready, _ = ray.wait(list(pending), num_returns=1, timeout=2.0)
-        for shard_id, node in ray.get(board.take.remote()):
+        for shard_id, node in take_events(board):
             progress.started(shard_id, node)
             since[shard_id] = time.monotonic()
         for ref in ready:

@@ -113,4 +113,19 @@ def start_board() -> Any:
             out, self.events = self.events, []
             return out
 
-    return Board.remote()  # type: ignore[attr-defined]
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    # On the driver's node: a worker node lost mid-run must not take the board with it.
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+    return Board.options(scheduling_strategy=here).remote()  # type: ignore[attr-defined]
+
+
+def take_events(board: Any) -> list[tuple[str, str]]:
+    """What tasks told the board since the last call (nothing if the board cannot answer)."""
+    import ray
+    from ray.exceptions import RayError
+
+    try:
+        return list(ray.get(board.take.remote(), timeout=30))
+    except (RayError, TimeoutError):
+        return []

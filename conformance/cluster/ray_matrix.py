@@ -111,7 +111,7 @@ def run_matrix_ray(
     import ray
     from ray.exceptions import RayError
 
-    from conformance.cluster.ray_env import connect, nodes_alive, start_board
+    from conformance.cluster.ray_env import connect, nodes_alive, start_board, take_events
 
     subjects = sorted({c.subject for c in cells if ":" in c.subject})
     joined = connect(address, subjects[0] if subjects else None)
@@ -142,7 +142,7 @@ def run_matrix_ray(
         since: dict[str, float] = {}
         while pending:
             ready, _ = ray.wait(list(pending), num_returns=1, timeout=5.0)
-            for dirname, node in ray.get(board.take.remote()):
+            for dirname, node in take_events(board):
                 since[dirname] = time.monotonic()
                 say(f"    {dirname}: started on {node}")
             for ref in ready:

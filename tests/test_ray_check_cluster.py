@@ -1,0 +1,212 @@
+"""``check --ray`` and ``matrix --ray`` on a real two-node Ray cluster on this machine
+(``ray.cluster_utils.Cluster``: a head node and a second node, one CPU each), driven through the
+command as a user runs it, in a subprocess that joins the cluster by address.
+
+The Ray lane only: ``pytest -m ray_cluster`` (the root conftest deselects these tests unless the
+``-m`` expression names the marker, so the default lane never starts a cluster). What it holds: a derandomized run through Ray gives the local run's
+verdicts, examples, steps and shrunk traces, and finds the named mutant
+``requeue_preempted_at_back`` from a subject module that exists only in the user's folder
+(it reaches the nodes through the job's runtime environment); a seeded shard searches the same
+examples through Ray as in this process; killing the second node mid-run loses no shard (Ray
+retries it) and the report names the retried shard; a shard past its timeout is an error with
+its cause; matrix cells through Ray give the local matrix's verdicts.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="the [ray] extra is not installed")
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCKSTEP = str(ROOT / "invariants" / "test_ar_inv_001_lockstep.py")
+STORE = 250 * 2**20
+pytestmark = [pytest.mark.ray_cluster, pytest.mark.slow]
+
+
+@pytest.fixture
+def cluster() -> Any:
+    from ray.cluster_utils import Cluster
+
+    assert not ray.is_initialized()
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={"num_cpus": 1, "include_dashboard": False, "object_store_memory": STORE},
+    )
+    try:
+        c.second = c.add_node(num_cpus=1, object_store_memory=STORE)
+        c.wait_for_nodes()
+        yield c
+    finally:
+        c.shutdown()
+
+
+def _mutant_module(folder: Path) -> str:
+    """The catalogue's ``requeue_preempted_at_back`` on vLLM's own schedulers, as a subject
+    module in a folder of the user's, importable nowhere else."""
+    from tests.mutants.runtime_mutants import RequeuePreemptedAtBack
+
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "requeue_mutant_subject.py").write_text(
+        "from typing import Any\n\n"
+        "from vllm.v1.core.sched.async_scheduler import AsyncScheduler\n"
+        "from vllm.v1.core.sched.scheduler import Scheduler\n\n"
+        "from conformance.api import BaseSubject\n\n\n"
+        + inspect.getsource(RequeuePreemptedAtBack)
+        + "\n\nclass Subject(BaseSubject):\n"
+        '    name = "requeue-mutant"\n'
+        '    sync_scheduler = type("Sync", (RequeuePreemptedAtBack, Scheduler), {})\n'
+        '    async_scheduler = type("Async", (RequeuePreemptedAtBack, AsyncScheduler), {})\n'
+    )
+    return "requeue_mutant_subject:Subject"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(HF_HUB_OFFLINE="1", PYTHONHASHSEED="0", VLLM_USE_V2_MODEL_RUNNER="0")
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def _check(cwd: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "conformance.cli", "check", "-n", "0", "-q"]
+    cmd += ["--report-dir", str(out / "report"), "--failures-dir", str(out / "failures")]
+    cmd += ["--example-db", str(out / "db"), *args]
+    return subprocess.run(
+        cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=1200, check=False
+    )
+
+
+def _tests(out: Path) -> dict[str, tuple[Any, ...]]:
+    report = json.loads((out / "report" / "compat-report.json").read_text())
+    return {
+        t["nodeid"]: (t["outcome"], t["examples"], t["steps_compared"], t.get("first_difference"))
+        for t in report["tests"]
+    }
+
+
+def _traces(out: Path) -> dict[str, Any]:
+    found = {}
+    for p in sorted((out / "failures").glob("*.json")):
+        data = json.loads(p.read_text())
+        found[p.name] = (data["ops"], data["meta"]["first_difference"], data["meta"]["found"])
+    return found
+
+
+def test_check_through_ray_equals_the_local_run_and_finds_the_mutant(cluster, tmp_path):
+    user = tmp_path / "user"
+    subject = _mutant_module(user)
+    common = ("--subject", subject, "--profile", "smoke", "--tests", LOCKSTEP)
+    local = _check(user, tmp_path / "local", *common)
+    assert local.returncode == 1, local.stdout[-3000:] + local.stderr[-3000:]
+    through = _check(
+        user, tmp_path / "ray", *common, "--ray", cluster.address, "--shard-by", "test"
+    )
+    assert through.returncode == 1, through.stdout[-3000:] + through.stderr[-3000:]
+    assert "VIOLATION" in through.stdout and "queues.waiting" in through.stdout
+    assert _tests(tmp_path / "ray") == _tests(tmp_path / "local")
+    assert all(v[0] == "failed" for v in _tests(tmp_path / "ray").values())
+    assert _traces(tmp_path / "ray") == _traces(tmp_path / "local") != {}
+    shards = json.loads((tmp_path / "ray" / "report" / "shards.json").read_text())
+    assert len({s["node"] for s in shards["shards"]}) == 2  # both nodes ran a shard
+
+
+def test_a_seeded_shard_searches_the_same_examples_through_ray(cluster, tmp_path):
+    from conformance.cluster.shard_run import run_shard
+    from conformance.cluster.shards import fold_records
+
+    out = tmp_path / "ray"
+    args = ("--subject", "upstream", "--profile", "dev", "--seeds-per-test", "2", "--seed", "3")
+    through = _check(tmp_path, out, *args, "--tests", LOCKSTEP, "--ray", cluster.address)
+    assert through.returncode == 0, through.stdout[-3000:] + through.stderr[-3000:]
+    shards = json.loads((out / "report" / "shards.json").read_text())["shards"]
+    assert [s["seed"] for s in shards] == [3000, 3001]
+    options = {"subject": "upstream", "profile": "dev", "shard_timeout_s": 900}
+    records = [r for s in shards for r in run_shard(s, options)["records"]]
+    by_test: dict[str, list[Any]] = {}
+    for r in records:
+        by_test.setdefault(r["nodeid"], []).append(r)
+    here = {
+        n: (f["outcome"], f["examples"], f["steps_compared"], f.get("first_difference"))
+        for n, f in ((n, fold_records(rs)) for n, rs in by_test.items())
+    }
+    assert here == _tests(out)
+
+
+def test_killing_the_second_node_mid_run_loses_no_shard(cluster, tmp_path):
+    out = tmp_path / "ray"
+    cmd = [sys.executable, "-m", "conformance.cli", "check", "--subject", "upstream"]
+    cmd += ["--profile", "smoke", "--tests", LOCKSTEP, "--shard-by", "test", "-q"]
+    cmd += ["--report-dir", str(out / "report"), "--failures-dir", str(out / "failures")]
+    cmd += ["--example-db", str(out / "db"), "--ray", cluster.address]
+    second = cluster.second.node_id[:6]
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    seen: list[str] = []
+    killed = False
+    deadline = time.monotonic() + 900
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        seen.append(line)
+        if not killed and f"/{second}: 0 done, 1 running" in line:
+            time.sleep(3)  # well inside the shard's pytest
+            cluster.remove_node(cluster.second, allow_graceful=False)
+            killed = True
+        assert time.monotonic() < deadline, "".join(seen[-30:])
+    rc = proc.wait(timeout=60)
+    text = "".join(seen)
+    assert killed, text[-3000:]
+    assert rc == 0, text[-3000:]
+    report = json.loads((out / "report" / "compat-report.json").read_text())
+    assert report["status"] == "pass" and report["summary"]["passed"] == 2
+    assert report["environment"]["ray_retried"] != "none"
+    shards = json.loads((out / "report" / "shards.json").read_text())
+    assert len(shards["retried"]) == 1
+    (retried,) = [s for s in shards["shards"] if s["retried"]]
+    assert retried["attempts"][0].endswith(second) and retried["status"] == "done"
+    assert "retried by Ray" in text
+
+
+def test_a_shard_past_its_timeout_is_an_error_with_its_cause(tmp_path):
+    from conformance.cluster.shard_run import run_shard
+
+    shard = {"index": 0, "nodeids": [LOCKSTEP.split(str(ROOT) + "/")[1]], "seed": None}
+    result = run_shard(shard, {"subject": "upstream", "profile": "smoke", "shard_timeout_s": 2})
+    assert result["error"] == "timed out after 2 s" and result["records"] == []
+
+
+def test_matrix_cells_through_ray_give_the_local_verdicts(cluster, tmp_path):
+    def matrix(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "conformance.cli", "matrix", "--subject", "upstream"]
+        cmd += ["--vllm", "0.28.0", "0.30.0", "--with", "upstream=vllm-omni=={vllm}"]
+        cmd += ["--no-upstream-tests", "--profile", "smoke", "-n", "1", "--out", str(out)]
+        return subprocess.run(
+            [*cmd, *extra], env=_env(), capture_output=True, text=True, timeout=2400, check=False
+        )
+
+    through = matrix(tmp_path / "ray", "--ray", cluster.address)
+    local = matrix(tmp_path / "local")
+    assert through.returncode == local.returncode, through.stdout[-3000:] + through.stderr[-3000:]
+    assert "started on" in through.stdout
+
+    def verdicts(out: Path) -> dict[str, Any]:
+        cells = {}
+        for p in sorted((out / "cells").glob("*/cell.json")):
+            cell = json.loads(p.read_text())
+            rep = json.loads((p.parent / "compat-report.json").read_text())
+            cells[p.parent.name] = (cell["status"], cell["environment"]["vllm"], rep["summary"])
+        return cells
+
+    assert verdicts(tmp_path / "ray") == verdicts(tmp_path / "local")
+    assert len(verdicts(tmp_path / "ray")) == 2
+    assert (tmp_path / "ray" / "matrix-report.json").exists()
