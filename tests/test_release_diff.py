@@ -22,6 +22,7 @@ from conformance._core import schemas
 from conformance._core.machine import PREFIXES, TIGHT
 from conformance._core.workload import AddRequest, Step, Trace
 from conformance.cli import main
+from conformance.release.first_difference import absent_values, iter_field_differences
 from conformance.release.record import (
     SCHEMA,
     generate_workload,
@@ -78,9 +79,11 @@ def test_record_writes_both_modes_of_every_workload(corpus: dict[str, Path]) -> 
     assert header["modes"] == ["sync", "async"] and header["seconds"] >= 0
     names = [line["workload"] for line in lines[1:]]
     assert names == [f"gen-{i:04d}" for i in range(SIZE)] + ["trace:two-requests"]
-    present = set(lines[-1]["modes"]["sync"]["steps"][0]["queues"])
-    for field in header["absent_fields"]:
-        assert field.startswith("queues.") and field.split(".", 1)[1] not in present
+    absent = frozenset(header["absent_fields"])
+    assert absent == {p for t in vc.RECORDED_FIELDS for p in vc.absent_paths(t)}
+    for line in lines[1:]:  # a field the header calls absent is in no observation
+        for run in line["modes"].values():
+            assert not [f for step in run["steps"] for f, _ in absent_values(step, absent)]
     for line in lines[1:]:
         trace = Trace.from_dict(line["trace"])
         for mode in ("sync", "async"):
@@ -253,6 +256,123 @@ def test_a_field_one_release_lacks_is_not_compared(corpus: dict[str, Path], tmp_
         f"requests.{rid}",
         "<absent>",
     )
+
+
+# A step of the older release, and the same step as a newer release records it: a statistics
+# field and a KV-event attribute the older release's classes lack, beside fields both have.
+_OLD_STEP: dict[str, Any] = {
+    "stats": {"num_waiting_reqs": 1},
+    "kv_events": [{"events": [{"__kind__": "BlockStored", "block_size": 16}]}],
+}
+_NEW_STEP: dict[str, Any] = {
+    "stats": {"num_waiting_reqs": 1, "ec_connector_stats": None},
+    "kv_events": [
+        {"events": [{"__kind__": "BlockStored", "block_size": 16, "lookahead_token_ids": None}]}
+    ],
+}
+_NEW_FIELDS = frozenset({"stats.ec_connector_stats", "kv_events.*.events.*.lookahead_token_ids"})
+
+
+def test_fields_the_older_release_lacks_are_skipped_in_dicts_and_list_items() -> None:
+    assert not list(iter_field_differences(_OLD_STEP, _NEW_STEP, _NEW_FIELDS, frozenset()))
+    # Without the header's word they are differences, as before.
+    found = [".".join(p) for p, _, _ in iter_field_differences(_OLD_STEP, _NEW_STEP)]
+    assert found == ["kv_events", "stats.ec_connector_stats"]
+    # Skipped only where the release that lacks the field lacks it: the other way round (the
+    # newer release named as lacking them) they are still differences.
+    swapped = iter_field_differences(_OLD_STEP, _NEW_STEP, frozenset(), _NEW_FIELDS)
+    assert [".".join(p) for p, _, _ in swapped] == ["kv_events", "stats.ec_connector_stats"]
+    assert dict(absent_values(_NEW_STEP, _NEW_FIELDS)) == {
+        "stats.ec_connector_stats": None,
+        "kv_events.*.events.*.lookahead_token_ids": None,
+    }
+
+
+def test_a_field_both_releases_have_still_differs_beside_a_new_one() -> None:
+    """Planted failure: a changed value of a field both releases have is reported, at its own
+    path, in a step where a new field is skipped; inside list items, with the new attribute
+    left out of what is shown."""
+    new = copy.deepcopy(_NEW_STEP)
+    new["stats"]["num_waiting_reqs"] = 2
+    new["kv_events"][0]["events"][0]["block_size"] = 32
+    found = list(iter_field_differences(_OLD_STEP, new, _NEW_FIELDS, frozenset()))
+    assert [(".".join(p), a, b) for p, a, b in found] == [
+        (
+            "kv_events",
+            _OLD_STEP["kv_events"],
+            [{"events": [{"__kind__": "BlockStored", "block_size": 32}]}],
+        ),
+        ("stats.num_waiting_reqs", 1, 2),
+    ]
+    # A field listed as absent that the older release does record is compared like any other.
+    old = copy.deepcopy(_OLD_STEP)
+    old["stats"]["ec_connector_stats"] = {"hits": 1}
+    found = list(iter_field_differences(old, _NEW_STEP, _NEW_FIELDS, frozenset()))
+    assert [(".".join(p), a, b) for p, a, b in found] == [
+        ("stats.ec_connector_stats", {"hits": 1}, None)
+    ]
+
+
+def test_a_new_field_is_reported_once_and_hides_no_later_change(
+    corpus: dict[str, Path], tmp_path: Path
+) -> None:
+    """A field every request of the newer recording has and the older release lacks makes no
+    run differ; it is reported once (workloads, runs, values). A change of a field both have,
+    later in a run, is that run's first difference."""
+    lines = _lines(corpus["first"])
+    older, newer = copy.deepcopy(lines), copy.deepcopy(lines)
+    older[0]["absent_fields"] = sorted({*older[0]["absent_fields"], "requests.*.brand_new"})
+    runs = 0
+    for line in newer[1:]:
+        for run in line["modes"].values():
+            for step in run["steps"]:
+                for fields in step["requests"].values():
+                    fields["brand_new"] = 7
+            runs += any(step["requests"] for step in run["steps"])
+    n, step, rid = _with_requests(lines, "sync")[-1]
+    a, b = _write(tmp_path / "older.jsonl", older), _write(tmp_path / "newer.jsonl", newer)
+    result = diff_recordings(load_recording(a), load_recording(b))
+    assert result.identical
+    assert result.one_sided["requests.*.brand_new"].runs == runs > 0
+
+    later = newer[n]["modes"]["sync"]["steps"][-2]
+    later_step = len(newer[n]["modes"]["sync"]["steps"]) - 2
+    later["queues"]["running"] = [*later["queues"]["running"], "planted"]
+    _write(b, newer)
+    out = tmp_path / "diff"
+    assert main(["release-diff", str(a), str(b), "--out", str(out)]) == 1
+    report = json.loads((out / "release-diff.json").read_text())
+    (d,) = report["first_differences"]
+    assert (d["workload"], d["mode"], d["step"], d["path"]) == (
+        lines[n]["workload"],
+        "sync",
+        later_step,
+        "queues.running",
+    )
+    (field,) = report["one_sided_fields"]
+    assert field["field"] == "requests.*.brand_new" and field["only_in"] == "b"
+    assert field["runs"] == runs and field["examples"] == [7] and field["distinct_values"] == 1
+    md = (out / "release-diff.md").read_text()
+    assert "## Fields one release lacks" in md and "`requests.*.brand_new`" in md
+
+
+def test_the_compat_tables_key_each_recorded_field_by_release() -> None:
+    """Each table of recorded field paths names the release that added a field, and the
+    absent fields of a release are those some release records and it lacks."""
+    from conformance._core import vllm_compat as vc
+
+    stats = vc.STATS_FIELDS
+    assert "stats.ec_connector_stats" not in stats.at("0.32.0")
+    assert "stats.ec_connector_stats" in stats.at("0.33.0")
+    assert "stats.num_kv_fetch_reqs_by_stage" in stats.at("0.32.0")
+    assert "kv_events.*.events.*.ownership" not in stats.at("0.28.0")
+    since = vc.introductions(stats)
+    assert since["stats.ec_connector_stats"][0] == "0.33.0"
+    assert since["outputs.*.spec_decode_metrics"][0] == "0.29.0"
+    assert vc.introductions(vc.QUEUE_FIELDS)["queues.skipped_waiting"][0] == "0.31.0"
+    for table in vc.RECORDED_FIELDS:
+        for c in table.changes:
+            assert c.what and "\n" not in c.what
 
 
 def _one_error_line(capsys: pytest.CaptureFixture[str]) -> str:

@@ -3,11 +3,16 @@ such differences make: what ``release-diff`` reports and what its cross-release 
 
 An observation is walked field by field in a fixed order (``SECTION_ORDER``, ``FIELD_ORDER``);
 the first differing leaf, with request ids replaced by ``*`` in its path (``pattern_of``) and the
-kind of operation after which it showed, names the change. Fields one release lacks are skipped.
+kind of operation after which it showed, names the change. A field one release lacks (its
+recording's ``absent_fields``, paths in which ``*`` stands for any key or list position) is not
+compared: a release that adds a field to a class differs by it in every run that records it, which
+says nothing about that run and would hide what differs after it (``release_diff`` reports each
+such field once, with where the other release records it).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import re
@@ -162,6 +167,45 @@ def _ordered_keys(keys: set[str], segs: tuple[str, ...]) -> list[str]:
     return known + sorted(keys - set(known), key=_natural)
 
 
+def _matches(pattern: tuple[str, ...], segs: Sequence[str]) -> bool:
+    return len(pattern) == len(segs) and all(
+        p in ("*", s) for p, s in zip(pattern, segs, strict=True)
+    )
+
+
+@functools.cache
+def _patterns(absent: frozenset[str]) -> tuple[tuple[str, ...], ...]:
+    return tuple(tuple(p.split(".")) for p in sorted(absent))
+
+
+def is_absent(absent: frozenset[str], segs: Sequence[str]) -> bool:
+    """Whether the field at ``segs`` is one of ``absent`` (exact paths or ``*`` patterns)."""
+    return ".".join(segs) in absent or any(_matches(p, segs) for p in _patterns(absent))
+
+
+def _below(patterns: Sequence[tuple[str, ...]], segs: Sequence[str]) -> list[tuple[str, ...]]:
+    """What is left of each pattern that reaches past ``segs`` through it."""
+    n = len(segs)
+    return [p[n:] for p in patterns if len(p) > n and _matches(p[:n], segs)]
+
+
+def _strip(value: Any, tails: Sequence[tuple[str, ...]]) -> Any:
+    """``value`` without the fields ``tails`` name (``*``: any key or list position)."""
+    if not tails:
+        return value
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if any(len(t) == 1 and t[0] in ("*", k) for t in tails):
+                continue
+            out[k] = _strip(v, [t[1:] for t in tails if len(t) > 1 and t[0] in ("*", k)])
+        return out
+    if isinstance(value, list):
+        inner = [t[1:] for t in tails if len(t) > 1 and t[0] == "*"]
+        return [_strip(v, inner) for v in value] if inner else value
+    return value
+
+
 def iter_field_differences(
     a: Any,
     b: Any,
@@ -170,19 +214,51 @@ def iter_field_differences(
     segs: tuple[str, ...] = (),
 ) -> Iterator[tuple[tuple[str, ...], Any, Any]]:
     """(path segments, value in A, value in B) of every differing leaf, in walk order; a field
-    a recording's release lacks (its ``absent_fields``) is skipped."""
+    a recording's release lacks (its ``absent_fields``) is skipped where that release lacks it.
+    Lists are leaves: a field a release lacks inside list items (KV events' attributes) is left
+    out of the other release's items before they are compared."""
     if a == b:
         return
     if isinstance(a, dict) and isinstance(b, dict):
         for k in _ordered_keys(set(a) | set(b), segs):
             path = (*segs, k)
             va, vb = a.get(k, _ABSENT), b.get(k, _ABSENT)
-            dotted = ".".join(path)
-            if (va is _ABSENT and dotted in absent_a) or (vb is _ABSENT and dotted in absent_b):
+            if (va is _ABSENT and is_absent(absent_a, path)) or (
+                vb is _ABSENT and is_absent(absent_b, path)
+            ):
                 continue
             yield from iter_field_differences(va, vb, absent_a, absent_b, path)
         return
+    if isinstance(a, list) or isinstance(b, list):
+        tails_a, tails_b = _below(_patterns(absent_b), segs), _below(_patterns(absent_a), segs)
+        if tails_a or tails_b:
+            a, b = _strip(a, tails_a), _strip(b, tails_b)
+            if a == b:
+                return
     yield segs, (ABSENT_MARK if a is _ABSENT else a), (ABSENT_MARK if b is _ABSENT else b)
+
+
+def absent_values(
+    step: Any, absent: frozenset[str], segs: tuple[str, ...] = ()
+) -> Iterator[tuple[str, Any]]:
+    """(pattern, value) of every field of one observation that ``absent`` names: what a release
+    records of the fields the other lacks."""
+    tails = _below(_patterns(absent), segs) if segs else list(_patterns(absent))
+    if not tails:
+        return
+    if isinstance(step, dict):
+        items: Iterator[tuple[str, Any]] = iter(step.items())
+    elif isinstance(step, list):
+        items = ((str(i), v) for i, v in enumerate(step))
+    else:
+        return
+    for k, v in items:
+        here = [t for t in tails if t[0] in ("*", k)]
+        if any(len(t) == 1 for t in here):
+            path = (*segs, k)
+            yield next(".".join(p) for p in _patterns(absent) if _matches(p, path)), v
+        elif here:
+            yield from absent_values(v, absent, (*segs, k))
 
 
 def pattern_of(segs: Sequence[str]) -> str:
@@ -271,6 +347,8 @@ class DiffResult:
     workloads: int = 0
     # With which releases' interpreters the traces were shrunk (None: they were cut).
     shrink: dict[str, Any] | None = None
+    # Each field one release lacks -> where the other records it (``release_diff.FieldTally``).
+    one_sided: dict[str, Any] = field(default_factory=dict)
 
     @property
     def differences(self) -> list[FirstDifference]:

@@ -209,15 +209,11 @@ def _trace_identity(trace: Trace) -> dict[str, Any]:
 
 
 def absent_fields() -> list[str]:
-    """Field paths some supported release records that this one lacks."""
+    """Field paths some supported release records that this one lacks (``*``: any key or list
+    position): every table of ``vllm_compat.RECORDED_FIELDS``, keyed by release there."""
     from conformance._core import vllm_compat as vc
 
-    table = vc.ADMISSION_QUEUES
-    known = {name for name, _ in table.base}
-    for change in table.changes:
-        known.update(name for name, _ in change.value)
-    have = {name for name, _ in table.value()}
-    return sorted(f"queues.{name}" for name in known - have)
+    return sorted(set().union(*(vc.absent_paths(t) for t in vc.RECORDED_FIELDS)))
 
 
 class _Hashes:

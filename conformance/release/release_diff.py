@@ -36,6 +36,7 @@ from conformance.release.first_difference import (
     TraceMaker,
     _natural,
     _short,
+    absent_values,
     first_difference,
 )
 from conformance.release.record import MODES, Recording, RecordingError, open_recording
@@ -117,6 +118,63 @@ def group_changes(differences: Sequence[FirstDifference]) -> list[Change]:
     return changes
 
 
+# How many distinct values of a one-sided field the report shows.
+FIELD_EXAMPLES = 3
+
+
+class FieldTally:
+    """Where one release records a field the other lacks: the workloads and runs, and the first
+    few distinct values. A field new in a release differs in every run that records it, so it is
+    reported once, here, instead of as each run's first difference."""
+
+    def __init__(self, field: str, side: str) -> None:
+        self.field, self.side = field, side
+        self.workloads: set[str] = set()
+        self.runs = 0
+        self.distinct: set[str] = set()
+        self.examples: list[Any] = []
+
+    def add(self, value: Any) -> None:
+        key = json.dumps(value, sort_keys=True)
+        if key not in self.distinct:
+            self.distinct.add(key)
+            if len(self.examples) < FIELD_EXAMPLES:
+                self.examples.append(value)
+
+    def to_dict(self, release: str, since: tuple[str, str] | None) -> dict[str, Any]:
+        return {
+            "field": self.field,
+            "only_in": self.side,
+            "vllm": release,
+            "since": since[0] if since else None,
+            "what": since[1] if since else None,
+            "workloads": len(self.workloads),
+            "runs": self.runs,
+            "distinct_values": len(self.distinct),
+            "examples": self.examples,
+        }
+
+
+def _tally_one_sided(
+    tallies: dict[str, FieldTally],
+    side: str,
+    fields: frozenset[str],
+    name: str,
+    run: Mapping[str, Any],
+) -> None:
+    if not fields:
+        return
+    seen: set[str] = set()
+    for step in run.get("steps", ()):
+        for pattern, value in absent_values(step, fields):
+            tally = tallies.setdefault(pattern, FieldTally(pattern, side))
+            tally.add(value)
+            seen.add(pattern)
+    for pattern in seen:
+        tallies[pattern].workloads.add(name)
+        tallies[pattern].runs += 1
+
+
 def diff_streams(
     a: Recording,
     lines_a: Iterable[dict[str, Any]],
@@ -129,12 +187,16 @@ def diff_streams(
     absent_a = frozenset(a.header["absent_fields"])
     absent_b = frozenset(b.header["absent_fields"])
     result = DiffResult(Recording(a.path, a.header), Recording(b.path, b.header))
+    only_a, only_b = absent_b - absent_a, absent_a - absent_b
+    tallies: dict[str, FieldTally] = {}
     for la, lb in itertools.zip_longest(lines_a, lines_b):
         _same_workload(a, la, b, lb)
         name = la["workload"]
         result.workloads += 1
         differs = False
         for mode in a.header["modes"]:
+            _tally_one_sided(tallies, "a", only_a, name, la["modes"][mode])
+            _tally_one_sided(tallies, "b", only_b, name, lb["modes"][mode])
             d = first_difference(
                 name, mode, la["modes"][mode], lb["modes"][mode], absent_a, absent_b
             )
@@ -144,6 +206,7 @@ def diff_streams(
             result.a.workloads[name] = _slim(la)
             result.b.workloads[name] = _slim(lb)
     result.changes = group_changes(result.differences)
+    result.one_sided = tallies
     return result
 
 
@@ -262,6 +325,21 @@ def _variants(rec: Recording, change: Change) -> dict[str, int]:
     return counts
 
 
+def _one_sided_report(result: DiffResult) -> list[dict[str, Any]]:
+    """Each field one release lacks that the other recorded, with the release change that
+    added (or dropped) it, as the compat layer's tables say."""
+    from conformance._core import vllm_compat as vc
+
+    since: dict[str, tuple[str, str]] = {}
+    for table in vc.RECORDED_FIELDS:
+        since.update(vc.introductions(table))
+    tallies = sorted(result.one_sided.values(), key=lambda t: (-t.runs, t.field))
+    return [
+        t.to_dict((result.a if t.side == "a" else result.b).vllm, since.get(t.field))
+        for t in tallies
+    ]
+
+
 def build_report(result: DiffResult) -> dict[str, Any]:
     a, b = result.a, result.b
     workloads = result.workloads
@@ -281,6 +359,7 @@ def build_report(result: DiffResult) -> dict[str, Any]:
             "only_in_a": sorted(set(b.header["absent_fields"]) - set(a.header["absent_fields"])),
             "only_in_b": sorted(set(a.header["absent_fields"]) - set(b.header["absent_fields"])),
         },
+        "one_sided_fields": _one_sided_report(result),
         "shrink": result.shrink,
         "changes": [{**c.to_dict(), "variants": _variants(a, c)} for c in result.changes],
         "first_differences": [d.to_dict() for d in result.differences],

@@ -49,6 +49,7 @@ from conformance._core.vllm_compat.scheduler_output import (
 from conformance._core.vllm_compat.stale_output import stale_in_fields
 from conformance._core.vllm_compat.state import (
     ADMISSION_QUEUES,
+    QUEUE_FIELDS,
     base_output_fields,
     block_ids_reader,
     block_pool,
@@ -78,6 +79,7 @@ from conformance._core.vllm_compat.state import (
     status_name,
 )
 from conformance._core.vllm_compat.stats import (
+    STATS_FIELDS,
     capture_kv_events,
     plain,
     request_events,
@@ -101,16 +103,27 @@ from conformance._core.vllm_compat.versions import (
     ByRelease,
     Change,
     EnvironmentProblem,
+    absent_paths,
     check_vllm,
     environment_versions,
     installed_release,
+    introductions,
     is_untested,
     release,
     vllm_version,
 )
 
+# Every table of recorded field paths that differ between releases, one per concern: what a
+# recording's ``absent_fields`` lists (``conformance.release.record.absent_fields``).
+RECORDED_FIELDS: tuple[ByRelease[frozenset[str]], ...] = (QUEUE_FIELDS, STATS_FIELDS)
+
 __all__ = [
     "ADMISSION_QUEUES",
+    "QUEUE_FIELDS",
+    "RECORDED_FIELDS",
+    "STATS_FIELDS",
+    "absent_paths",
+    "introductions",
     "ALLOW_UNTESTED_ENV",
     "SUPPORTED_VLLM",
     "ByRelease",

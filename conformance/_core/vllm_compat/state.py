@@ -197,6 +197,17 @@ ADMISSION_QUEUES: ByRelease[tuple[tuple[str, bool], ...]] = ByRelease(
 )
 
 
+# The admission queues as recorded field paths (``stats.STATS_FIELDS`` has the others).
+QUEUE_FIELDS: ByRelease[frozenset[str]] = ByRelease(
+    "admission queue fields",
+    frozenset(f"queues.{name}" for name, _ in ADMISSION_QUEUES.base),
+    [
+        Change(c.since, frozenset(f"queues.{name}" for name, _ in c.value), c.what)
+        for c in ADMISSION_QUEUES.changes
+    ],
+)
+
+
 def scheduler_queues(scheduler: Any) -> dict[str, Any]:
     out: dict[str, Any] = {
         "running": queue_ids(scheduler.running),

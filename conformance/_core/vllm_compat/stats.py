@@ -14,6 +14,52 @@ import dataclasses
 import re
 from typing import Any
 
+from conformance._core.vllm_compat.versions import ByRelease, Change
+
+# Field paths of a recorded observation (``*``: any key or list position) that exist from a
+# release on: attributes of vLLM's statistics, event and output classes, which every object of
+# the class has or lacks alike. A recording names those its release lacks in ``absent_fields``
+# (``record.absent_fields``); ``release-diff`` compares them only where both releases have them
+# and reports each once as a field one release lacks. Keys of free-form dictionaries
+# (``kv_transfer_params``, ``ec_transfer_params``, connector metrics) are values the scheduler
+# or connector chose per request, so they are not here: a new key there is a behaviour change.
+_FROM_0_29 = frozenset({"outputs.*.spec_decode_metrics"})
+_FROM_0_30 = _FROM_0_29 | {
+    "kv_events.*.events.*.ownership",
+    "kv_events.*.events.*.session_id",
+}
+_FROM_0_32 = _FROM_0_30 | {
+    "stats.num_kv_fetch_reqs_by_stage",
+    "stats.prefix_cache_stats.hits_by_source",
+    "stats.connector_prefix_cache_stats.hits_by_source",
+}
+STATS_FIELDS: ByRelease[frozenset[str]] = ByRelease(
+    "statistics, event and output fields",
+    frozenset(),
+    [
+        Change(
+            "0.29.0",
+            _FROM_0_29,
+            "EngineCoreOutput gains spec_decode_metrics (per-request speculative-decoding metrics)",
+        ),
+        Change(
+            "0.30.0",
+            _FROM_0_30,
+            "KV events: BlockStored gains ownership, session_id; BlockRemoved ownership (by 0.30)",
+        ),
+        Change(
+            "0.32.0",
+            _FROM_0_32,
+            "SchedulerStats gains num_kv_fetch_reqs_by_stage; PrefixCacheStats hits_by_source",
+        ),
+        Change(
+            "0.33.0",
+            _FROM_0_32 | {"stats.ec_connector_stats", "kv_events.*.events.*.lookahead_token_ids"},
+            "SchedulerStats gains ec_connector_stats; BlockStored gains lookahead_token_ids",
+        ),
+    ],
+)
+
 # Fields that hold wall-clock measurements, not scheduler decisions.
 _CLOCK_FIELDS = frozenset({"iteration_details", "perf_stats", "cudagraph_stats", "ts", "timestamp"})
 # Connector statistics are named metrics; those that measure time (the offloading connector's

@@ -146,3 +146,22 @@ class ByRelease(Generic[T]):
 
     def __repr__(self) -> str:
         return f"ByRelease({self.name!r}, {len(self.changes)} changes)"
+
+
+def absent_paths(table: ByRelease[frozenset[str]]) -> frozenset[str]:
+    """The paths of a table of recorded field paths that some supported release records and the
+    installed one lacks."""
+    known = table.base.union(*(c.value for c in table.changes))
+    return frozenset(known - table.value())
+
+
+def introductions(table: ByRelease[frozenset[str]]) -> dict[str, tuple[str, str]]:
+    """Each path of a table of recorded field paths -> (the release that added or dropped it,
+    that change's note)."""
+    out: dict[str, tuple[str, str]] = {}
+    before = table.base
+    for c in table.changes:
+        for path in before ^ c.value:
+            out[path] = (c.since, c.what)
+        before = c.value
+    return out
