@@ -23,8 +23,6 @@ import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Sequence
-from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
@@ -37,38 +35,9 @@ from conformance._core.preflight import (
 )
 from conformance._core.vllm_compat.versions import ALLOW_UNTESTED_ENV
 from conformance.cli._options import ORACLE_CHOICES, PROFILES, place_oracle
+from conformance.cli._suite_command import _plugin_installed, pytest_command
 
-
-def _plugin_installed() -> bool:
-    return any(ep.value == "conformance.plugin" for ep in entry_points(group="pytest11"))
-
-
-def _has_xdist() -> bool:
-    try:
-        import xdist  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def pytest_command(args: argparse.Namespace, launcher: Sequence[str] = ()) -> list[str]:
-    """The suite's pytest command; ``launcher`` replaces ``python -m`` in front of ``pytest``
-    (``reach`` runs it under coverage.py that way)."""
-    cmd = [*(launcher or (sys.executable, "-m")), "pytest", "-m", "invariants"]
-    cmd += ["-p", "no:cacheprovider"]
-    if not _plugin_installed():
-        cmd += ["-p", "conformance.plugin"]
-    # Each check option backs the plugin option of the same last word.
-    cmd += ["--conformance-subject", args.subject, "--conformance-profile", args.profile]
-    cmd += ["--conformance-report-dir", str(args.report_dir)]
-    cmd += ["--conformance-failures-dir", str(args.failures_dir)]
-    cmd += ["--conformance-oracle", args.oracle]
-    cmd += ["-o", "addopts=", "-rfE", "-v" if not args.quiet else "-q"]
-    if args.workers and args.workers > 1 and _has_xdist():
-        cmd += ["-n", str(args.workers)]
-    cmd += list(args.tests) if args.tests else ["--pyargs", "invariants"]
-    cmd += list(args.pytest_args or ())
-    return cmd
+__all__ = ["cmd_check", "finish_report", "pytest_command", "_plugin_installed", "register"]
 
 
 def _summary(report: dict[str, Any]) -> str:
@@ -144,7 +113,7 @@ def cmd_check(args: argparse.Namespace) -> int:
             return fail_environment("--reach measures one process tree: not with --ray")
         from conformance.cluster.ray_check import cmd_check_ray
 
-        return cmd_check_ray(args)
+        return cmd_check_ray(args, finish_report)
     report_dir = Path(args.report_dir)
     report_json = report_dir / "compat-report.json"
     if report_json.exists():

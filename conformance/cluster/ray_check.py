@@ -44,7 +44,7 @@ def collect(args: argparse.Namespace) -> list[str]:
     import tempfile
 
     from conformance._core import hash_seed, processes
-    from conformance.cli.check import pytest_command
+    from conformance.cli._suite_command import pytest_command
 
     root = suite_root()
     tests = []
@@ -223,11 +223,14 @@ def run_shards(
             last_line = line
 
 
-def cmd_check_ray(args: argparse.Namespace) -> int:
+def cmd_check_ray(
+    args: argparse.Namespace, finish: Callable[[dict[str, Any], Path, int], int]
+) -> int:
+    """Run the sharded check; ``finish`` prints the report's summary and gives the exit code
+    (``check``'s own, so a sharded run exits as a local one does)."""
     import ray
 
     from conformance._core.report import mark_incomplete, validate, write_report
-    from conformance.cli.check import finish_report
     from conformance.cluster.ray_env import connect, nodes_alive
 
     def say(line: str) -> None:
@@ -297,5 +300,5 @@ def cmd_check_ray(args: argparse.Namespace) -> int:
     if retried:
         say(f"retried by Ray after a lost worker or node: {', '.join(sorted(retried))}")
     say(f"shards: {report_dir / 'shards.json'}")
-    rc = finish_report(report, report_json, 0)
+    rc = finish(report, report_json, 0)
     return 130 if interrupted else rc

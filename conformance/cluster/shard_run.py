@@ -30,7 +30,7 @@ def suite_root() -> Path:
 
 
 def shard_command(shard: Shard, options: Mapping[str, Any], work: Path) -> list[str]:
-    from conformance.cli.check import pytest_command
+    from conformance.cli._suite_command import pytest_command
 
     ns = argparse.Namespace(
         subject=options["subject"],
