@@ -137,3 +137,22 @@ def test_progress_counts_per_node_and_names_retried_shards():
     assert p.retried() == {"s1": ["n2", "n1"]}
     p.finished("s1", "n1", failed=True)
     assert p.line() == "shards 2/3: 1 done, 0 running, 1 failed  |  n1: 1 done, 0 running, 1 failed"
+
+
+def test_a_subject_from_the_users_folder_is_shipped_and_an_installed_one_is_not(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    from conformance.cluster.ray_env import runtime_env, subject_py_modules
+
+    (tmp_path / "my_subject.py").write_text("class S: ...\n")
+    (tmp_path / "my_pkg").mkdir()
+    (tmp_path / "my_pkg" / "__init__.py").write_text("")
+    (tmp_path / "my_pkg" / "sub.py").write_text("class S: ...\n")
+    monkeypatch.chdir(tmp_path)  # module:attr resolves from the working folder, as check does
+    assert subject_py_modules("my_subject:S") == [str(tmp_path / "my_subject.py")]
+    assert subject_py_modules("my_pkg.sub:S") == [str(tmp_path / "my_pkg")]
+    assert subject_py_modules("upstream") == []  # a registered name
+    assert subject_py_modules("json:loads") == []  # installed with the interpreter
+    env = runtime_env(["my_subject:S", "upstream"])
+    assert env["py_modules"] == [str(tmp_path / "my_subject.py")]
+    assert env["env_vars"]["PYTHONHASHSEED"] == "0"

@@ -200,11 +200,13 @@ def test_matrix_cells_through_ray_give_the_local_verdicts(cluster, tmp_path):
     assert "started on" in through.stdout
 
     def verdicts(out: Path) -> dict[str, Any]:
+        """Each cell's status and release, and each test's outcome in it."""
         cells = {}
         for p in sorted((out / "cells").glob("*/cell.json")):
             cell = json.loads(p.read_text())
             rep = json.loads((p.parent / "compat-report.json").read_text())
-            cells[p.parent.name] = (cell["status"], cell["environment"]["vllm"], rep["summary"])
+            outcomes = {t["nodeid"]: t["outcome"] for t in rep["tests"]}
+            cells[p.parent.name] = (cell["status"], cell["environment"]["vllm"], outcomes)
         return cells
 
     assert verdicts(tmp_path / "ray") == verdicts(tmp_path / "local")

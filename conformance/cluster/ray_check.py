@@ -247,7 +247,7 @@ def cmd_check_ray(
         print(f"omni-conformance: error: {exc}", file=sys.stderr)
         return 2
     shards = plan_shards(nodeids, args.profile, args.seed, args.seeds_per_test, args.shard_by)
-    joined = connect(args.ray, args.subject)
+    joined = connect(args.ray, [args.subject])
     try:
         say(
             f"omni-conformance check --ray: {len(shards)} shard(s) ({len(nodeids)} tests, "

@@ -11,6 +11,7 @@ import os
 import site
 import sys
 import sysconfig
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,22 +56,22 @@ def subject_py_modules(spec: str) -> list[str]:
     return [str(path)]
 
 
-def runtime_env(subject: str | None, extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+def runtime_env(subjects: Sequence[str]) -> dict[str, Any]:
+    """The job's runtime environment: the gate's variables and the subjects' own source."""
     env_vars = {"HF_HUB_OFFLINE": "1", "PYTHONHASHSEED": "0", "VLLM_USE_V2_MODEL_RUNNER": "0"}
     env_vars.update({k: v for k, v in os.environ.items() if k.startswith("OMNI_CONFORMANCE_")})
-    env_vars.update(extra_env or {})
     out: dict[str, Any] = {"env_vars": env_vars}
-    modules = subject_py_modules(subject) if subject else []
+    modules = sorted({m for s in subjects for m in subject_py_modules(s)})
     if modules:
         out["py_modules"] = modules
     return out
 
 
-def connect(address: str, subject: str | None, local_cpus: int | None = None) -> str:
+def connect(address: str, subjects: Sequence[str], local_cpus: int | None = None) -> str:
     """``ray.init`` for this command; how it joined ("cluster at ADDRESS" or "local instance")."""
     import ray
 
-    env = runtime_env(subject)
+    env = runtime_env(subjects)
     quiet: dict[str, Any] = {"log_to_driver": False, "logging_level": "WARNING"}
     if address == "auto":
         try:

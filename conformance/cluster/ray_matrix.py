@@ -113,8 +113,7 @@ def run_matrix_ray(
 
     from conformance.cluster.ray_env import connect, nodes_alive, start_board, take_events
 
-    subjects = sorted({c.subject for c in cells if ":" in c.subject})
-    joined = connect(address, subjects[0] if subjects else None)
+    joined = connect(address, sorted({c.subject for c in cells}))
     try:
         board = start_board()
         task = ray.remote(num_cpus=1, max_retries=retries, retry_exceptions=False)(cell_body)
