@@ -187,8 +187,9 @@ class Progress:
         self.attempts: dict[str, list[str]] = {}  # shard id -> the nodes it started on
 
     def started(self, shard_id: str, node: str) -> None:
-        self.running[shard_id] = node
         self.attempts.setdefault(shard_id, []).append(node)
+        if shard_id not in self.done and shard_id not in self.failed:  # news can come late
+            self.running[shard_id] = node
 
     def finished(self, shard_id: str, node: str | None, failed: bool) -> None:
         where = node or self.running.get(shard_id) or "?"
