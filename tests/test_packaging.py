@@ -60,6 +60,7 @@ def test_the_development_install_is_the_union_of_the_published_two():
     assert set(root["dependencies"]) == set(gate["dependencies"]) | set(runtime["dependencies"])
     assert {_name(r) for r in root["optional-dependencies"]["ray"]} == {"ray"}
     assert root["optional-dependencies"]["ray"] == runtime["optional-dependencies"]["ray"]
+    assert root["optional-dependencies"]["ray"] == gate["optional-dependencies"]["ray"]
     assert root["optional-dependencies"]["matrix"] == gate["optional-dependencies"]["matrix"]
     assert _entry_points(root) == _merged_entry_points(gate, runtime)
     for dist in (gate, runtime):

@@ -142,6 +142,24 @@ def test_a_seeded_shard_searches_the_same_examples_through_ray(cluster, tmp_path
     assert here == _tests(out)
 
 
+def test_a_failure_one_run_found_is_replayed_first_by_the_next(cluster, tmp_path):
+    """The example database goes through the driver: the second run, under another seed, starts
+    from the failing example the first run's shard saved, and needs a couple of examples."""
+    user = tmp_path / "user"
+    subject = _mutant_module(user)
+    test = LOCKSTEP + "::test_lockstep_parity[off-sync]"
+    args = ("--subject", subject, "--profile", "dev", "--tests", test, "--ray", cluster.address)
+    out = tmp_path / "run"
+    first = _check(user, out, *args, "--seed", "1")
+    assert first.returncode == 1, first.stdout[-3000:] + first.stderr[-3000:]
+    (found,) = _tests(out).values()
+    assert any((out / "db").rglob("*")), "the first run saved no example"
+    second = _check(user, out, *args, "--seed", "2")
+    assert second.returncode == 1, second.stdout[-3000:] + second.stderr[-3000:]
+    (replayed,) = _tests(out).values()
+    assert replayed[0] == "failed" and replayed[1] <= 3 < found[1]
+
+
 def test_killing_the_second_node_mid_run_loses_no_shard(cluster, tmp_path):
     out = tmp_path / "ray"
     cmd = [sys.executable, "-m", "conformance.cli", "check", "--subject", "upstream"]
