@@ -63,6 +63,7 @@ __all__ = sorted(
         "build_kv_cache_config",
         "build_scheduler",
         "build_vllm_config",
+        "request_block_hasher",
         "image_features",
         "load_subject",
         "lora_request",

@@ -43,6 +43,7 @@ from conformance._core.config import (
     build_kv_cache_config,
     build_scheduler,
     build_vllm_config,
+    request_block_hasher,
 )
 from conformance._core.differences import Difference, Registry
 from conformance._core.lockstep import Lockstep, run_trace
@@ -119,6 +120,7 @@ __all__ = [
     "build_vllm_config",
     "build_kv_cache_config",
     "block_hasher",
+    "request_block_hasher",
     "release",
     # workloads
     "Trace",

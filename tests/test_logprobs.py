@@ -54,3 +54,28 @@ def test_zero_alone_still_gets_the_sampled_tokens_logprob():
     (outputs,) = _outputs([AddRequest("zero", (100, 101), max_tokens=2, logprobs=0)], 1)
     ids, values, ranks = outputs["zero"]["logprobs"]
     assert ids == [[outputs["zero"]["new_token_ids"][0]]] and len(values[0]) == 1
+
+
+def test_prompt_rows_come_once_on_the_output_that_ends_the_prompt():
+    # A 40-token prompt in 16-token chunks: two partial prefills, then the step that ends it.
+    prompt = tuple(range(100, 140))
+    steps = _outputs(
+        [
+            AddRequest("asks", prompt, max_tokens=3, prompt_logprobs=2),
+            AddRequest("plain", (300, 301), max_tokens=3),
+        ],
+        5,
+        long_prefill_token_threshold=16,
+    )
+    carried = [
+        (i, o["asks"]["prompt_logprobs"])
+        for i, o in enumerate(steps)
+        if "asks" in o and "prompt_logprobs" in o["asks"]
+    ]
+    assert len(carried) == 1, carried
+    i, (ids, values, ranks) = carried[0]
+    assert steps[i]["asks"]["new_token_ids"], "prompt rows ride on the first sampled token"
+    # One row per prompt position after the first, the prompt's own token first.
+    assert [row[0] for row in ids] == list(prompt[1:])
+    assert all(len(row) == 3 for row in ids) and len(values) == len(ranks) == len(prompt) - 1
+    assert all("prompt_logprobs" not in o.get("plain", {}) for o in steps)

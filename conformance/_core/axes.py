@@ -63,6 +63,10 @@ class Axis:
         from conformance._core.vllm_compat import axis_unavailable
 
         why = axis_unavailable(self.name)
+        if why is None and self.changes.get("model_runner_v2"):
+            from conformance._core.vllm_compat.aux_outputs import v2_scheduler_unavailable
+
+            why = v2_scheduler_unavailable()
         if why is None and mode is not None:
             why = axis_unavailable(f"{self.name}:{mode}")
         return why
@@ -102,6 +106,18 @@ AXES: tuple[Axis, ...] = (
         "clock), preemption picks the lowest-priority victim",
         {"scheduling_policy": "priority", "log_stats": True},
         request_values={"priority": (0, -1, 1, 2), "arrival": (None, 0.0, 0.5)},
+    ),
+    Axis(
+        "spec-decode-eagle",
+        "spec-decode with an EAGLE head, the scheduler built for Model Runner V2: lookahead "
+        "slots reserved for the drafter, no prefill chunk ending inside its read-ahead, block "
+        "hashes that cover a token past the block, drafting skipped in steps none can use",
+        {
+            "num_speculative_tokens": 2,
+            "spec_method": "eagle",
+            "model_runner_v2": True,
+            "log_stats": True,
+        },
     ),
     Axis(
         "pipeline-2",
@@ -168,10 +184,59 @@ AXES: tuple[Axis, ...] = (
         {"kv_layout": "hybrid-local", "kv_events": True, "log_stats": True},
     ),
     Axis(
+        "hybrid-ring",
+        "full attention beside a compressor's ring buffer (one block per request for its "
+        "life, never prefix-cached): the ring group claims its block at admission, takes no "
+        "part in hits and frees it at finish",
+        {"kv_layout": "hybrid-ring", "kv_events": True, "log_stats": True},
+    ),
+    Axis(
         "hybrid-mamba",
         "full attention beside a Mamba group in align mode: chunks split at Mamba blocks, "
         "hits inside a Mamba block (a 16-token hash unit in 32-token blocks), state copies",
         {"kv_layout": "hybrid-mamba", "kv_events": True, "log_stats": True},
+    ),
+    Axis(
+        "hybrid-swa-retention",
+        "hybrid-swa keeping a sliding-window checkpoint only every 64 tokens "
+        "(prefix_cache_retention_interval) and at the prompt's replay boundary: the blocks "
+        "between are not cached, so hits land on the kept checkpoints",
+        {
+            "kv_layout": "hybrid-swa",
+            "cache_options": {"prefix_cache_retention_interval": 64},
+            "kv_events": True,
+            "log_stats": True,
+        },
+    ),
+    Axis(
+        "hybrid-mamba-retention",
+        "hybrid-mamba keeping a Mamba state only every 64 tokens and at the prompt's replay "
+        "boundary (prefix_cache_retention_interval), instead of every block",
+        {
+            "kv_layout": "hybrid-mamba",
+            "cache_options": {"prefix_cache_retention_interval": 64},
+            "kv_events": True,
+            "log_stats": True,
+        },
+    ),
+    *(
+        Axis(
+            f"hybrid-{kind}-eagle",
+            f"hybrid-{kind} with an EAGLE head (two drafts) that drops each hit's last block: "
+            "every group's hit shortened, the window or Mamba state the drafter needs kept one "
+            "block further",
+            {
+                "kv_layout": f"hybrid-{kind}",
+                "num_speculative_tokens": 2,
+                "spec_method": "eagle",
+                # The legacy drop of each hit's last block, which the coordinator applies per
+                # group (hash lookahead, the default, leaves hits whole).
+                "spec_options": {"disable_lookahead_block_hashes": True},
+                "kv_events": True,
+                "log_stats": True,
+            },
+        )
+        for kind in ("swa", "mamba")
     ),
     Axis(
         "hybrid-swa-connector",
@@ -233,9 +298,11 @@ AXES: tuple[Axis, ...] = (
         "sampled-token logprobs: requests ask for 0-5 candidates per token, the runner returns "
         "every request's rows (per token, with offsets, under speculative decoding), each output "
         "must carry exactly its own request's rows for the tokens it emits, stops included; "
-        "16-token prefill chunks, so partial prefills share steps with sampling requests",
+        "prompt logprobs (no prefix-cache hit read for them), returned once the prompt is "
+        "computed and carried by that step's output; 16-token prefill chunks, so partial "
+        "prefills share steps with sampling requests",
         {"log_stats": True, "long_prefill_token_threshold": 16},
-        request_values={"logprobs": (None, 0, 1, 5)},
+        request_values={"logprobs": (None, 0, 1, 5), "prompt_logprobs": (None, None, 0, 2)},
     ),
     Axis(
         "logprobs-spec-decode",
@@ -266,6 +333,14 @@ AXES: tuple[Axis, ...] = (
             },
             "log_stats": True,
         },
+    ),
+    Axis(
+        "pooling",
+        "a pooling model (the causal LM converted to an embedding model, as vLLM converts it): "
+        "requests with PoolingParams, no context slot kept for a sampled token, a request "
+        "finished by its pooled output once its prompt is computed, each output carrying its "
+        "own request's embedding",
+        {"runner": "pooling", "log_stats": True},
     ),
     Axis(
         "lora",
@@ -360,6 +435,20 @@ AXES: tuple[Axis, ...] = (
         "multimodal with chunked multimodal input off: a step that cannot take an image's "
         "placeholder tokens whole stops before the image",
         {"model": str(MM_MODEL), "disable_chunked_mm_input": True, "log_stats": True},
+        request_values={"images": IMAGE_DRAWS},
+    ),
+    Axis(
+        "multimodal-v2",
+        "multimodal with the scheduler built for Model Runner V2: each step names the images "
+        "a worker installs and those it can drop once their tokens are computed "
+        "(encoder_input_updates), resumed requests sent whole as new ones; each step also "
+        "counts its encoder inputs (iteration details)",
+        {
+            "model": str(MM_MODEL),
+            "model_runner_v2": True,
+            "iteration_details": True,
+            "log_stats": True,
+        },
         request_values={"images": IMAGE_DRAWS},
     ),
     Axis(

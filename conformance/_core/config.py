@@ -66,6 +66,14 @@ class HarnessConfig:
     # (sync) or placeholders for the runner's own drafts (async), and the source verifies them
     # (``conformance._core.tokens``). 0: off.
     num_speculative_tokens: int = 0
+    # The speculative method the configuration names: "ngram" (no draft model) or "eagle" (the
+    # model's own folder as its draft head), which also reserves lookahead slots for the
+    # drafter, keeps a prefill chunk from ending inside the drafter's read-ahead, and drops the
+    # last block of every prefix-cache hit (the drafter needs its hidden states recomputed).
+    spec_method: str = "ngram"
+    # Further ``SpeculativeConfig`` fields (``disable_lookahead_block_hashes``: an EAGLE head
+    # drops the last block of each hit instead of hashing a token past each block).
+    spec_options: dict[str, Any] = field(default_factory=dict)
     # The scheduler axes (``conformance._core.axes``). Left at their defaults they are not
     # written to a trace, so traces and recordings made before they existed read the same.
     # Statistics on: ``SchedulerStats``, request events and per-request spec-decode metrics
@@ -111,6 +119,21 @@ class HarnessConfig:
     # ``long_prefill_token_threshold_adaptive``, ``prefill_schedule_interval``): releases differ
     # in which they have (``vllm_compat.features``).
     scheduler_options: dict[str, Any] = field(default_factory=dict)
+    # Further ``CacheConfig`` fields, for the retention axes (``prefix_cache_retention_interval``:
+    # how densely sliding-window and Mamba groups keep prefix-cache checkpoints), keyed per
+    # release like ``scheduler_options``.
+    cache_options: dict[str, Any] = field(default_factory=dict)
+    # The scheduler built for vLLM's Model Runner V2 (as ``VLLM_USE_V2_MODEL_RUNNER=1`` builds
+    # it): resumed requests sent as new ones with their whole token list, the images a worker
+    # must install or drop (``encoder_input_updates``), drafts skipped in steps none can use.
+    model_runner_v2: bool = False
+    # ``ObservabilityConfig.enable_logging_iteration_details``: each step's output also counts
+    # the encoder inputs it schedules (``scheduled_encoder_input_stats``), with ``log_stats``.
+    iteration_details: bool = False
+    # ``ModelConfig.runner``: "generate", or "pooling" (the model converted to an embedding
+    # model, as vLLM converts a causal LM): every request then pools (``PoolingParams``), the
+    # runner returns a pooled output once a prompt is computed, and nothing is sampled.
+    runner: str = "generate"
     # LoRA: adapters a step may serve at once (``LoRAConfig.max_loras``; 0: LoRA off). Requests
     # then may name an adapter (``AddRequest.lora``).
     max_loras: int = 0
@@ -177,14 +200,22 @@ _AXIS_DEFAULTS: dict[str, Any] = {
     "kv_layout": "",
     "disable_chunked_mm_input": False,
     "scheduler_options": {},
+    "cache_options": {},
     "max_loras": 0,
+    "spec_method": "ngram",
+    "spec_options": {},
+    "model_runner_v2": False,
+    "iteration_details": False,
+    "runner": "generate",
 }
 
 _HASH_READY = False
 
 
-def block_hasher(block_size: int):
-    """vLLM's sha256 request block hasher; ``init_none_hash`` runs once per process."""
+def block_hasher(block_size: int, lookahead_tokens: int = 0):
+    """vLLM's sha256 request block hasher (each block's hash also covering ``lookahead_tokens``
+    tokens past it, as ``EngineCore``'s does for an EAGLE head: ``hash_lookahead_tokens``);
+    ``init_none_hash`` runs once per process."""
     global _HASH_READY
     from vllm.utils.hashing import sha256
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -192,7 +223,37 @@ def block_hasher(block_size: int):
     if not _HASH_READY:
         init_none_hash(sha256)
         _HASH_READY = True
-    return get_request_block_hasher(block_size, sha256)
+    if not lookahead_tokens:  # releases before lookahead hashes take two arguments
+        return get_request_block_hasher(block_size, sha256)
+    return get_request_block_hasher(block_size, sha256, lookahead_tokens)
+
+
+def request_block_hasher(cfg: HarnessConfig):
+    """The block hasher ``EngineCore`` gives each request under ``cfg``: at the scheduler's
+    hash block size (a hybrid layout resolves its own) and covering ``hash_lookahead_tokens``
+    past each block."""
+    if not cfg.kv_layout and (cfg.spec_method == "ngram" or not cfg.num_speculative_tokens):
+        return block_hasher(cfg.block_size)
+    return block_hasher(*_hashing(json.dumps(cfg.to_dict(), sort_keys=True)))
+
+
+def hash_lookahead_tokens(cfg: HarnessConfig) -> int:
+    """Tokens past each block its hash covers under ``cfg`` (``VllmConfig``'s
+    ``num_hash_lookahead_tokens``, new in 0.33: an EAGLE head's read-ahead; 0 otherwise)."""
+    if cfg.spec_method == "ngram" or not cfg.num_speculative_tokens:
+        return 0
+    return _hashing(json.dumps(cfg.to_dict(), sort_keys=True))[1]
+
+
+@functools.cache
+def _hashing(cfg_json: str) -> tuple[int, int]:
+    """(hash block size, lookahead tokens) of a configuration, resolved once per process."""
+    cfg = HarnessConfig.from_dict(json.loads(cfg_json))
+    vllm_config = build_vllm_config(cfg)
+    lookahead = int(getattr(vllm_config, "num_hash_lookahead_tokens", 0))
+    if not cfg.kv_layout:
+        return cfg.block_size, lookahead
+    return build_hybrid_kv_cache(cfg, vllm_config).hash_block_size, lookahead
 
 
 def build_vllm_config(
@@ -215,7 +276,9 @@ def build_vllm_config(
     from conformance._core.kv_connectors import kv_transfer_kw
     from conformance._core.vllm_compat import aux_outputs
 
-    v2 = aux_outputs.needs_v2_runner(cfg.return_sampling_mask, cfg.return_routed_experts)
+    v2 = cfg.model_runner_v2 or aux_outputs.needs_v2_runner(
+        cfg.return_sampling_mask, cfg.return_routed_experts
+    )
     if v2 and not aux_outputs.v2_runner_on():
         # vLLM validates these outputs against the runner flavour (``runner_flavour``).
         with aux_outputs.runner_flavour(True):
@@ -227,6 +290,7 @@ def build_vllm_config(
             )
     sched_kw: dict[str, Any] = {} if scheduler_cls is None else {"scheduler_cls": scheduler_cls}
     parallel_kw: dict[str, Any] = {} if worker_cls is None else {"worker_cls": worker_cls}
+    runner_kw: dict[str, Any] = {} if cfg.runner == "generate" else {"runner": cfg.runner}
     model_config = ModelConfig(
         model=cfg.model,
         **tokenizer_kw(cfg),
@@ -235,6 +299,7 @@ def build_vllm_config(
         seed=cfg.seed,
         **aux_outputs.model_config_kw(cfg.return_sampling_mask, cfg.return_routed_experts),
         **encoder_only_kw(cfg),
+        **runner_kw,
     )
     scheduler_config = SchedulerConfig(
         max_num_seqs=cfg.max_num_seqs,
@@ -250,10 +315,14 @@ def build_vllm_config(
         **cfg.scheduler_options,
     )
     cache_config = CacheConfig(
-        **kv_layout_cache_kw(cfg),
-        enable_prefix_caching=cfg.enable_prefix_caching,
-        prefix_caching_hash_algo="sha256",
-        num_gpu_blocks_override=num_gpu_blocks_override,
+        **{
+            **kv_layout_cache_kw(cfg),
+            "enable_prefix_caching": cfg.enable_prefix_caching,
+            "prefix_caching_hash_algo": "sha256",
+            "num_gpu_blocks_override": num_gpu_blocks_override,
+            # An axis's own cache options over the layout's (a coarser prefix-match unit).
+            **cfg.cache_options,
+        }
     )
     vllm_config = VllmConfig(
         model_config=model_config,
@@ -274,6 +343,8 @@ def build_vllm_config(
         **lora_kw(cfg),
     )
     vllm_config.cache_config.num_gpu_blocks = cfg.num_blocks
+    if cfg.iteration_details:
+        vllm_config.observability_config.enable_logging_iteration_details = True
     if cfg.kv_layout:
         from conformance._core.vllm_compat import kv_layout
 
@@ -283,13 +354,27 @@ def build_vllm_config(
 
         # n-gram: a method that needs no draft model. The harness's token source drafts in its
         # place; the scheduler only reads how many drafts a step may carry.
+        method_kw: dict[str, Any] = (
+            {
+                "method": "ngram",
+                "prompt_lookup_min": 1,
+                "prompt_lookup_max": cfg.num_speculative_tokens,
+            }
+            if cfg.spec_method == "ngram"
+            # The harness's token source drafts in the head's place too; vLLM reads only the
+            # head's configuration, never its weights, on the scheduler's side.
+            else {"method": cfg.spec_method, "model": cfg.model}
+        )
+        spec_options = dict(cfg.spec_options)
+        if not aux_outputs.LOOKAHEAD_HASHES.value():
+            # The drop it selects is all a release without lookahead hashes does.
+            spec_options.pop("disable_lookahead_block_hashes", None)
         vllm_config.speculative_config = SpeculativeConfig(
-            method="ngram",
             num_speculative_tokens=cfg.num_speculative_tokens,
-            prompt_lookup_min=1,
-            prompt_lookup_max=cfg.num_speculative_tokens,
             target_model_config=model_config,
             target_parallel_config=vllm_config.parallel_config,
+            **method_kw,
+            **spec_options,
         )
         if cfg.log_stats and spec_metrics_field():
             # Per-request spec-decode metrics ride on the outputs only when asked for (and
@@ -413,7 +498,9 @@ def build_scheduler(
         hold_grammar_compilation,
     )
 
-    v2 = aux_outputs.needs_v2_runner(cfg.return_sampling_mask, cfg.return_routed_experts)
+    v2 = cfg.model_runner_v2 or aux_outputs.needs_v2_runner(
+        cfg.return_sampling_mask, cfg.return_routed_experts
+    )
     if v2 and not aux_outputs.v2_runner_on():
         # The scheduler reads the runner flavour when built, as its configuration was.
         with aux_outputs.runner_flavour(True):

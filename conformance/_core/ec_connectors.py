@@ -112,6 +112,9 @@ class RunnerReport:
     samples: bool = True
     # The runner attaches its EC connector's ``ECConnectorOutput`` to a step that ran the model.
     ec_output: bool = False
+    # The runner pools (a pooling model's): a request's pooled output, once its prompt is
+    # computed, ends it (``pooler_output``).
+    pools: bool = False
 
     def ec_connector_output(self, so: Any) -> Any:
         """The step's ``ECConnectorOutput`` (None when the runner attaches none)."""
@@ -121,9 +124,12 @@ class RunnerReport:
 
 
 def runner_report(vllm_config: Any) -> RunnerReport:
-    """What a runner of ``vllm_config``'s instance reports. An EC producer-only runner returns
+    """What a runner of ``vllm_config``'s instance reports. A pooling model's runner pools instead
+    of sampling. An EC producer-only runner returns
     before the forward pass with no EC output; any other runner with an EC connector goes through
     its connector with every step (as one of a multimodal model does) and reports its output."""
+    if vllm_config.model_config.runner_type == "pooling":
+        return RunnerReport(samples=False, pools=True)
     ec = vllm_config.ec_transfer_config
     if ec is None or not ec.is_ec_transfer_instance:
         return RunnerReport()

@@ -9,6 +9,11 @@ request the step ran once any of them asks: one row per request without speculat
 (a partial prefill's row is padding the scheduler never reads), one per sampled token with it,
 where ``cu_num_generated_tokens`` says where each request's rows start. The scheduler's part is
 to give each output exactly its own request's rows for the tokens it emits (``slice_request``).
+
+Prompt logprobs (``SamplingParams.prompt_logprobs``) come as vLLM's runner returns them: once,
+in the step that computes a request's last prompt token, a row per prompt position after the
+first (``prompt_logprobs_dict``, keyed by request id), which the scheduler must put on that
+step's output of the request (``new_prompt_logprobs_tensors``).
 """
 
 from __future__ import annotations
@@ -67,6 +72,32 @@ def runner_logprobs(
     if per_token:
         return LogprobsLists(*arrays, cu_num_generated_tokens=[*starts, len(ids)])
     return LogprobsLists(*arrays)
+
+
+def runner_prompt_logprobs(request_id: str, prompt: Sequence[int], k: int, vocab: int) -> Any:
+    """The ``LogprobsTensors`` of a request's prompt: a row of ``k + 1`` candidates for each
+    prompt token after the first (the token itself first), keyed by its position."""
+    import torch
+    from vllm.v1.outputs import LogprobsTensors
+
+    rows = [row(request_id, -1 - p, prompt[p], k, vocab) for p in range(1, len(prompt))]
+    return LogprobsTensors(
+        torch.tensor([r[0] for r in rows], dtype=torch.int32).reshape(len(rows), k + 1),
+        torch.tensor([r[1] for r in rows], dtype=torch.float32).reshape(len(rows), k + 1),
+        torch.tensor([r[2] for r in rows], dtype=torch.int32),
+    )
+
+
+def output_prompt_logprobs(out: Any) -> tuple[Any, ...] | None:
+    """An output's prompt logprobs as plain values, None when it has none."""
+    tensors = getattr(out, "new_prompt_logprobs_tensors", None)
+    if tensors is None:
+        return None
+    return (
+        tensors.logprob_token_ids.tolist(),
+        np.round(tensors.logprobs.double().numpy(), 4).tolist(),
+        tensors.selected_token_ranks.tolist(),
+    )
 
 
 def output_logprobs(out: Any) -> tuple[Any, ...] | None:

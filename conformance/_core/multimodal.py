@@ -63,14 +63,16 @@ def placements(own_len: int, images: Sequence[tuple[str, int]], prompt_len: int)
     return out
 
 
-def feature_specs(places: Sequence[Placement]) -> list[Any]:
-    """vLLM's ``MultiModalFeatureSpec`` for each placement (no data: the harness runs no
-    encoder, as an engine whose processor cache already holds the item sends none)."""
+def feature_specs(places: Sequence[Placement], with_data: bool = False) -> list[Any]:
+    """vLLM's ``MultiModalFeatureSpec`` for each placement. No data by default: the harness runs
+    no encoder, as an engine whose processor cache already holds the item sends none. With
+    ``with_data``, each carries a processed item as a client without that cache sends it (what
+    a scheduler built for Model Runner V2 tells its worker to install)."""
     from vllm.multimodal.inputs import MultiModalFeatureSpec, PlaceholderRange
 
     return [
         MultiModalFeatureSpec(
-            data=None,
+            data=_processed(size) if with_data else None,
             modality="image",
             # A string of its own per feature, as an engine decoding the request off its socket
             # holds them: vLLM's sha256 block hash pickles the extra keys, and pickle writes a
@@ -106,3 +108,17 @@ IMAGE_DRAWS: tuple[tuple[tuple[str, int], ...], ...] = (
     (("cat", 0), ("dog", 1), ("bird", 2)),
     (("cat-resized", 4),),
 )
+
+
+def _processed(size: int) -> Any:
+    """A processed image as vLLM's processor hands it on: its pixel values, one row per
+    placeholder token (zeros: nothing encodes them here)."""
+    import torch
+    from vllm.multimodal.inputs import (
+        MultiModalBatchedField,
+        MultiModalFieldElem,
+        MultiModalKwargsItem,
+    )
+
+    pixels = MultiModalFieldElem(data=torch.zeros(size, 4), field=MultiModalBatchedField())
+    return MultiModalKwargsItem({"pixel_values": pixels})

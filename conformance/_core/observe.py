@@ -19,7 +19,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from conformance._core import vllm_compat as vc
-from conformance._core.logprobs import output_logprobs
+from conformance._core.logprobs import output_logprobs, output_prompt_logprobs
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -123,6 +123,12 @@ def observe_outputs(outputs: dict[int, EngineCoreOutputs] | None) -> dict[str, A
             logprobs = output_logprobs(out)
             if logprobs is not None:
                 entry["logprobs"] = logprobs
+            prompt_logprobs = output_prompt_logprobs(out)
+            if prompt_logprobs is not None:
+                entry["prompt_logprobs"] = prompt_logprobs
+            pooled = vc.pooled_output(out)
+            if pooled is not None:
+                entry["pooling_output"] = pooled
             extra = vc.output_extra_fields(out)
             if extra:
                 entry.update(extra)

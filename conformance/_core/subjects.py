@@ -12,6 +12,7 @@ each enables are in ``docs/adopting-the-gate.md``.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import sys
@@ -33,7 +34,11 @@ from conformance._core.capabilities import (
     RunnerProbes,
     SourceLayout,
 )
-from conformance._core.config import HarnessConfig, block_hasher, build_scheduler
+from conformance._core.config import (
+    HarnessConfig,
+    build_scheduler,
+    request_block_hasher,
+)
 from conformance._core.vllm_compat import init_grammar
 from conformance._core.vllm_compat.state import (
     block_pool,
@@ -179,6 +184,8 @@ def make_sampling_params(op: AddRequest, cfg: HarnessConfig) -> SamplingParams:
         stop_token_ids=list(op.stop_token_ids),
         ignore_eos=op.ignore_eos,
         temperature=0.0,
+        # Given here: vLLM then skips reading the prefix cache for the request, as for a client's.
+        prompt_logprobs=op.prompt_logprobs,
     )
     # What the engine's input processor does with the model's generation config.
     sp.update_from_generation_config({}, eos_token_id=cfg.model_shape().get("eos_token_id"))
@@ -209,10 +216,10 @@ def request_kwargs(
     kwargs: dict[str, Any] = {
         "request_id": op.request_id,
         "prompt_token_ids": prompt,
-        "sampling_params": make_sampling_params(op, cfg),
-        "pooling_params": None,
+        "sampling_params": None if cfg.runner == "pooling" else make_sampling_params(op, cfg),
+        "pooling_params": pooling_params(cfg),
         "arrival_time": arrival,
-        "block_hasher": block_hasher(cfg.block_size),
+        "block_hasher": request_block_hasher(cfg),
         "trace_headers": op.headers(),
         "client_index": op.client_index,
         "priority": op.priority,
@@ -220,10 +227,29 @@ def request_kwargs(
     if op.resumable:  # only then: releases before streaming sessions have no such argument
         kwargs["resumable"] = True
     if op.images:
-        kwargs["mm_features"] = image_features(op, prompt)
+        kwargs["mm_features"] = image_features(op, prompt, cfg.model_runner_v2)
     if op.lora:
         kwargs["lora_request"] = lora_request(op)
     return kwargs
+
+
+def pooling_params(cfg: HarnessConfig) -> Any:
+    """A pooling model's requests' ``PoolingParams`` (an embedding each), verified against the
+    model as vLLM's input processor does; None for a generating model."""
+    if cfg.runner != "pooling":
+        return None
+    from vllm.pooling_params import PoolingParams
+
+    params = PoolingParams(task="embed")
+    params.verify(_pooling_model(cfg.model))
+    return params
+
+
+@functools.cache
+def _pooling_model(model: str) -> Any:
+    from vllm.config import ModelConfig
+
+    return ModelConfig(model=model, runner="pooling", skip_tokenizer_init=True, dtype="float32")
 
 
 def lora_request(op: AddRequest) -> Any:
@@ -236,13 +262,14 @@ def lora_request(op: AddRequest) -> Any:
     return LoRARequest(f"lora-{op.lora}", op.lora, f"omni-conformance://lora-{op.lora}")
 
 
-def image_features(op: AddRequest, prompt: list[int]) -> list[Any]:
+def image_features(op: AddRequest, prompt: list[int], with_data: bool = False) -> list[Any]:
     """The multimodal features (``MultiModalFeatureSpec``) of ``op``'s images in ``prompt`` (the
     prompt ``Trace.prompt_of`` expanded them in), as vLLM's input processor makes them; empty
-    for a request without images."""
+    for a request without images. ``with_data``: each carries its processed item
+    (``multimodal.feature_specs``), as under ``HarnessConfig.model_runner_v2``."""
     from conformance._core.multimodal import feature_specs, placements
 
-    return feature_specs(placements(len(op.prompt), op.images, len(prompt)))
+    return feature_specs(placements(len(op.prompt), op.images, len(prompt)), with_data)
 
 
 @dataclass(frozen=True)

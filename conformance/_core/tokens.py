@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import zlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -26,7 +26,7 @@ from conformance._core import vllm_compat as vc
 from conformance._core.ec_connectors import RunnerReport
 from conformance._core.harness_faults import harness_code
 from conformance._core.kv_connectors import WorkerStandIn
-from conformance._core.logprobs import runner_logprobs
+from conformance._core.logprobs import runner_logprobs, runner_prompt_logprobs
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import GrammarOutput, SchedulerOutput
@@ -46,6 +46,23 @@ PLACEHOLDER = -1
 # except at one position in GRAMMAR_MISS_PERIOD, where it takes the first one the grammar
 # forbids (a runner that ignored the bitmask): vLLM then ends the request with an error.
 GRAMMAR_MISS_PERIOD = 19
+
+
+# Values a pooling runner returns per request (an embedding's width).
+POOLED_WIDTH = 8
+
+
+def pooled_output(request_id: str) -> Any:
+    """A pooling runner's output for a request: an embedding that is a function of its id."""
+    import torch
+
+    return torch.tensor(
+        [
+            (zlib.crc32(f"pool:{request_id}:{i}".encode()) % 2000 - 1000) / 1000
+            for i in range(POOLED_WIDTH)
+        ],
+        dtype=torch.float32,
+    )
 
 
 def token_at(request_id: str, position: int, vocab: int = 512) -> int:
@@ -94,6 +111,8 @@ class DeterministicTokenSource:
         self._reqs: dict[str, _ReqView] = {}
         # Requests that asked for logprobs (``execute`` builds rows only while there are any).
         self._logprob_ids: set[str] = set()
+        # Requests that asked for prompt logprobs and have not had them: prompt and candidates.
+        self._prompt_logprobs: dict[str, tuple[list[int], int]] = {}
         self._drafted: list[str] = []  # the last step's requests, in its order
         self._grammar: GrammarOutput | None = None  # for the next step (``receive_grammar``)
         self._kv = WorkerStandIn()  # a KV connector's worker half (none configured: idle)
@@ -160,10 +179,16 @@ class DeterministicTokenSource:
         for rid in so.finished_req_ids:
             self._reqs.pop(rid, None)
             self._logprob_ids.discard(rid)
+            self._prompt_logprobs.pop(rid, None)
         for new in so.scheduled_new_reqs:
             sp = new.sampling_params
             if sp is not None and sp.logprobs is not None:
                 self._logprob_ids.add(new.req_id)
+            if sp is not None and sp.prompt_logprobs is not None and new.num_computed_tokens == 0:
+                self._prompt_logprobs[new.req_id] = (
+                    list(new.prompt_token_ids or ()),
+                    sp.prompt_logprobs,
+                )
             prompt = len(new.prefill_token_ids or new.prompt_token_ids or ())
             self._reqs[new.req_id] = _ReqView(
                 num_tokens=prompt,
@@ -216,8 +241,12 @@ class DeterministicTokenSource:
             view.num_tokens = end + len(ids)
         self._drafted = req_ids
         aux = {} if self.aux is None else self.aux.outputs(so, req_ids, computed, sampled)
+        if self._report.pools:
+            self._attach_pooled(aux, so, req_ids, computed)
         if self._logprob_ids:  # read per step only while some request asks for logprobs
             self._attach_logprobs(aux, so, req_ids, computed, drafts, sampled)
+        if self._prompt_logprobs:
+            self._attach_prompt_logprobs(aux, req_ids, sampled)
         return ModelRunnerOutput(
             req_ids=req_ids,
             req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
@@ -227,6 +256,35 @@ class DeterministicTokenSource:
             ec_connector_output=self._report.ec_connector_output(so),
             **aux,
         )
+
+    def _attach_pooled(
+        self, aux: dict, so: SchedulerOutput, req_ids: list[str], computed: dict[str, int]
+    ) -> None:
+        # As a pooling runner: a request's pooled output in the step that computes its last
+        # prompt token, None for a partial prefill.
+        pooled: list[Any] = []
+        for rid in req_ids:
+            view = self._reqs.get(rid)
+            end = computed.get(rid, 0) + so.num_scheduled_tokens[rid]
+            pooled.append(
+                pooled_output(rid) if view is not None and end >= view.num_tokens else None
+            )
+        if any(p is not None for p in pooled):
+            aux["pooler_output"] = pooled
+
+    def _attach_prompt_logprobs(
+        self, aux: dict, req_ids: list[str], sampled: list[list[int]]
+    ) -> None:
+        # As vLLM's runner: a request's prompt rows all at once, in the step that computes its
+        # last prompt token (the one that samples its first token), never for a partial prefill.
+        got: dict[str, Any] = {}
+        for rid, ids in zip(req_ids, sampled, strict=True):
+            pending = self._prompt_logprobs.get(rid) if ids else None
+            if pending is not None:
+                del self._prompt_logprobs[rid]
+                got[rid] = runner_prompt_logprobs(rid, pending[0], pending[1], self.vocab)
+        if got:
+            aux["prompt_logprobs_dict"] = got
 
     def _attach_logprobs(
         self,

@@ -79,6 +79,10 @@ class AddRequest:
     # ``SamplingParams.min_tokens``: stop ids and EOS do not end the request before it has this
     # many output tokens (the limits axis).
     min_tokens: int = 0
+    # ``SamplingParams.prompt_logprobs``: candidates per prompt position the output carrying the
+    # request's first token must hold (the ``logprobs`` axes; ``conformance._core.logprobs``).
+    # vLLM then reads no prefix-cache hit for it. None: none asked for.
+    prompt_logprobs: int | None = None
     # The LoRA adapter the request runs with (``Request.lora_request``, the LoRA axis): its
     # integer id, 0 for none. Its name (``lora-<id>``) keys the prefix cache's block hashes.
     lora: int = 0
@@ -115,6 +119,11 @@ class AddRequest:
             + (f" images={_images(self.images)}" if self.images else "")
             + (f" min_tokens={self.min_tokens}" if self.min_tokens else "")
             + (f" lora={self.lora}" if self.lora else "")
+            + (
+                f" prompt_logprobs={self.prompt_logprobs}"
+                if self.prompt_logprobs is not None
+                else ""
+            )
         )
 
 
@@ -280,6 +289,7 @@ def op_to_dict(op: Op) -> dict[str, Any]:
             ("images", ()),
             ("min_tokens", 0),
             ("lora", 0),
+            ("prompt_logprobs", None),
             ("max_tokens", None),
             ("end", False),
         ):

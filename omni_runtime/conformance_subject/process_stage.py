@@ -320,7 +320,10 @@ class ProcessStageSubject(OmniSubject):
         decoded = MsgpackDecoder(EngineCoreRequest).decode(frames)
         # EngineCore hashes at the scheduler's hash block size, which a hybrid KV layout sets
         # apart from the cache's block size (the attention page).
-        hasher = block_hasher(getattr(scheduler, "hash_block_size", scheduler.block_size))
+        hasher = block_hasher(
+            getattr(scheduler, "hash_block_size", scheduler.block_size),
+            scheduler.vllm_config.num_hash_lookahead_tokens,
+        )
         arrived = Request.from_engine_core_request(decoded, hasher)
         if arrived.use_structured_output:
             # ``preprocess_add_request`` starts the grammar compiling before admission.

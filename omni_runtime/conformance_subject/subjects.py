@@ -21,12 +21,12 @@ from conformance.api import (
     SourceLayout,
     SubjectAreas,
     SubjectUnsupported,
-    block_hasher,
     build_kv_cache_config,
     build_vllm_config,
     image_features,
     lora_request,
     make_sampling_params,
+    request_block_hasher,
 )
 from omni_runtime.conformance_subject.delivery import OmniChunkDelivery
 from omni_runtime.conformance_subject.input_adapter import OmniInputAdapterProbe
@@ -76,14 +76,15 @@ class OmniSchedulerSubject(BaseSubject):
         from omni_runtime.config import OmniStageConfig
 
         stage = OmniStageConfig.from_vllm_config(scheduler.vllm_config)
-        if stage is None or op.plain:
+        if stage is None or op.plain or cfg.runner == "pooling":
             # A plain vLLM client's request reaches the stage's engine as upstream builds it
-            # (``Request.from_engine_core_request``): no stage input, no omni slot.
+            # (``Request.from_engine_core_request``): no stage input, no omni slot. So does a
+            # pooling request: the stage input adapter builds generating stages' inputs only.
             return super().make_request(op, prompt, cfg, scheduler, arrival)
         adapter = InputAdapter(
             stage,
             max_model_len=cfg.max_model_len,
-            block_hasher=block_hasher(cfg.block_size),
+            block_hasher=request_block_hasher(cfg),
             live_ids=scheduler.requests,
         )
         return adapter.build(
@@ -97,7 +98,7 @@ class OmniSchedulerSubject(BaseSubject):
                 client_index=op.client_index,
                 priority=op.priority,
                 resumable=op.resumable,
-                mm_features=image_features(op, prompt) or None,
+                mm_features=image_features(op, prompt, cfg.model_runner_v2) or None,
                 lora_request=lora_request(op),
             )
         )

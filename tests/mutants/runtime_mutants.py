@@ -162,6 +162,92 @@ class PrefillCadenceIgnored:
         self.local_prefill_interval = 1
 
 
+class RetentionIgnored:
+    """C-01/C-06: sliding-window and Mamba checkpoints are cached at every block despite
+    ``prefix_cache_retention_interval``, as a runtime that builds its KV-cache coordinator
+    from an older configuration (no retention) does: blocks upstream leaves uncached are kept
+    as prefix-cache entries, published and evicted in its place."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self.kv_cache_manager.coordinator.retention_interval = None  # type: ignore[attr-defined]
+
+
+class EagleHitBlockKept:
+    """C-01/C-07: prefix-cache hits keep their last block under an EAGLE head whose drafter
+    needs that block's hidden states recomputed, as a runtime that builds its KV-cache manager
+    without the EAGLE flag does."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        coordinator = self.kv_cache_manager.coordinator  # type: ignore[attr-defined]
+        coordinator.drop_eagle_group_ids = set()
+        groups = getattr(coordinator, "attention_groups", None)
+        if groups is not None:
+            coordinator.attention_groups = [g._replace(use_eagle=False) for g in groups]
+        for manager in coordinator.single_type_managers:
+            manager.use_eagle = False
+
+
+class LookaheadSlotsIgnored:
+    """C-01/C-06: no KV slots are reserved for an EAGLE drafter's lookahead, as a runtime whose
+    scheduler sizes allocations from the drafts alone does: the drafter then writes past the
+    request's blocks."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self.num_lookahead_tokens = 0
+
+
+class EncoderUpdatesDropped:
+    """C-01: the scheduler built for Model Runner V2 never tells the worker which images to
+    install or drop (``encoder_input_updates``), as a runtime that overrides the step's output
+    and leaves the field empty does: the worker encodes from stale or missing inputs."""
+
+    def _get_encoder_input_updates(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return {}
+
+
+class RingAsFullAttention:
+    """C-01/C-06: a compressor's ring-buffer group is managed as full attention, as a runtime
+    whose KV-cache manager maps specs to managers by their attention base class does: the
+    ring then takes a block per 16 tokens instead of one block for the request's life."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        coordinator = self.kv_cache_manager.coordinator  # type: ignore[attr-defined]
+        for manager in coordinator.single_type_managers:
+            if type(manager).__name__ == "CircularBufferManager":
+                manager.__class__ = type(manager).__mro__[1]  # FullAttentionManager
+
+
+class PromptLogprobsDropped:
+    """C-01: prompt logprobs never reach the outputs, as a runtime that rebuilds its runner's
+    output for its stage (tokens, sampled logprobs) and leaves ``prompt_logprobs_dict`` out."""
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        if getattr(model_runner_output, "prompt_logprobs_dict", None):
+            model_runner_output = copy.copy(model_runner_output)
+            model_runner_output.prompt_logprobs_dict = {}
+        return super().update_from_output(  # type: ignore[misc]
+            scheduler_output, model_runner_output
+        )
+
+
+class PooledOutputIgnored:
+    """C-01/C-04: pooled outputs never reach the scheduler, as a runtime that rebuilds its
+    runner's output from sampled tokens alone does: a pooling request is then never finished
+    by its embedding and holds its blocks."""
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        if getattr(model_runner_output, "pooler_output", None):
+            model_runner_output = copy.copy(model_runner_output)
+            model_runner_output.pooler_output = []
+        return super().update_from_output(  # type: ignore[misc]
+            scheduler_output, model_runner_output
+        )
+
+
 class SessionEndsAtFirstTurn:
     """C-01/C-04: a streaming input session finishes when its first turn stops, as a runtime
     whose stop handling ignores ``Request.resumable`` does: its later input starts a new
@@ -2930,6 +3016,71 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-prefill-cadence-sync",
         "new prefills start every step despite prefill_schedule_interval",
         _sub(scheduler_mixin=PrefillCadenceIgnored),
+    ),
+    Mutant(
+        "retention_ignored",
+        "C-01/C-06",
+        "axis-hybrid-swa-retention-sync",
+        "sliding-window checkpoints cached at every block despite the retention interval",
+        _sub(scheduler_mixin=RetentionIgnored),
+    ),
+    Mutant(
+        "mamba_states_kept_densely",
+        "C-01/C-06",
+        "axis-hybrid-mamba-retention-sync",
+        "Mamba states cached at every block despite the retention interval (the same ignored "
+        "interval as retention_ignored, met by the Mamba manager)",
+        _sub(scheduler_mixin=RetentionIgnored),
+    ),
+    Mutant(
+        "eagle_hit_block_kept",
+        "C-01/C-07",
+        "axis-hybrid-swa-eagle-sync",
+        "prefix-cache hits keep the last block an EAGLE drafter needs recomputed",
+        _sub(scheduler_mixin=EagleHitBlockKept),
+    ),
+    Mutant(
+        "eagle_mamba_hit_block_kept",
+        "C-01/C-07",
+        "axis-hybrid-mamba-eagle-sync",
+        "the Mamba layout's hits keep the block an EAGLE drafter needs recomputed (the same "
+        "lost flag as eagle_hit_block_kept, met by the Mamba manager)",
+        _sub(scheduler_mixin=EagleHitBlockKept),
+    ),
+    Mutant(
+        "lookahead_slots_ignored",
+        "C-01/C-06",
+        "axis-spec-decode-eagle-sync",
+        "no KV slots reserved for an EAGLE drafter's lookahead",
+        _sub(scheduler_mixin=LookaheadSlotsIgnored),
+    ),
+    Mutant(
+        "encoder_updates_dropped",
+        "C-01",
+        "axis-multimodal-v2-sync",
+        "the V2-runner output never names the images a worker installs or drops",
+        _sub(scheduler_mixin=EncoderUpdatesDropped),
+    ),
+    Mutant(
+        "ring_as_full_attention",
+        "C-01/C-06",
+        "axis-hybrid-ring-sync",
+        "a compressor's ring buffer managed as full attention: a block per 16 tokens, not one",
+        _sub(scheduler_mixin=RingAsFullAttention),
+    ),
+    Mutant(
+        "prompt_logprobs_dropped",
+        "C-01",
+        "axis-logprobs-sync",
+        "prompt logprobs the runner returned never reach the request's output",
+        _sub(scheduler_mixin=PromptLogprobsDropped),
+    ),
+    Mutant(
+        "pooled_output_ignored",
+        "C-01/C-04",
+        "axis-pooling-sync",
+        "pooled outputs never reach the scheduler: pooling requests are not finished by them",
+        _sub(scheduler_mixin=PooledOutputIgnored),
     ),
     Mutant(
         "session_ends_at_first_turn",

@@ -99,6 +99,32 @@ def aux_axis_unavailable(name: str) -> str | None:
     return None
 
 
+V2_SCHEDULER_UNAVAILABLE = (
+    "the axis builds its scheduler for Model Runner V2, which this release refuses without a "
+    "usable Triton (vllm.triton_utils.HAS_TRITON is false here)"
+)
+
+
+def v2_scheduler_unavailable() -> str | None:
+    """Why the installed release cannot build a scheduler for Model Runner V2 here (None: it
+    can)."""
+    if V2_RUNNER_NEEDS_TRITON.value():
+        from vllm.triton_utils import HAS_TRITON
+
+        if not HAS_TRITON:
+            return V2_SCHEDULER_UNAVAILABLE
+    return None
+
+
+# Whether an EAGLE head's block hashes cover the drafter's read-ahead instead of each hit
+# dropping its last block (``SpeculativeConfig.disable_lookahead_block_hashes`` selects the drop).
+LOOKAHEAD_HASHES: ByRelease[bool] = ByRelease(
+    "EAGLE lookahead block hashes",
+    False,
+    [Change("0.33.0", True, "num_hash_lookahead_tokens: hashes prove the boundary token")],
+)
+
+
 # A mask keeps the sampled token and up to MASK_EXTRA others (a nucleus of 1-4 ids).
 MASK_EXTRA = 3
 

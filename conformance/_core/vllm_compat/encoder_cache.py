@@ -5,7 +5,8 @@ A scheduler of a multimodal model keeps the encoder outputs of the images its re
 ones in eviction order (an entry no request uses stays cached until space is needed), and the free
 and freeable slots. Each step's ``SchedulerOutput`` says which of a request's images the runner
 must encode (``scheduled_encoder_inputs``) and which cached outputs to drop
-(``free_encoder_mm_hashes``). The fields read here are the same in vLLM 0.26-0.33; a scheduler
+(``free_encoder_mm_hashes``); for Model Runner V2 also which images the worker installs or drops
+(``encoder_input_updates``, 0.33). The fields read here are the same in vLLM 0.26-0.33; a scheduler
 without an encoder cache (a text model's: size 0) gives nothing, so snapshots of text runs are
 unchanged. Requests vLLM 0.33 rejects for reusing an identifier with another size are held in
 ``encoder_cache_mismatch_reqs`` until their outputs say so (earlier releases: no such set).
@@ -64,4 +65,16 @@ def encoder_schedule_fields(so: Any) -> dict[str, Any]:
     freed = so.free_encoder_mm_hashes
     if freed:
         fields["free_encoder_mm_hashes"] = list(freed)
+    # For Model Runner V2 (0.33): per request, the images the worker installs ("install") or
+    # drops (None) this step; only whether, not the data, which is the request's own.
+    updates = getattr(so, "encoder_input_updates", None)
+    if updates:
+        fields["encoder_input_updates"] = {
+            r: {str(i): None if d is None else "install" for i, d in sorted(u.items())}
+            for r, u in sorted(updates.items())
+        }
+    # With iteration details logged (0.30+): the step's encoder inputs and their embeddings.
+    stats = getattr(so, "scheduled_encoder_input_stats", None)
+    if stats is not None:
+        fields["scheduled_encoder_input_stats"] = [stats.num_inputs, stats.output_tokens]
     return fields

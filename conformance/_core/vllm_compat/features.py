@@ -46,10 +46,16 @@ _NO_CADENCE = (
     "(one engine: inert, so the axis would check nothing)"
 )
 _NEW_IN_031 = {"limits-active-seqs": _NO_ACTIVE_SEQS, "prefill-cadence": _NO_CADENCE}
+_NO_RETENTION = "CacheConfig.prefix_cache_retention_interval is new in 0.30"
+_NEW_IN_030 = {
+    "hybrid-swa-retention": _NO_RETENTION,
+    "hybrid-mamba-retention": _NO_RETENTION,
+}
 MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
     "scheduler axes missing",
     {
         **_MISSING_BEFORE_030,
+        **_NEW_IN_030,
         **_NEW_IN_031,
         "pipeline-4": _NEGATIVE_CHUNK,
         "streaming-sessions": NO_SESSIONS,
@@ -57,7 +63,12 @@ MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
     [
         Change(
             "0.28.0",
-            {**_MISSING_BEFORE_030, **_NEW_IN_031, "streaming-sessions:async": _ASYNC_SESSIONS},
+            {
+                **_MISSING_BEFORE_030,
+                **_NEW_IN_030,
+                **_NEW_IN_031,
+                "streaming-sessions:async": _ASYNC_SESSIONS,
+            },
             "a running request's chunk is floored at 0 (_reserve_prefill_lookahead)",
         ),
         Change(
@@ -67,7 +78,8 @@ MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
                 **_NEW_IN_031,
                 "streaming-sessions:async": _ASYNC_SESSIONS,
             },
-            "KVConnectorOutput.failed_recving: a worker reports a failed load",
+            "KVConnectorOutput.failed_recving: a worker reports a failed load; "
+            "prefix_cache_retention_interval",
         ),
         Change(
             "0.31.0",

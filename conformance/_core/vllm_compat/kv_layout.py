@@ -2,7 +2,8 @@
 
 A layout (``HarnessConfig.kv_layout``) names the kind of each attention layer of a hybrid model:
 full attention beside sliding-window layers (``hybrid-swa``), chunked local attention
-(``hybrid-local``), or Mamba layers whose state is cached in "align" mode (``hybrid-mamba``). ``configure`` sets the ``VllmConfig`` as vLLM's
+(``hybrid-local``), a compressor's ring buffer of one block per request, never prefix-cached
+(``hybrid-ring``), or Mamba layers whose state is cached in "align" mode (``hybrid-mamba``). ``configure`` sets the ``VllmConfig`` as vLLM's
 config code sets it for such a model (Mamba cache mode and block size, the padded Mamba page, the
 hybrid KV-cache manager on); ``build`` makes the per-layer ``KVCacheSpec``s a model's layers
 report and hands them to vLLM's grouping and sizing functions with the harness's block count,
@@ -17,12 +18,13 @@ from typing import Any
 
 from conformance._core.vllm_compat.versions import ByRelease, Change
 
-LAYOUTS: tuple[str, ...] = ("hybrid-swa", "hybrid-mamba", "hybrid-local")
+LAYOUTS: tuple[str, ...] = ("hybrid-swa", "hybrid-mamba", "hybrid-local", "hybrid-ring")
 # Layer kinds per layout: the first is the model's full-attention layer.
 _KINDS: dict[str, tuple[str, ...]] = {
     "hybrid-swa": ("full", "sliding"),
     "hybrid-mamba": ("full", "mamba"),
     "hybrid-local": ("full", "local"),
+    "hybrid-ring": ("full", "ring"),
 }
 # Blocks of the sliding window: short enough that the harness's prompts outgrow it, so blocks
 # fall out of the window while a request runs.
@@ -166,6 +168,12 @@ def layer_specs(vllm_config: Any, layout: str, shape: dict[str, Any]) -> dict[st
             specs[name] = _attention_spec(
                 ChunkedLocalAttentionSpec, shape, cache.block_size, attention_chunk_size=chunk
             )
+        elif kind == "ring":
+            from vllm.v1.kv_cache_interface import CircularBufferSpec
+
+            # A compressing layer's ring (DeepSeek V4's): one block per request for its whole
+            # life holding the keys still being compressed; no prefix caching, no hit lookup.
+            specs[name] = _attention_spec(CircularBufferSpec, shape, cache.block_size)
         else:
             specs[name] = _attention_spec(FullAttentionSpec, shape, cache.block_size)
     return specs

@@ -57,6 +57,9 @@ def schedule_fields(so: Any) -> dict[str, Any]:
     sent = {rid: tuple(ids) for rid, ids in pairs if ids}
     if sent:
         fields["new_token_ids"] = sent
+    # 0.33, Model Runner V2 with a drafting head: no request of the step can use drafts.
+    if getattr(so, "skip_drafts", False):
+        fields["skip_drafts"] = True
     return fields
 
 

@@ -15,7 +15,7 @@ from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
-from conformance._core.logprobs import output_logprobs
+from conformance._core.logprobs import output_logprobs, output_prompt_logprobs
 from conformance._core.vllm_compat.aux_outputs import same_aux_outputs
 from conformance._core.vllm_compat.encoder_cache import same_encoder_cache
 from conformance._core.vllm_compat.pause import pause_state
@@ -313,6 +313,14 @@ def output_extra_fields(out: Any) -> dict[str, Any]:
     return extra
 
 
+def pooled_output(out: Any) -> list[float] | None:
+    """A pooling request's output (``pooling_output``) as values to 4 places, None without."""
+    pooled = out.pooling_output
+    if pooled is None:
+        return None
+    return [round(float(v), 4) for v in pooled.flatten().tolist()]
+
+
 def output_type_name(out: Any) -> str | None:
     """None for upstream's own ``EngineCoreOutput``; the subclass name otherwise."""
     cls = type(out)
@@ -523,6 +531,14 @@ def same_outputs(a: dict[int, Any] | None, b: dict[int, Any] | None) -> bool:
         or (
             (x.new_logprobs is not None or y.new_logprobs is not None)
             and output_logprobs(x) != output_logprobs(y)
+        )
+        or (
+            (x.new_prompt_logprobs_tensors is not None or y.new_prompt_logprobs_tensors is not None)
+            and output_prompt_logprobs(x) != output_prompt_logprobs(y)
+        )
+        or (
+            (x.pooling_output is not None or y.pooling_output is not None)
+            and pooled_output(x) != pooled_output(y)
         )
         or spec_decode_metrics(x) != spec_decode_metrics(y)
     ]:
