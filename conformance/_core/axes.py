@@ -211,10 +211,11 @@ AXES: tuple[Axis, ...] = (
     Axis(
         "hybrid-mamba-retention",
         "hybrid-mamba keeping a Mamba state only every 64 tokens and at the prompt's replay "
-        "boundary (prefix_cache_retention_interval), instead of every block",
+        "boundary (prefix_cache_retention_interval), instead of every block; prefix-cache keys "
+        "per Mamba block (no prefix_match_unit), so hits end on Mamba block boundaries",
         {
             "kv_layout": "hybrid-mamba",
-            "cache_options": {"prefix_cache_retention_interval": 64},
+            "cache_options": {"prefix_cache_retention_interval": 64, "prefix_match_unit": None},
             "kv_events": True,
             "log_stats": True,
         },
