@@ -225,7 +225,12 @@ AXES: tuple[Axis, ...] = (
             f"hybrid-{kind}-eagle",
             f"hybrid-{kind} with an EAGLE head (two drafts) that drops each hit's last block: "
             "every group's hit shortened, the window or Mamba state the drafter needs kept one "
-            "block further",
+            "block further"
+            + (
+                "; a Mamba checkpoint also at a sibling's shared-prefix junction"
+                if kind == "mamba"
+                else ""
+            ),
             {
                 "kv_layout": f"hybrid-{kind}",
                 "num_speculative_tokens": 2,
@@ -233,6 +238,12 @@ AXES: tuple[Axis, ...] = (
                 # The legacy drop of each hit's last block, which the coordinator applies per
                 # group (hash lookahead, the default, leaves hits whole).
                 "spec_options": {"disable_lookahead_block_hashes": True},
+                # Mamba: also a checkpoint where an EAGLE sibling resumed (0.33; off before).
+                **(
+                    {"cache_options": {"enable_mamba_shared_prefix_checkpoint": True}}
+                    if kind == "mamba"
+                    else {}
+                ),
                 "kv_events": True,
                 "log_stats": True,
             },

@@ -321,7 +321,7 @@ def build_vllm_config(
             "prefix_caching_hash_algo": "sha256",
             "num_gpu_blocks_override": num_gpu_blocks_override,
             # An axis's own cache options over the layout's (a coarser prefix-match unit).
-            **cfg.cache_options,
+            **cache_options(cfg),
         }
     )
     vllm_config = VllmConfig(
@@ -394,6 +394,17 @@ def kv_layout_cache_kw(cfg: HarnessConfig) -> dict[str, Any]:
         "block_size": kv_layout.cache_block_size(cfg.kv_layout, cfg.block_size),
         "prefix_match_unit": kv_layout.prefix_match_unit(cfg.kv_layout, cfg.block_size),
     }
+
+
+def cache_options(cfg: HarnessConfig) -> dict[str, Any]:
+    """``cfg.cache_options`` less those the installed release lacks and has off
+    (``vllm_compat.kv_layout.CACHE_OPTIONS_MISSING``)."""
+    if not cfg.cache_options:
+        return {}
+    from conformance._core.vllm_compat import kv_layout
+
+    missing = kv_layout.CACHE_OPTIONS_MISSING.value()
+    return {k: v for k, v in cfg.cache_options.items() if k not in missing}
 
 
 def spec_metrics_field() -> bool:

@@ -61,6 +61,22 @@ _ALIGNMENT_FIELDS: ByRelease[bool] = ByRelease(
 )
 
 
+# ``CacheConfig`` options an axis sets that a release may lack; without one the release behaves
+# as with it off (its default), so the option is left out there rather than the axis.
+CACHE_OPTIONS_MISSING: ByRelease[frozenset[str]] = ByRelease(
+    "cache options missing",
+    frozenset({"enable_mamba_shared_prefix_checkpoint"}),
+    [
+        Change(
+            "0.33.0",
+            frozenset(),
+            "enable_mamba_shared_prefix_checkpoint: a Mamba checkpoint at an EAGLE sibling's "
+            "shared-prefix junction (present by 0.33)",
+        )
+    ],
+)
+
+
 @dataclass(frozen=True)
 class BuiltLayout:
     """The scheduler's KV-cache config and the block sizes ``EngineCore`` resolves for it."""
