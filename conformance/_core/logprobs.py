@@ -1,19 +1,14 @@
-"""Sampled-token log-probabilities: what the token source returns beside its tokens, and how an
-output's share reads in a snapshot.
+"""Log-probabilities: what the token source returns beside its tokens, and how an output's
+share reads in a snapshot.
 
-A request that asks for ``k`` logprobs (``SamplingParams.logprobs``, the ``logprobs`` axis) gets,
-for every token it samples, a row of ``k + 1`` candidates (the sampled token first, then ``k``
-others), their log-probabilities and the sampled token's rank: a pure function of (request id,
-position), so both schedulers are fed the same rows. As vLLM's runner does, the rows cover every
-request the step ran once any of them asks: one row per request without speculative decoding
-(a partial prefill's row is padding the scheduler never reads), one per sampled token with it,
-where ``cu_num_generated_tokens`` says where each request's rows start. The scheduler's part is
-to give each output exactly its own request's rows for the tokens it emits (``slice_request``).
-
-Prompt logprobs (``SamplingParams.prompt_logprobs``) come as vLLM's runner returns them: once,
-in the step that computes a request's last prompt token, a row per prompt position after the
-first (``prompt_logprobs_dict``, keyed by request id), which the scheduler must put on that
-step's output of the request (``new_prompt_logprobs_tensors``).
+A request asking for ``k`` logprobs (``SamplingParams.logprobs``) gets, per sampled token, a row of
+``k + 1`` candidates (the sampled token first), their log-probabilities and the token's rank: a
+pure function of (request id, position), so both schedulers get the same rows. As vLLM's runner
+does, rows cover every request of a step once any asks: one per request without speculative
+decoding (a partial prefill's is padding), one per sampled token with it, each request's start
+in ``cu_num_generated_tokens``. Prompt logprobs (``SamplingParams.prompt_logprobs``) come
+once, in the step that computes the last prompt token, a row per position after the first
+(``prompt_logprobs_dict``). The scheduler must hand each output exactly its own request's rows.
 """
 
 from __future__ import annotations

@@ -276,7 +276,8 @@ class MPStageEngine:
             # The images' identifiers key the stage's encoder cache and its block hashes.
             mm_features=request.mm_features or None,
             sampling_params=params,
-            pooling_params=None,
+            # A pooling stage's requests carry these instead of sampling parameters.
+            pooling_params=request.pooling_params,
             arrival_time=request.arrival_time,
             lora_request=request.lora_request,
             cache_salt=request.cache_salt,
