@@ -68,8 +68,8 @@ class HarnessConfig:
     num_speculative_tokens: int = 0
     # The speculative method the configuration names: "ngram" (no draft model) or "eagle" (the
     # model's own folder as its draft head), which also reserves lookahead slots for the
-    # drafter, keeps a prefill chunk from ending inside the drafter's read-ahead, and drops the
-    # last block of every prefix-cache hit (the drafter needs its hidden states recomputed).
+    # drafter, keeps a prefill chunk from ending inside the drafter's read-ahead, and either
+    # hashes each block with a token past it (0.33) or drops the last block of every hit.
     spec_method: str = "ngram"
     # Further ``SpeculativeConfig`` fields (``disable_lookahead_block_hashes``: an EAGLE head
     # drops the last block of each hit instead of hashing a token past each block).
@@ -214,7 +214,7 @@ _HASH_READY = False
 
 def block_hasher(block_size: int, lookahead_tokens: int = 0):
     """vLLM's sha256 request block hasher (each block's hash also covering ``lookahead_tokens``
-    tokens past it, as ``EngineCore``'s does for an EAGLE head: ``hash_lookahead_tokens``);
+    tokens past it, as ``EngineCore``'s does for an EAGLE head: ``request_block_hasher``);
     ``init_none_hash`` runs once per process."""
     global _HASH_READY
     from vllm.utils.hashing import sha256
@@ -230,19 +230,11 @@ def block_hasher(block_size: int, lookahead_tokens: int = 0):
 
 def request_block_hasher(cfg: HarnessConfig):
     """The block hasher ``EngineCore`` gives each request under ``cfg``: at the scheduler's
-    hash block size (a hybrid layout resolves its own) and covering ``hash_lookahead_tokens``
-    past each block."""
+    hash block size (a hybrid layout resolves its own) and covering 0.33's
+    ``num_hash_lookahead_tokens`` past each block (an EAGLE head's read-ahead)."""
     if not cfg.kv_layout and (cfg.spec_method == "ngram" or not cfg.num_speculative_tokens):
         return block_hasher(cfg.block_size)
     return block_hasher(*_hashing(json.dumps(cfg.to_dict(), sort_keys=True)))
-
-
-def hash_lookahead_tokens(cfg: HarnessConfig) -> int:
-    """Tokens past each block its hash covers under ``cfg`` (``VllmConfig``'s
-    ``num_hash_lookahead_tokens``, new in 0.33: an EAGLE head's read-ahead; 0 otherwise)."""
-    if cfg.spec_method == "ngram" or not cfg.num_speculative_tokens:
-        return 0
-    return _hashing(json.dumps(cfg.to_dict(), sort_keys=True))[1]
 
 
 @functools.cache

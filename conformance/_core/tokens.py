@@ -52,7 +52,7 @@ GRAMMAR_MISS_PERIOD = 19
 POOLED_WIDTH = 8
 
 
-def pooled_output(request_id: str) -> Any:
+def pooled_embedding(request_id: str) -> Any:
     """A pooling runner's output for a request: an embedding that is a function of its id."""
     import torch
 
@@ -267,7 +267,7 @@ class DeterministicTokenSource:
             view = self._reqs.get(rid)
             end = computed.get(rid, 0) + so.num_scheduled_tokens[rid]
             pooled.append(
-                pooled_output(rid) if view is not None and end >= view.num_tokens else None
+                pooled_embedding(rid) if view is not None and end >= view.num_tokens else None
             )
         if any(p is not None for p in pooled):
             aux["pooler_output"] = pooled

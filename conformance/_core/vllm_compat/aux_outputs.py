@@ -91,11 +91,8 @@ def aux_axis_unavailable(name: str) -> str | None:
     else:
         v2 = name == "sampling-masks"
         why = SAMPLING_MASKS_UNAVAILABLE
-    if v2 and V2_RUNNER_NEEDS_TRITON.value():
-        from vllm.triton_utils import HAS_TRITON
-
-        if not HAS_TRITON:
-            return why
+    if v2 and v2_scheduler_unavailable() is not None:
+        return why
     return None
 
 
