@@ -84,6 +84,10 @@ settings.register_profile(
     "thorough", max_examples=CI_EXAMPLES * 10, stateful_step_count=100, **_COMMON
 )
 DEEP_EXAMPLES = CI_EXAMPLES * 10
+# The pull-request sized profiles: a test crossed with the subject's features is spread over them
+# instead (each cell runs under one feature, the features taking turns), which keeps `check`
+# within its few minutes as axes are added; the deeper profiles keep the whole cross.
+SPREAD_PROFILES = frozenset({"ci", "smoke"})
 
 
 # deep: the nightly search, one seed per shard of ``check --ray`` (each test runs under several
@@ -138,7 +142,7 @@ def _load_shard_settings(profile: str, nodeid: str | None = None) -> None:
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
     if item.config.getoption("hypothesis_profile", None) is None:
-        _load_shard_settings(_profile_name(item.config), item.nodeid)
+        _load_shard_settings(profile_name(item.config), item.nodeid)
 
 
 def _shard_seed() -> int | None:
@@ -190,7 +194,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
-def _profile_name(config: pytest.Config) -> str:
+def profile_name(config: pytest.Config) -> str:
+    """The hypothesis profile the run loads (an explicit ``--hypothesis-profile`` wins)."""
     explicit = config.getoption("hypothesis_profile", None)
     return str(explicit or config.getoption("conformance_profile", None) or DEFAULT_PROFILE)
 
@@ -205,8 +210,8 @@ def pytest_configure(config: pytest.Config) -> None:
         "covers, for the compat report",
     )
     if config.getoption("hypothesis_profile", None) is None:
-        settings.load_profile(_profile_name(config))
-        _load_shard_settings(_profile_name(config))
+        settings.load_profile(profile_name(config))
+        _load_shard_settings(profile_name(config))
     # Before any test draws: the same profile must generate the same examples however the
     # suite is run (see ``freeze_local_constants``).
     hypothesis_compat.freeze_local_constants()
@@ -375,7 +380,7 @@ def conformance(
     rec = ConformanceRecorder(
         conformance_subject_spec,
         conformance_subject,
-        profile=_profile_name(request.config),
+        profile=profile_name(request.config),
         test=request.node.nodeid,
         failures_dir=str(request.config.getoption("conformance_failures_dir")),
     )
@@ -623,7 +628,7 @@ class ConformanceSession:
         from conformance._core.report import ReportBuilder, TestRecord, write_report
         from conformance._core.vllm_compat import environment_versions
 
-        profile = _profile_name(config)
+        profile = profile_name(config)
         seed = config.getoption("hypothesis_seed", None)
         if seed is None:
             seed = _shard_seed()

@@ -80,10 +80,25 @@ def pytest_generate_tests(metafunc):
     if "feature" in metafunc.fixturenames:
         from conformance._core.needs import features_of
 
+        from conformance.plugin import SPREAD_PROFILES, profile_name
+
         marker = metafunc.definition.get_closest_marker("features")
-        worker = None if marker is None else marker.kwargs.get("worker")
-        found = features_of(collection_subject(metafunc.config), worker=worker)
-        metafunc.parametrize("feature", found, ids=[f.name for f in found])
+        kwargs = {} if marker is None else marker.kwargs
+        found = features_of(collection_subject(metafunc.config), worker=kwargs.get("worker"))
+        cells = kwargs.get("spread")
+        if cells is None:
+            metafunc.parametrize("feature", found, ids=[f.name for f in found])
+            return
+        # `spread=(argnames, [(values, id), ...])`: the test's own cells, crossed with the
+        # features, or under a pull-request profile each cell with one feature in turn. The turn
+        # advances per cell and per argument set, so every feature meets every mode.
+        names, params = cells
+        spread = profile_name(metafunc.config) in SPREAD_PROFILES
+        rows = []
+        for i, (values, ident) in enumerate(params):
+            chosen = [found[(i + i // len(found)) % len(found)]] if spread else found
+            rows += [pytest.param(*values, f, id=f"{f.name}-{ident}") for f in chosen]
+        metafunc.parametrize((*names, "feature"), rows)
 
 
 @pytest.hookimpl(tryfirst=True)
