@@ -79,7 +79,6 @@ def collection_subject(config):
 def pytest_generate_tests(metafunc):
     if "feature" in metafunc.fixturenames:
         from conformance._core.needs import features_of
-
         from conformance.plugin import SPREAD_PROFILES, profile_name
 
         marker = metafunc.definition.get_closest_marker("features")
