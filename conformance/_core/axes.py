@@ -327,10 +327,17 @@ AXES: tuple[Axis, ...] = (
     Axis(
         "limits",
         "min_tokens (the runner samples no stop id or EOS before it, as vLLM's sampler masks "
-        "them), a 64-token context that requests reach (finished as length-capped), three "
-        "sequences at most",
+        "them), repetition detection over outputs that fall into loops of 1-4 tokens (found, "
+        "missed for a longer pattern, held off by min_tokens, or switched off by zero sizes), a "
+        "64-token context that requests reach (finished as length-capped), three sequences at "
+        "most",
         {"max_model_len": 64, "max_num_seqs": 3, "log_stats": True},
-        request_values={"min_tokens": (0, 2, 10)},
+        request_values={
+            "min_tokens": (0, 2, 10),
+            # (max_pattern_size, min_pattern_size, min_count); min 0 means 1 and zero sizes
+            # switch detection off.
+            "repetition": (None, (3, 0, 3), (2, 2, 2), (4, 1, 2), (0, 0, 0)),
+        },
     ),
     Axis(
         "limits-active-seqs",

@@ -462,6 +462,8 @@ def _weight(ops: list[Op], num_blocks: int = 0) -> tuple[int, int, int, int]:
             detail += len(op.images)
             detail += op.min_tokens
             detail += op.lora != 0
+            detail += op.prompt_logprobs is not None
+            detail += op.repetition is not None
         elif isinstance(op, StreamInput):
             detail += len(op.prompt) + (op.max_tokens or 0)
         elif isinstance(op, Abort):
@@ -567,6 +569,10 @@ def _simplifications(op: AddRequest) -> list[list[dict[str, Any]]]:
         groups.append([{"min_tokens": 0}])
     if op.lora:
         groups.append([{"lora": 0}])
+    if op.prompt_logprobs is not None:
+        groups.append([{"prompt_logprobs": None}])
+    if op.repetition is not None:
+        groups.append([{"repetition": None}])
     if op.images:
         # No image, then each image alone (the one a failure needs may be either).
         alone = [{"images": (im,)} for im in op.images] if len(op.images) > 1 else []
@@ -582,12 +588,13 @@ class Shrinker:
     operations; collapse runs of repeated steps; drop aborted ids one at a time; simplify each
     request (no shared prefix, shorter prompt, fewer max_tokens, no stop ids, ignore_eos, no
     final stage, no trace headers, the first client, not plain, no priority, no KV transfer
-    parameters, no grammar, no KV report mode, reading the prefix cache, fewer images, no min_tokens, no adapter); move requests earlier (past the
-    steps before them), which lets the steps that only waited for them go in the next round; trade a step for a block
-    more of some earlier request's prompt (KV-cache pressure with fewer operations); run the same
-    operations with a smaller KV-cache pool, so that pressure which took many steps of decoding
-    to build (a preemption with steps in flight, say) comes sooner and those steps go in the next
-    round. Every candidate is strictly smaller (``_weight``) than the current trace, so the
+    parameters, no grammar, no KV report mode, reading the prefix cache, fewer images, no
+    min_tokens, no adapter, no prompt logprobs, no repetition detection); move requests earlier
+    (past the steps before them), which lets the steps that only waited for them go in the next
+    round; trade a step for a block more of some earlier request's prompt (KV-cache pressure
+    with fewer operations); run the same operations with a smaller KV-cache pool, so that
+    pressure which took many steps of decoding to build (a preemption with steps in flight, say)
+    comes sooner and those steps go in the next round. Every candidate is strictly smaller (``_weight``) than the current trace, so the
     search ends, and each distinct candidate runs at most once.
 
     Bounded by ``time_budget`` seconds (default ``shrink_seconds()``) and optionally ``budget``

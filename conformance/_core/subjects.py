@@ -199,6 +199,11 @@ def make_sampling_params(op: AddRequest, cfg: HarnessConfig) -> SamplingParams:
         sp.skip_reading_prefix_cache = True
     if op.logprobs is not None:
         sp.logprobs = op.logprobs
+    if op.repetition is not None:
+        from vllm.sampling_params import RepetitionDetectionParams
+
+        # Its own validation applies, as to a client's (min_count >= 2 once a size is set).
+        sp.repetition_detection = RepetitionDetectionParams(*op.repetition)
     if op.grammar is not None:
         from conformance._core.grammars import constrain
 

@@ -82,6 +82,19 @@ class _ReqView:
     # Positions before this one sample no stop id and no EOS: vLLM's sampler masks them until
     # the request has ``SamplingParams.min_tokens`` outputs (its min-tokens logits processor).
     min_tokens_end: int = 0
+    # Where the request's output starts to loop and the loop's length (``_loop``), or None.
+    loop: tuple[int, int] | None = None
+
+
+def _loop(request_id: str, prompt: int, sp: Any) -> tuple[int, int] | None:
+    """A request that asks for repetition detection gets an output that falls into a loop, as a
+    degenerate model's does: from one of its first six positions on it repeats a pattern of 1-4
+    tokens, so vLLM's detector has patterns to find (or, longer than it looks for, to miss)."""
+    params = getattr(sp, "repetition_detection", None) if sp is not None else None
+    if params is None:
+        return None
+    h = zlib.crc32(f"loop:{request_id}".encode())
+    return prompt + 1 + (h >> 4) % 6, 1 + h % 4
 
 
 def _first(hits: np.ndarray, start: int) -> int:
@@ -123,6 +136,8 @@ class DeterministicTokenSource:
         self._report = report or RunnerReport()
 
     def choose(self, view: _ReqView, request_id: str, position: int) -> int:
+        if view.loop is not None and position >= view.loop[0]:
+            position = view.loop[0] + (position - view.loop[0]) % view.loop[1]
         h = zlib.crc32(f"stop:{request_id}:{position}".encode())
         stops = position >= view.min_tokens_end
         if stops and view.stop_ids and h % self.stop_period == 0:
@@ -196,6 +211,7 @@ class DeterministicTokenSource:
                 eos=sp.eos_token_id if sp is not None else None,
                 logprobs=sp.logprobs if sp is not None else None,
                 min_tokens_end=prompt + sp.min_tokens if sp is not None else 0,
+                loop=_loop(new.req_id, prompt, sp),
             )
         computed = vc.computed_before(so)
         for rid in so.scheduled_cached_reqs.req_ids:

@@ -86,6 +86,10 @@ class AddRequest:
     # The LoRA adapter the request runs with (``Request.lora_request``, the LoRA axis): its
     # integer id, 0 for none. Its name (``lora-<id>``) keys the prefix cache's block hashes.
     lora: int = 0
+    # ``SamplingParams.repetition_detection`` as (max_pattern_size, min_pattern_size, min_count):
+    # the request ends (``FINISHED_REPETITION``) once its output's tail repeats a pattern of that
+    # size that many times (the limits axis). None: no detection.
+    repetition: tuple[int, int, int] | None = None
 
     def headers(self) -> dict[str, str] | None:
         """The trace headers as the mapping vLLM's ``Request.trace_headers`` holds."""
@@ -124,6 +128,7 @@ class AddRequest:
                 if self.prompt_logprobs is not None
                 else ""
             )
+            + (f" repetition={list(self.repetition)}" if self.repetition is not None else "")
         )
 
 
@@ -290,6 +295,7 @@ def op_to_dict(op: Op) -> dict[str, Any]:
             ("min_tokens", 0),
             ("lora", 0),
             ("prompt_logprobs", None),
+            ("repetition", None),
             ("max_tokens", None),
             ("end", False),
         ):

@@ -234,6 +234,19 @@ class PromptLogprobsDropped:
         )
 
 
+class RepetitionStopIgnored:
+    """C-01: a request asking for repetition detection runs on through its loop, as a runtime
+    that rebuilds each request's sampling parameters from the fields it knows (length, stop
+    ids, min_tokens) and so drops ``repetition_detection``."""
+
+    def add_request(self, request: Any) -> Any:
+        sp = request.sampling_params
+        if sp is not None and getattr(sp, "repetition_detection", None) is not None:
+            request.sampling_params = copy.copy(sp)
+            request.sampling_params.repetition_detection = None
+        return super().add_request(request)  # type: ignore[misc]
+
+
 class PooledOutputIgnored:
     """C-01/C-04: pooled outputs never reach the scheduler, as a runtime that rebuilds its
     runner's output from sampled tokens alone does: a pooling request is then never finished
@@ -3074,6 +3087,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-logprobs-sync",
         "prompt logprobs the runner returned never reach the request's output",
         _sub(scheduler_mixin=PromptLogprobsDropped),
+    ),
+    Mutant(
+        "repetition_stop_ignored",
+        "C-01",
+        "axis-limits-sync",
+        "a request asking for repetition detection is not stopped when its output loops",
+        _sub(scheduler_mixin=RepetitionStopIgnored),
     ),
     Mutant(
         "pooled_output_ignored",
