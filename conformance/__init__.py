@@ -50,6 +50,7 @@ __all__ = sorted(
         "ResetPrefixCache",
         "RunnerProbes",
         "SchedulerHoldings",
+        "Shutdown",
         "SourceLayout",
         "StageInputSpec",
         "Step",

@@ -70,6 +70,7 @@ from conformance._core.workload import (
     ChunkArrives,
     DeliverChunks,
     ResetPrefixCache,
+    Shutdown,
     Step,
     Trace,
 )
@@ -130,6 +131,7 @@ __all__ = [
     "ResetPrefixCache",
     "DeliverChunks",
     "ChunkArrives",
+    "Shutdown",
     "Lockstep",
     "run_trace",
     "replay",

@@ -134,6 +134,8 @@ class HarnessConnector(KVConnectorBase_V1):
     ) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
         self._block_size = vllm_config.cache_config.block_size
+        # Set by ``shutdown``: the harness compares whether the scheduler's shutdown reached it.
+        self.shut_down = False
         self._step = 0
         self._arrived: dict[str, int] = {}
         # The local hit the scheduler last asked about: the loaded blocks start there.
@@ -256,6 +258,10 @@ class HarnessConnector(KVConnectorBase_V1):
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self._recv_reported.difference_update(connector_output.finished_recving or ())
         self._send_reported.difference_update(connector_output.finished_sending or ())
+
+    def shutdown(self) -> None:
+        self.shut_down = True
+        super().shutdown()
 
     def request_finished(
         self, request: Request, block_ids: list[int]

@@ -43,6 +43,7 @@ from conformance._core.workload import (
     Pause,
     ResetEncoderCache,
     ResetPrefixCache,
+    Shutdown,
     Step,
     StreamInput,
     Trace,
@@ -325,6 +326,8 @@ class Lockstep:
                 idle = 0
         if self.failure is None:
             self.apply(DeliverChunks())
+        if self.failure is None:
+            self.apply(Shutdown())
 
     def conservation_problems(self) -> list[str]:
         """C-06 on both sides, once everything has finished or been aborted."""

@@ -24,6 +24,7 @@ from conformance._core.workload import (
     Pause,
     ResetEncoderCache,
     ResetPrefixCache,
+    Shutdown,
     Step,
 )
 
@@ -118,6 +119,9 @@ class Side:
                 sched.reset_encoder_cache()
             elif isinstance(op, DeliverChunks):
                 self.chunks.extend(self.subject.drain_chunks(sched))
+            elif isinstance(op, Shutdown):
+                sched.shutdown()
+                extra["result"] = vc.shut_down_parts(sched)
             elif isinstance(op, ChunkArrives):
                 receiving = self.subject.receiving_stage()
                 if receiving is not None:

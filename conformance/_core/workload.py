@@ -221,6 +221,17 @@ class DeliverChunks:
 
 
 @dataclass(frozen=True)
+class Shutdown:
+    """The engine shuts the scheduler down (``EngineCore.shutdown``): its KV connector, encoder
+    cache connector and event publisher with it. The drain's last operation."""
+
+    kind: ClassVar[str] = "shutdown"
+
+    def describe(self) -> str:
+        return "shutdown"
+
+
+@dataclass(frozen=True)
 class ChunkArrives:
     """A chunk from the upstream stage arrives for a request of a receiving stage (C-47);
     ``final``: the last one. Upstream vLLM has no such input: its side does nothing."""
@@ -243,6 +254,7 @@ Op = (
     | ResetEncoderCache
     | DeliverChunks
     | ChunkArrives
+    | Shutdown
 )
 OP_TYPES: dict[str, type] = {
     t.kind: t
@@ -256,6 +268,7 @@ OP_TYPES: dict[str, type] = {
         ResetPrefixCache,
         DeliverChunks,
         ChunkArrives,
+        Shutdown,
     )
 }
 

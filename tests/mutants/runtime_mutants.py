@@ -247,6 +247,16 @@ class RepetitionStopIgnored:
         return super().add_request(request)  # type: ignore[misc]
 
 
+class ShutdownLeavesConnector:
+    """C-01: the KV connector is never shut down, as a runtime whose scheduler overrides
+    ``shutdown`` to stop its own stage threads and does not call vLLM's."""
+
+    def shutdown(self) -> None:
+        publisher = getattr(self, "kv_event_publisher", None)
+        if publisher is not None:
+            publisher.shutdown()
+
+
 class PooledOutputIgnored:
     """C-01/C-04: pooled outputs never reach the scheduler, as a runtime that rebuilds its
     runner's output from sampled tokens alone does: a pooling request is then never finished
@@ -3094,6 +3104,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-limits-sync",
         "a request asking for repetition detection is not stopped when its output loops",
         _sub(scheduler_mixin=RepetitionStopIgnored),
+    ),
+    Mutant(
+        "shutdown_leaves_connector",
+        "C-01",
+        "axis-kv-harness-recompute-sync",
+        "the scheduler's shutdown does not shut its KV connector down",
+        _sub(scheduler_mixin=ShutdownLeavesConnector),
     ),
     Mutant(
         "pooled_output_ignored",

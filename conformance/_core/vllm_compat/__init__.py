@@ -85,6 +85,7 @@ from conformance._core.vllm_compat.stats import (
     plain,
     request_events,
     scheduler_stats,
+    shut_down_parts,
     spec_decode_metrics,
     take_kv_events,
 )
@@ -160,6 +161,7 @@ __all__ = [
     "block_ids_reader",
     "block_table",
     "capture_kv_events",
+    "shut_down_parts",
     "check_vllm",
     "computed_before",
     "draft_token_ids",

@@ -133,12 +133,13 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.batches: list[Any] = []
+        self.closed = False
 
     def publish(self, batch: Any) -> None:
         self.batches.append(plain(batch))
 
     def shutdown(self) -> None:
-        self.batches.clear()
+        self.closed = True
 
     def get_publisher_config(self) -> Any:
         return None
@@ -158,3 +159,17 @@ def take_kv_events(scheduler: Any) -> list[Any] | None:
         return None
     taken, recorder.batches = recorder.batches, []
     return taken
+
+
+def shut_down_parts(scheduler: Any) -> dict[str, bool]:
+    """Which of the parts ``Scheduler.shutdown`` must close were closed: the KV event publisher
+    (when the harness captures it) and the KV connector (when it is the harness's own, which
+    records its ``shutdown``). Parts the harness cannot see are left out."""
+    parts: dict[str, bool] = {}
+    recorder = getattr(scheduler, "kv_event_publisher", None)
+    if isinstance(recorder, _Recorder):
+        parts["kv_event_publisher"] = recorder.closed
+    connector = getattr(scheduler, "connector", None)
+    if connector is not None and hasattr(connector, "shut_down"):
+        parts["kv_connector"] = bool(connector.shut_down)
+    return parts
