@@ -108,6 +108,13 @@ AXES: tuple[Axis, ...] = (
         request_values={"priority": (0, -1, 1, 2), "arrival": (None, 0.0, 0.5)},
     ),
     Axis(
+        "data-parallel-rank",
+        "the engine as one rank of a data-parallel group: each step's outputs also carry, per "
+        "client, the ids it finished (stopped, length-capped or aborted), a client with no "
+        "other output that step included; the group's coordinator counts them to end a wave",
+        {"data_parallel": True},
+    ),
+    Axis(
         "spec-decode-eagle",
         "spec-decode with an EAGLE head, the scheduler built for Model Runner V2: lookahead "
         "slots reserved for the drafter, no prefill chunk ending inside its read-ahead, block "

@@ -137,6 +137,10 @@ class HarnessConfig:
     # LoRA: adapters a step may serve at once (``LoRAConfig.max_loras``; 0: LoRA off). Requests
     # then may name an adapter (``AddRequest.lora``).
     max_loras: int = 0
+    # The engine is one rank of a data-parallel group (``data_parallel_size`` > 1, which the
+    # harness does not start): its scheduler then also reports, per client, the ids each step
+    # finished (``include_finished_set``), which the group's coordinator counts.
+    data_parallel: bool = False
 
     def with_(self, **changes: Any) -> HarnessConfig:
         return replace(self, **changes)
@@ -207,6 +211,7 @@ _AXIS_DEFAULTS: dict[str, Any] = {
     "model_runner_v2": False,
     "iteration_details": False,
     "runner": "generate",
+    "data_parallel": False,
 }
 
 _HASH_READY = False
@@ -528,6 +533,9 @@ def build_scheduler(
         structured_output_manager=StructuredOutputManager(vllm_config),
         **blocks,
         log_stats=log_stats or cfg.log_stats,
+        # Given only when set, as the engine does for a data-parallel rank: a subclass whose
+        # constructor names its arguments need not know it otherwise.
+        **({"include_finished_set": True} if cfg.data_parallel else {}),
     )
     if cfg.kv_events:
         capture_kv_events(scheduler)

@@ -88,6 +88,9 @@ class Side:
                 # What the engine's caller receives (a subject whose outputs cross a process
                 # boundary decodes them here), so that is what is compared.
                 outputs = self.subject.receive_outputs(sched, obs.outputs)
+                finished = vc.finished_sets(outputs)
+                if finished:  # a data-parallel rank's only: other snapshots are unchanged
+                    extra["finished_sets"] = finished
                 extra["updated"] = obs.updated
                 if cfg.log_stats:
                     extra["stats"] = vc.scheduler_stats(outputs)

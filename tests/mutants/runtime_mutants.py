@@ -257,6 +257,20 @@ class ShutdownLeavesConnector:
             publisher.shutdown()
 
 
+class FinishedSetsDropped:
+    """C-01: a data-parallel rank's outputs lose the ids each step finished, as a runtime that
+    rebuilds its stage's ``EngineCoreOutputs`` from the per-request outputs alone does; the
+    group's coordinator then never sees a wave end."""
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        outputs = super().update_from_output(  # type: ignore[misc]
+            scheduler_output, model_runner_output
+        )
+        for outs in outputs.values():
+            outs.finished_requests = None
+        return outputs
+
+
 class PooledOutputIgnored:
     """C-01/C-04: pooled outputs never reach the scheduler, as a runtime that rebuilds its
     runner's output from sampled tokens alone does: a pooling request is then never finished
@@ -3111,6 +3125,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-kv-harness-recompute-sync",
         "the scheduler's shutdown does not shut its KV connector down",
         _sub(scheduler_mixin=ShutdownLeavesConnector),
+    ),
+    Mutant(
+        "finished_sets_dropped",
+        "C-01",
+        "axis-data-parallel-rank-sync",
+        "a data-parallel rank's outputs do not say which requests each step finished",
+        _sub(scheduler_mixin=FinishedSetsDropped),
     ),
     Mutant(
         "pooled_output_ignored",

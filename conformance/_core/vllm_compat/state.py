@@ -553,6 +553,16 @@ def same_outputs(a: dict[int, Any] | None, b: dict[int, Any] | None) -> bool:
     return True
 
 
+def finished_sets(outputs: dict[int, Any] | None) -> dict[int, list[str]]:
+    """Per client, the ids a step reports finished beside its outputs
+    (``EngineCoreOutputs.finished_requests``, set by a data-parallel rank's scheduler)."""
+    return {
+        client: sorted(outs.finished_requests)
+        for client, outs in sorted((outputs or {}).items())
+        if outs.finished_requests is not None
+    }
+
+
 def output_facts(outputs: dict[int, Any] | None) -> list[tuple[Any, Any, Any]]:
     """(prefill stats, finish reason, stop reason), in snapshot form, of each output that has
     prefill stats or a finish reason."""
