@@ -108,6 +108,24 @@ AXES: tuple[Axis, ...] = (
         request_values={"priority": (0, -1, 1, 2), "arrival": (None, 0.0, 0.5)},
     ),
     Axis(
+        "spec-decode-dynamic",
+        "dynamic speculative decoding: the batch-size schedule sets each step's draft count "
+        "(3 drafts alone, 2 beside one other request, none with three, 1 beyond), which the "
+        "runner proposes after the step; drafts a tighter budget cannot fit are cut",
+        {
+            "num_speculative_tokens": 3,
+            "log_stats": True,
+            "spec_options": {
+                "num_speculative_tokens_per_batch_size": [
+                    [1, 1, 3],
+                    [2, 2, 2],
+                    [3, 3, 0],
+                    [4, 4096, 1],
+                ]
+            },
+        },
+    ),
+    Axis(
         "data-parallel-rank",
         "the engine as one rank of a data-parallel group: each step's outputs also carry, per "
         "client, the ids it finished (stopped, length-capped or aborted), a client with no "

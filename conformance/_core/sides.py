@@ -215,5 +215,6 @@ def make_side(subject: Subject, cfg: HarnessConfig, worker: Subject | None) -> S
             num_drafts=cfg.num_speculative_tokens,
             report=runner_report(scheduler.vllm_config),
             aux=vc.aux_runner(scheduler.vllm_config, vocab),
+            dynamic_drafts=bool(cfg.spec_options.get("num_speculative_tokens_per_batch_size")),
         )
     return Side(subject, scheduler, make_driver(scheduler, executor), executor)

@@ -116,11 +116,16 @@ class DeterministicTokenSource:
         num_drafts: int = 0,
         report: RunnerReport | None = None,
         aux: vc.AuxRunner | None = None,
+        dynamic_drafts: bool = False,
     ) -> None:
         self.vocab = vocab
         self.stop_period = stop_period
         self.edges = tuple(t for t in edges if 0 <= t < vocab)
         self.num_drafts = num_drafts
+        # Dynamic speculative decoding: each step says how many drafts to propose after it
+        # (the batch-size schedule's count), as vLLM's runner reads it; else ``num_drafts``.
+        self.dynamic_drafts = dynamic_drafts
+        self._draft_count = num_drafts
         self._reqs: dict[str, _ReqView] = {}
         # Requests that asked for logprobs (``execute`` builds rows only while there are any).
         self._logprob_ids: set[str] = set()
@@ -221,6 +226,8 @@ class DeterministicTokenSource:
                 # A resumed request's tokens as the scheduler knows them (V1 runner semantics).
                 view.num_tokens = len(all_ids)
 
+        if self.dynamic_drafts:
+            self._draft_count = min(self.num_drafts, vc.spec_tokens_to_schedule(so))
         kv_output = self._kv.step(so, self._reqs)
         req_ids = list(so.num_scheduled_tokens)
         drafts = vc.scheduled_drafts(so)
@@ -333,7 +340,8 @@ class DeterministicTokenSource:
     @harness_code
     def take_draft_token_ids(self) -> DraftTokenIds | None:
         """The drafts for the next step of every request the last step ran (none for a partial
-        prefill): the next ``num_drafts`` tokens, the first wrong one where the position's hash
+        prefill): the next ``num_drafts`` tokens (the step's count under dynamic speculative
+        decoding), the first wrong one where the position's hash
         says so. None without speculative decoding, as a worker without a drafter returns."""
         if not self.num_drafts:
             return None
@@ -342,7 +350,7 @@ class DeterministicTokenSource:
             view = self._reqs.get(rid)
             proposed: list[int] = []
             if view is not None:
-                for k in range(self.num_drafts):
+                for k in range(self._draft_count):
                     position = view.num_tokens + k
                     token = self.guess(view, rid, position)
                     proposed.append(token)

@@ -271,6 +271,15 @@ class FinishedSetsDropped:
         return outputs
 
 
+class DynamicDraftsIgnored:
+    """C-01: every step asks for the full draft count whatever the batch, as a runtime that
+    builds its stage's speculative configuration without the batch-size schedule does."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        self.dynamic_sd_lookup = None
+
+
 class PooledOutputIgnored:
     """C-01/C-04: pooled outputs never reach the scheduler, as a runtime that rebuilds its
     runner's output from sampled tokens alone does: a pooling request is then never finished
@@ -3132,6 +3141,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-data-parallel-rank-sync",
         "a data-parallel rank's outputs do not say which requests each step finished",
         _sub(scheduler_mixin=FinishedSetsDropped),
+    ),
+    Mutant(
+        "dynamic_drafts_ignored",
+        "C-01",
+        "axis-spec-decode-dynamic-sync",
+        "the draft count ignores dynamic speculative decoding's batch-size schedule",
+        _sub(scheduler_mixin=DynamicDraftsIgnored),
     ),
     Mutant(
         "pooled_output_ignored",

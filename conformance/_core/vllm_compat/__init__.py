@@ -45,6 +45,7 @@ from conformance._core.vllm_compat.scheduler_output import (
     resumed_ids,
     schedule_fields,
     scheduled_drafts,
+    spec_tokens_to_schedule,
 )
 from conformance._core.vllm_compat.stale_output import stale_in_fields
 from conformance._core.vllm_compat.state import (
@@ -173,6 +174,7 @@ __all__ = [
     "resumed_ids",
     "schedule_fields",
     "scheduled_drafts",
+    "spec_tokens_to_schedule",
     "environment_versions",
     "finish_reason_name",
     "finished_sets",

@@ -92,3 +92,9 @@ def draft_token_ids(req_ids: list[str], drafts: list[list[int]]) -> Any:
     from vllm.v1.outputs import DraftTokenIds
 
     return DraftTokenIds(list(req_ids), drafts)
+
+
+def spec_tokens_to_schedule(so: Any) -> int:
+    """How many drafts the runner proposes after the step (``num_spec_tokens_to_schedule``): the
+    batch-size schedule's count under dynamic speculative decoding."""
+    return int(so.num_spec_tokens_to_schedule)
