@@ -222,6 +222,19 @@ AXES: tuple[Axis, ...] = (
         {"kv_layout": "hybrid-mamba", "kv_events": True, "log_stats": True},
     ),
     Axis(
+        "hybrid-mamba-spec-decode",
+        "full attention beside a Mamba group without prefix caching, under speculative "
+        "decoding: each request's Mamba state keeps a slot per draft token (MTP/EAGLE-style "
+        "blocks beyond its running state), allocated and freed with it",
+        {
+            "kv_layout": "hybrid-mamba",
+            "enable_prefix_caching": False,
+            "num_speculative_tokens": 2,
+            "kv_events": True,
+            "log_stats": True,
+        },
+    ),
+    Axis(
         "hybrid-swa-retention",
         "hybrid-swa keeping a sliding-window checkpoint only every 64 tokens "
         "(prefix_cache_retention_interval) and at the prompt's replay boundary: the blocks "

@@ -189,6 +189,18 @@ class EagleHitBlockKept:
             manager.use_eagle = False
 
 
+class MambaDraftSlotsMissing:
+    """C-01/C-06: Mamba state gets no slot per draft token, as a runtime whose Mamba layers
+    report their KV-cache spec without ``num_speculative_blocks`` does: the verified drafts'
+    states then overwrite the running one."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[call-arg]
+        for manager in self.kv_cache_manager.coordinator.single_type_managers:  # type: ignore[attr-defined]
+            if hasattr(manager, "num_speculative_blocks"):
+                manager.num_speculative_blocks = 0
+
+
 class LookaheadSlotsIgnored:
     """C-01/C-06: no KV slots are reserved for an EAGLE drafter's lookahead, as a runtime whose
     scheduler sizes allocations from the drafts alone does: the drafter then writes past the
@@ -3148,6 +3160,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-spec-decode-dynamic-sync",
         "the draft count ignores dynamic speculative decoding's batch-size schedule",
         _sub(scheduler_mixin=DynamicDraftsIgnored),
+    ),
+    Mutant(
+        "mamba_draft_slots_missing",
+        "C-01/C-06",
+        "axis-hybrid-mamba-spec-decode-sync",
+        "Mamba state gets no slot per draft token under speculative decoding",
+        _sub(scheduler_mixin=MambaDraftSlotsMissing),
     ),
     Mutant(
         "pooled_output_ignored",

@@ -169,6 +169,10 @@ def layer_specs(vllm_config: Any, layout: str, shape: dict[str, Any]) -> dict[st
                 block_size=cache.mamba_block_size,
                 page_size_padded=cache.mamba_page_size_padded,
                 mamba_cache_mode=cache.mamba_cache_mode,
+                # A state slot per draft token, as vLLM's Mamba layers report under speculative
+                # decoding (0.30's KDA RecoverSSM and 0.33's ReplaySSM, which report none, are
+                # not configured here).
+                num_speculative_blocks=vllm_config.num_speculative_tokens,
             )
             continue
         name = f"model.layers.{i}.self_attn.attn"
