@@ -435,6 +435,14 @@ AXES: tuple[Axis, ...] = (
         {"log_stats": True},
         request_values={"resumable": (False, True, True)},
     ),
+    Axis(
+        "streaming-sessions-multimodal",
+        "streaming sessions of a multimodal model: requests and later chunks carry images, "
+        "which the session takes on past what it holds and encodes when their tokens come; "
+        "statistics off (no queued event for a resumed turn)",
+        {"model": str(MM_MODEL)},
+        request_values={"resumable": (False, True, True), "images": IMAGE_DRAWS},
+    ),
     # Structured outputs (``conformance._core.grammars``): drawn grammars compile 0-2 steps
     # after admission, the token source follows each bitmask but sometimes breaks it.
     Axis(

@@ -468,7 +468,7 @@ def _weight(ops: list[Op], num_blocks: int = 0) -> tuple[int, int, int, int]:
             detail += op.prompt_logprobs is not None
             detail += op.repetition is not None
         elif isinstance(op, StreamInput):
-            detail += len(op.prompt) + (op.max_tokens or 0)
+            detail += len(op.prompt) + (op.max_tokens or 0) + len(op.images)
         elif isinstance(op, Abort):
             detail += len(op.request_ids)
         elif isinstance(op, ResetPrefixCache):
@@ -525,7 +525,8 @@ def _longest_request(ops: list[Op], prefixes: dict[str, tuple[int, ...]]) -> int
             images = sum(IMAGES[name][1] for name, _ in op.images)
             sizes[op.request_id] += head + len(op.prompt) + images + op.max_tokens
         elif isinstance(op, StreamInput):
-            sizes[op.request_id] += len(op.prompt) + (op.max_tokens or 0)
+            images = sum(IMAGES[name][1] for name, _ in op.images)
+            sizes[op.request_id] += len(op.prompt) + images + (op.max_tokens or 0)
     return max(sizes.values(), default=0)
 
 

@@ -25,7 +25,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from conformance._core import hash_seed
 from conformance._core.config import HarnessConfig
-from conformance._core.multimodal import IMAGES
+from conformance._core.multimodal import IMAGE_DRAWS, IMAGES
 from conformance._core.workload import (
     PAUSE_STATES,
     Abort,
@@ -266,9 +266,11 @@ class StreamsInput:
     """The client of streaming input sessions, as a rule for a machine whose requests may be
     resumable (the ``streaming-sessions`` axis): more input for a session upstream still holds,
     or the end of its stream. A client sends nothing to a session that has finished, as vLLM's
-    ``AsyncLLM`` stops its input task then; the drain ends the streams left open."""
+    ``AsyncLLM`` stops its input task then; the drain ends the streams left open. With a
+    multimodal model a chunk may carry images too."""
 
     session: Any
+    config: HarnessConfig
 
     @precondition(lambda self: not all(self.session.sessions.values()))
     @rule(
@@ -285,7 +287,9 @@ class StreamsInput:
         if salt == 0 and length % 2:  # about one input in eight ends the stream
             self.session.apply(StreamInput(rid, end=True))
         else:
-            self.session.apply(StreamInput(rid, session_chunk(salt, length), max_tokens))
+            images = data.draw(st.sampled_from(IMAGE_DRAWS)) if self.config.multimodal else ()
+            chunk = session_chunk(salt, length)
+            self.session.apply(StreamInput(rid, chunk, max_tokens, images=images))
 
 
 class Pauses:

@@ -145,12 +145,16 @@ class StreamInput:
     prompt: tuple[int, ...] = ()
     max_tokens: int | None = None
     end: bool = False
+    # Images the chunk carries (a multimodal model's sessions), placed among the chunk's own
+    # tokens as ``AddRequest.images`` are; vLLM moves them past what the session holds.
+    images: tuple[tuple[str, int], ...] = ()
 
     def describe(self) -> str:
         if self.end:
             return f"end the input stream of {self.request_id}"
         limit = f" max_tokens={self.max_tokens}" if self.max_tokens is not None else ""
-        return f"more input for {self.request_id}: prompt={len(self.prompt)}{limit}"
+        pictures = f" images={_images(self.images)}" if self.images else ""
+        return f"more input for {self.request_id}: prompt={len(self.prompt)}{limit}{pictures}"
 
 
 @dataclass(frozen=True)
@@ -355,9 +359,16 @@ class Trace:
         if first is None:
             raise ValueError(f"trace: input for {op.request_id!r}, which no request started")
         if op.end:
-            return replace(first, prompt=(0,), prefix=None, resumable=False)
+            return replace(first, prompt=(0,), prefix=None, resumable=False, images=())
         limit = first.max_tokens if op.max_tokens is None else op.max_tokens
-        return replace(first, prompt=op.prompt, prefix=None, max_tokens=limit, resumable=True)
+        return replace(
+            first,
+            prompt=op.prompt,
+            prefix=None,
+            max_tokens=limit,
+            resumable=True,
+            images=op.images,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {

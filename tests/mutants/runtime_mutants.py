@@ -315,6 +315,16 @@ class SessionEndsAtFirstTurn:
         return True
 
 
+class SessionImagesDropped:
+    """C-01: a streaming session's later chunks lose their images, as a runtime whose session
+    update appends the chunk's tokens but not its multimodal features does: the image's
+    placeholder tokens are then computed with no encoder output."""
+
+    def _update_request_as_session(self, session: Any, update: Any) -> Any:
+        update.mm_features = []
+        return super()._update_request_as_session(session, update)  # type: ignore[misc]
+
+
 class _SampledOrder:
     """A step's logprobs as a runtime that slices by the request's place among those that
     sampled would read them (``slice_request`` is all a scheduler calls)."""
@@ -3167,6 +3177,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-hybrid-mamba-spec-decode-sync",
         "Mamba state gets no slot per draft token under speculative decoding",
         _sub(scheduler_mixin=MambaDraftSlotsMissing),
+    ),
+    Mutant(
+        "session_images_dropped",
+        "C-01",
+        "axis-streaming-sessions-multimodal-sync",
+        "images in a streaming session's later chunks are never encoded",
+        _sub(scheduler_mixin=SessionImagesDropped),
     ),
     Mutant(
         "pooled_output_ignored",
