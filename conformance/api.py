@@ -60,6 +60,7 @@ from conformance._core.subjects import (
     load_subject,
     lora_request,
     make_sampling_params,
+    prompt_embeddings,
     request_kwargs,
     scheduler_holdings,
 )
@@ -83,6 +84,7 @@ __all__ = [
     "SubjectUnsupported",
     "load_subject",
     "make_sampling_params",
+    "prompt_embeddings",
     "request_kwargs",
     "image_features",
     "lora_request",

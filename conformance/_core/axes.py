@@ -126,6 +126,14 @@ AXES: tuple[Axis, ...] = (
         },
     ),
     Axis(
+        "prompt-embeds",
+        "prompts sent as embeddings (prompt_embeds, no token ids) beside token prompts: "
+        "their length read from the rows, their blocks hashed by the rows' bytes, so equal "
+        "embeddings share prefix-cache blocks and token prompts never hit them",
+        {"log_stats": True},
+        request_values={"embeds": (False, True)},
+    ),
+    Axis(
         "data-parallel-rank",
         "the engine as one rank of a data-parallel group: each step's outputs also carry, per "
         "client, the ids it finished (stopped, length-capped or aborted), a client with no "

@@ -467,6 +467,7 @@ def _weight(ops: list[Op], num_blocks: int = 0) -> tuple[int, int, int, int]:
             detail += op.lora != 0
             detail += op.prompt_logprobs is not None
             detail += op.repetition is not None
+            detail += op.embeds
         elif isinstance(op, StreamInput):
             detail += len(op.prompt) + (op.max_tokens or 0) + len(op.images)
         elif isinstance(op, Abort):
@@ -577,6 +578,8 @@ def _simplifications(op: AddRequest) -> list[list[dict[str, Any]]]:
         groups.append([{"prompt_logprobs": None}])
     if op.repetition is not None:
         groups.append([{"repetition": None}])
+    if op.embeds:
+        groups.append([{"embeds": False}])
     if op.images:
         # No image, then each image alone (the one a failure needs may be either).
         alone = [{"images": (im,)} for im in op.images] if len(op.images) > 1 else []
@@ -593,7 +596,8 @@ class Shrinker:
     request (no shared prefix, shorter prompt, fewer max_tokens, no stop ids, ignore_eos, no
     final stage, no trace headers, the first client, not plain, no priority, no KV transfer
     parameters, no grammar, no KV report mode, reading the prefix cache, fewer images, no
-    min_tokens, no adapter, no prompt logprobs, no repetition detection); move requests earlier
+    min_tokens, no adapter, no prompt logprobs, no repetition detection, token ids for
+    embeddings); move requests earlier
     (past the steps before them), which lets the steps that only waited for them go in the next
     round; trade a step for a block more of some earlier request's prompt (KV-cache pressure
     with fewer operations); run the same operations with a smaller KV-cache pool, so that

@@ -220,7 +220,7 @@ def request_kwargs(
     ``op.trace_headers`` and ``op.client_index`` into its request the way its engine does."""
     kwargs: dict[str, Any] = {
         "request_id": op.request_id,
-        "prompt_token_ids": prompt,
+        "prompt_token_ids": None if op.embeds else prompt,
         "sampling_params": None if cfg.runner == "pooling" else make_sampling_params(op, cfg),
         "pooling_params": pooling_params(cfg),
         "arrival_time": arrival,
@@ -235,7 +235,20 @@ def request_kwargs(
         kwargs["mm_features"] = image_features(op, prompt, cfg.model_runner_v2)
     if op.lora:
         kwargs["lora_request"] = lora_request(op)
+    if op.embeds:
+        kwargs["prompt_embeds"] = prompt_embeddings(prompt, cfg)
     return kwargs
+
+
+def prompt_embeddings(prompt: list[int], cfg: HarnessConfig) -> Any:
+    """The embeddings a client sends in place of ``prompt`` (``AddRequest.embeds``): one row of
+    the model's hidden size per token, a function of the token alone, so that equal prompts
+    embed equally and share prefix-cache blocks (vLLM hashes each block's rows)."""
+    import torch
+
+    hidden = int(cfg.model_shape().get("hidden_size", 64))
+    tokens = torch.tensor(prompt, dtype=torch.float32).unsqueeze(1)
+    return torch.sin(tokens * torch.arange(1, hidden + 1, dtype=torch.float32) / hidden)
 
 
 def pooling_params(cfg: HarnessConfig) -> Any:

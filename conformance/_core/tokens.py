@@ -209,7 +209,9 @@ class DeterministicTokenSource:
                     list(new.prompt_token_ids or ()),
                     sp.prompt_logprobs,
                 )
-            prompt = len(new.prefill_token_ids or new.prompt_token_ids or ())
+            # A resumed request under Model Runner V2 comes whole (``prefill_token_ids``).
+            prefill = new.prefill_token_ids
+            prompt = len(prefill) if prefill else vc.prompt_length(new)
             self._reqs[new.req_id] = _ReqView(
                 num_tokens=prompt,
                 stop_ids=tuple(sp.stop_token_ids or ()) if sp is not None else (),

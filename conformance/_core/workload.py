@@ -90,6 +90,10 @@ class AddRequest:
     # the request ends (``FINISHED_REPETITION``) once its output's tail repeats a pattern of that
     # size that many times (the limits axis). None: no detection.
     repetition: tuple[int, int, int] | None = None
+    # The client sends the prompt as embeddings (``prompt_embeds``, one row per token, no token
+    # ids), as a downstream stage fed by another model's hidden states is (the prompt-embeds
+    # axis; ``subjects.prompt_embeddings``).
+    embeds: bool = False
 
     def headers(self) -> dict[str, str] | None:
         """The trace headers as the mapping vLLM's ``Request.trace_headers`` holds."""
@@ -129,6 +133,7 @@ class AddRequest:
                 else ""
             )
             + (f" repetition={list(self.repetition)}" if self.repetition is not None else "")
+            + (" embeds" if self.embeds else "")
         )
 
 
@@ -313,6 +318,7 @@ def op_to_dict(op: Op) -> dict[str, Any]:
             ("lora", 0),
             ("prompt_logprobs", None),
             ("repetition", None),
+            ("embeds", False),
             ("max_tokens", None),
             ("end", False),
         ):

@@ -26,6 +26,7 @@ from conformance.api import (
     image_features,
     lora_request,
     make_sampling_params,
+    prompt_embeddings,
     request_block_hasher,
 )
 from omni_runtime.conformance_subject.delivery import OmniChunkDelivery
@@ -91,7 +92,8 @@ class OmniSchedulerSubject(BaseSubject):
             StageInput(
                 request_id=op.request_id,
                 sampling_params=make_sampling_params(op, cfg),
-                prompt_token_ids=prompt,
+                prompt_token_ids=None if op.embeds else prompt,
+                prompt_embeds=prompt_embeddings(prompt, cfg) if op.embeds else None,
                 final_stage_id=op.final_stage,
                 arrival_time=arrival,
                 trace_headers=op.headers(),

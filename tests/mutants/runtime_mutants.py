@@ -325,6 +325,23 @@ class SessionImagesDropped:
         return super()._update_request_as_session(session, update)  # type: ignore[misc]
 
 
+class EmbedsHashedAsTokens:
+    """C-01/C-07: prompts sent as embeddings are hashed by their token ids alone, as a runtime
+    whose block hasher leaves the rows out does: every embedded prompt of a length then has
+    the same (all-zero) ids, and different embeddings hit each other's blocks."""
+
+    def add_request(self, request: Any) -> Any:
+        embeds = getattr(request, "prompt_embeds", None)
+        if embeds is not None and request.block_hashes:
+            request.prompt_embeds = None
+            try:
+                request.block_hashes.clear()
+                request.update_block_hashes()
+            finally:
+                request.prompt_embeds = embeds
+        return super().add_request(request)  # type: ignore[misc]
+
+
 class _SampledOrder:
     """A step's logprobs as a runtime that slices by the request's place among those that
     sampled would read them (``slice_request`` is all a scheduler calls)."""
@@ -3184,6 +3201,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-streaming-sessions-multimodal-sync",
         "images in a streaming session's later chunks are never encoded",
         _sub(scheduler_mixin=SessionImagesDropped),
+    ),
+    Mutant(
+        "embeds_hashed_as_tokens",
+        "C-01/C-07",
+        "axis-prompt-embeds-sync",
+        "prompts sent as embeddings are hashed by their (placeholder) token ids alone",
+        _sub(scheduler_mixin=EmbedsHashedAsTokens),
     ),
     Mutant(
         "pooled_output_ignored",

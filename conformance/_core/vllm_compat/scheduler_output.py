@@ -21,8 +21,13 @@ def computed_before(so: Any) -> dict[str, int]:
 
 
 def prompt_length(new: Any) -> int:
-    """A new request's prompt length (``NewRequestData.prompt_len`` is missing before 0.29)."""
-    return len(new.prompt_token_ids or ())
+    """A new request's prompt length, token ids or embeddings (``NewRequestData.prompt_len``,
+    missing before 0.29)."""
+    if hasattr(type(new), "prompt_len"):
+        return int(new.prompt_len)
+    if new.prompt_token_ids is not None:
+        return len(new.prompt_token_ids)
+    return 0 if new.prompt_embeds is None else int(new.prompt_embeds.shape[0])
 
 
 def schedule_fields(so: Any) -> dict[str, Any]:
