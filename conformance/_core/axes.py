@@ -111,7 +111,7 @@ AXES: tuple[Axis, ...] = (
         "spec-decode-dynamic",
         "dynamic speculative decoding: the batch-size schedule sets each step's draft count "
         "(3 drafts alone, 2 beside one other request, none with three, 1 beyond), which the "
-        "runner proposes after the step; drafts a tighter budget cannot fit are cut",
+        "runner proposes after the step",
         {
             "num_speculative_tokens": 3,
             "log_stats": True,
@@ -410,9 +410,10 @@ AXES: tuple[Axis, ...] = (
     Axis(
         "lora",
         "requests with three LoRA adapters under max_loras 2: a step admits no request whose "
-        "adapter would make a third, prefix-cache hits only within one adapter",
-        {"max_loras": 2, "log_stats": True},
-        request_values={"lora": (0, 1, 2, 3)},
+        "adapter would make a third, prefix-cache hits only within one adapter; under the "
+        "priority policy, so the requests a step skips go back into the priority queue",
+        {"max_loras": 2, "log_stats": True, "scheduling_policy": "priority"},
+        request_values={"lora": (0, 1, 2, 3), "priority": (0, 0, 1, -1)},
     ),
     Axis(
         "prefill-cadence",
