@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conformance._core import ec_connectors, kv_connectors
-from conformance._core.config import MM_MODEL, MOE_MODEL, HarnessConfig
+from conformance._core.config import DSA_MODEL, MM_MODEL, MOE_MODEL, HarnessConfig
 from conformance._core.grammars import GRAMMAR_VALUES
 from conformance._core.multimodal import IMAGE_DRAWS
 
@@ -239,6 +239,22 @@ AXES: tuple[Axis, ...] = (
             "enable_prefix_caching": False,
             "num_speculative_tokens": 2,
             "kv_events": True,
+            "log_stats": True,
+        },
+    ),
+    Axis(
+        "hisparse",
+        "HiSparse on a DeepSeek sparse-attention shape: each layer's MLA cache backed by a host "
+        "pool, device pages resident or hot per request, spilled to host pages the worker "
+        "writes back and reclaimed when the pool reuses them; prefix hits served from host "
+        "pages; the scheduler built for Model Runner V2, which HiSparse needs",
+        {
+            "kv_layout": "hisparse",
+            "model": str(DSA_MODEL),
+            "block_size": 64,
+            "num_blocks": 8,
+            "max_num_batched_tokens": 128,
+            "model_runner_v2": True,
             "log_stats": True,
         },
     ),

@@ -34,11 +34,15 @@ BUNDLED_MOE = "conformance:assets/tiny-moe"
 # 56-pixel vision tower of 14-pixel patches (16 tokens an image) and the tokenizer and processor
 # files vLLM reads to size the encoder budget. No weights: the token source stands in for it.
 MM_MODEL = Path(__file__).parents[1] / "assets" / "tiny-llava"
+# A DeepSeek sparse-attention shape (the HiSparse axis): MLA layers each with a lightning
+# indexer, ``index_topk`` set. No weights: only the layers' KV-cache specs are read.
+DSA_MODEL = Path(__file__).parents[1] / "assets" / "tiny-dsa"
 # Folder -> the name a saved trace gives it, so that traces replay on another machine.
 BUNDLED_MODELS: dict[Path, str] = {
     TINY_MODEL: BUNDLED_TINY,
     MOE_MODEL: BUNDLED_MOE,
     MM_MODEL: "conformance:assets/tiny-llava",
+    DSA_MODEL: "conformance:assets/tiny-dsa",
 }
 
 # V2 runner folds resumed requests into scheduled_new_reqs; both sides must agree on one flavour.

@@ -112,7 +112,8 @@ class WorkerStandIn:
         for rid in so.finished_req_ids:
             self._prompt_len.pop(rid, None)
         for new in so.scheduled_new_reqs:
-            self._prompt_len[new.req_id] = len(new.prefill_token_ids or new.prompt_token_ids or ())
+            prefill = new.prefill_token_ids
+            self._prompt_len[new.req_id] = len(prefill) if prefill else vc.prompt_length(new)
         cached = so.scheduled_cached_reqs
         resumed = vc.resumed_ids(so)
         for rid, num_out in zip(cached.req_ids, cached.num_output_tokens, strict=True):
@@ -130,6 +131,9 @@ class WorkerStandIn:
         if report is not None:  # the harness connector says what its worker reports
             fields = report()
             return None if fields is None else KVConnectorOutput(**fields)
+        hisparse = vc.hisparse_worker_meta(meta)
+        if hisparse is not None:
+            return KVConnectorOutput(kv_connector_worker_meta=hisparse)
         jobs = vc.offload_jobs(meta)
         if jobs is None:  # the example connector: loads and saves are the worker's own affair
             return None

@@ -15,6 +15,7 @@ from conformance._core.harness_faults import HarnessError, forget_pending, raise
 from conformance._core.observe import Observation
 from conformance._core.subjects import Subject
 from conformance._core.tokens import DeterministicTokenSource
+from conformance._core.vllm_compat.aux_outputs import runner_flavour
 from conformance._core.workload import (
     Abort,
     AddRequest,
@@ -204,6 +205,13 @@ def make_side(subject: Subject, cfg: HarnessConfig, worker: Subject | None) -> S
     """A side for ``subject``: its scheduler, and ``worker``'s real worker when given, else the
     harness's deterministic token source."""
     scheduler = subject.build_scheduler(cfg)
+    # What the runner and driver read of a V2-built configuration is read under the flavour it
+    # was built with (HiSparse's refuses to be read under the V1 runner the harness pins).
+    with runner_flavour(cfg.model_runner_v2):
+        return _side(subject, cfg, worker, scheduler)
+
+
+def _side(subject: Subject, cfg: HarnessConfig, worker: Subject | None, scheduler: Any) -> Side:
     executor: Executor
     if worker is not None:
         executor = WorkerExecutor(worker.make_worker(cfg))

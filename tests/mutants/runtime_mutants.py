@@ -342,6 +342,20 @@ class EmbedsHashedAsTokens:
         return super().add_request(request)  # type: ignore[misc]
 
 
+class ConnectorWorkerReportsDropped:
+    """C-01/C-06: the worker's KV-connector report never reaches the scheduler, as a runtime
+    that rebuilds its runner's output for its stage from the sampled tokens does: under
+    HiSparse, page spills are then never acknowledged, so device pages stay pinned."""
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        if getattr(model_runner_output, "kv_connector_output", None) is not None:
+            model_runner_output = copy.copy(model_runner_output)
+            model_runner_output.kv_connector_output = None
+        return super().update_from_output(  # type: ignore[misc]
+            scheduler_output, model_runner_output
+        )
+
+
 class _SampledOrder:
     """A step's logprobs as a runtime that slices by the request's place among those that
     sampled would read them (``slice_request`` is all a scheduler calls)."""
@@ -3208,6 +3222,13 @@ MUTANTS: tuple[Mutant, ...] = (
         "axis-prompt-embeds-sync",
         "prompts sent as embeddings are hashed by their (placeholder) token ids alone",
         _sub(scheduler_mixin=EmbedsHashedAsTokens),
+    ),
+    Mutant(
+        "connector_worker_reports_dropped",
+        "C-01/C-06",
+        "axis-hisparse-sync",
+        "the worker's KV-connector reports are dropped: HiSparse's page spills never complete",
+        _sub(scheduler_mixin=ConnectorWorkerReportsDropped),
     ),
     Mutant(
         "pooled_output_ignored",

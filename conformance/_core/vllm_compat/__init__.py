@@ -34,7 +34,11 @@ from conformance._core.vllm_compat.encoder_cache import (
     same_encoder_cache,
 )
 from conformance._core.vllm_compat.features import axis_unavailable
-from conformance._core.vllm_compat.kv_connector import offload_jobs, offload_worker_meta
+from conformance._core.vllm_compat.kv_connector import (
+    hisparse_worker_meta,
+    offload_jobs,
+    offload_worker_meta,
+)
 from conformance._core.vllm_compat.pause import pause_state, set_pause
 from conformance._core.vllm_compat.scheduler_output import (
     computed_before,
@@ -154,6 +158,7 @@ __all__ = [
     "hold_grammar_compilation",
     "init_grammar",
     "settle_grammars",
+    "hisparse_worker_meta",
     "offload_jobs",
     "offload_worker_meta",
     "Change",

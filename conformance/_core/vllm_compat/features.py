@@ -45,7 +45,14 @@ _NO_CADENCE = (
     "prefill_schedule_interval throttles only a data-parallel engine's prefills before 0.33 "
     "(one engine: inert, so the axis would check nothing)"
 )
-_NEW_IN_031 = {"limits-active-seqs": _NO_ACTIVE_SEQS, "prefill-cadence": _NO_CADENCE}
+_NO_HISPARSE = (
+    "HiSparse (host-backed sparse-attention pages and their KV-cache managers) is new in 0.33"
+)
+_NEW_IN_031 = {
+    "limits-active-seqs": _NO_ACTIVE_SEQS,
+    "prefill-cadence": _NO_CADENCE,
+    "hisparse": _NO_HISPARSE,
+}
 _NO_RETENTION = "CacheConfig.prefix_cache_retention_interval is new in 0.30"
 _NEW_IN_030 = {
     "hybrid-swa-retention": _NO_RETENTION,
@@ -83,7 +90,7 @@ MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
         ),
         Change(
             "0.31.0",
-            {"kv-offload": _OLD_OFFLOAD, "prefill-cadence": _NO_CADENCE},
+            {"kv-offload": _OLD_OFFLOAD, "prefill-cadence": _NO_CADENCE, "hisparse": _NO_HISPARSE},
             "a stopped session resumes from its materialized frontier (_handle_stopped_request); "
             "SchedulerConfig.max_num_active_seqs",
         ),

@@ -50,3 +50,27 @@ def offload_worker_meta(completed: set[int]) -> Any:
     )
 
     return OffloadingWorkerMetadata(completed_jobs=dict.fromkeys(sorted(completed), 1))
+
+
+def hisparse_worker_meta(meta: Any) -> Any | None:
+    """What a worker reports to HiSparse's connector after a step whose metadata is ``meta``
+    (``HiSparseConnectorMetadata``): every page transfer it was told to run, enqueued and
+    completed on its one rank, and every host block copy done. None for another connector's
+    metadata, or when the step moved nothing. Without these reports spills never finish:
+    device pages stay pinned and host pages are never published."""
+    command = getattr(meta, "command", None)
+    copies = getattr(meta, "host_block_copies", None)
+    if copies is None or not hasattr(meta, "row_mirrors"):
+        return None
+    from vllm.distributed.kv_transfer.kv_connector.v1.hisparse.connector import (  # type: ignore[import-not-found]
+        HiSparseConnectorWorkerMetadata,
+    )
+
+    ids = [t.transfer_id for t in command.page_transfers] if command is not None else []
+    if not ids and not copies:
+        return None
+    return HiSparseConnectorWorkerMetadata(
+        enqueued_transfer_counts={i: 1 for i in ids},
+        completed_transfer_counts={i: 1 for i in ids},
+        completed_host_copy_dst_ids=tuple(c.dst_block_id for c in copies),
+    )

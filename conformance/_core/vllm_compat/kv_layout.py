@@ -3,9 +3,10 @@
 A layout (``HarnessConfig.kv_layout``) names the kind of each attention layer of a hybrid model:
 full attention beside sliding-window layers (``hybrid-swa``), chunked local attention
 (``hybrid-local``), a compressor's ring buffer of one block per request, never prefix-cached
-(``hybrid-ring``), or Mamba layers whose state is cached in "align" mode (``hybrid-mamba``). ``configure`` sets the ``VllmConfig`` as vLLM's
-config code sets it for such a model (Mamba cache mode and block size, the padded Mamba page, the
-hybrid KV-cache manager on); ``build`` makes the per-layer ``KVCacheSpec``s a model's layers
+(``hybrid-ring``), Mamba layers whose state is cached in "align" mode (``hybrid-mamba``), or a
+DSA model's sparse MLA and indexer caches under HiSparse (``hisparse``). ``configure`` sets the
+``VllmConfig`` as vLLM's config code sets it for such a model (Mamba cache mode and block size,
+the padded Mamba page, HiSparse's connector, the hybrid KV-cache manager on); ``build`` makes the per-layer ``KVCacheSpec``s a model's layers
 report and hands them to vLLM's grouping and sizing functions with the harness's block count,
 then resolves the scheduler and hash block sizes as ``EngineCore`` does. Where the grouping entry
 point moved between releases is a ``ByRelease`` entry.
@@ -18,14 +19,25 @@ from typing import Any
 
 from conformance._core.vllm_compat.versions import ByRelease, Change
 
-LAYOUTS: tuple[str, ...] = ("hybrid-swa", "hybrid-mamba", "hybrid-local", "hybrid-ring")
-# Layer kinds per layout: the first is the model's full-attention layer.
+LAYOUTS: tuple[str, ...] = (
+    "hybrid-swa",
+    "hybrid-mamba",
+    "hybrid-local",
+    "hybrid-ring",
+    "hisparse",
+)
+# Layer kinds per layout: the first is the model's full-attention layer. HiSparse's are per
+# layer of the model (``_hisparse_specs``).
 _KINDS: dict[str, tuple[str, ...]] = {
     "hybrid-swa": ("full", "sliding"),
     "hybrid-mamba": ("full", "mamba"),
     "hybrid-local": ("full", "local"),
     "hybrid-ring": ("full", "ring"),
+    "hisparse": ("sparse", "indexer"),
 }
+# HiSparse's host pool, in blocks: two more than a request of the harness's context needs (the
+# least vLLM accepts), so requests compete for host pages as for device ones.
+_HISPARSE_HOST_SPARE_BLOCKS = 4
 # Blocks of the sliding window: short enough that the harness's prompts outgrow it, so blocks
 # fall out of the window while a request runs.
 _WINDOW_BLOCKS = 2
@@ -133,6 +145,9 @@ def configure(vllm_config: Any, layout: str, shape: dict[str, Any]) -> None:
     # A GPU engine runs hybrid models with the hybrid KV-cache manager; the harness's CPU
     # platform would turn it off (and unify the layers' specs), so it stands in for a GPU here.
     vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
+    if layout == "hisparse":
+        _configure_hisparse(vllm_config, shape)
+        return
     if "mamba" not in kinds:
         return
     from vllm.model_executor.models.config import MambaModelConfig
@@ -149,6 +164,64 @@ def configure(vllm_config: Any, layout: str, shape: dict[str, Any]) -> None:
         cache.mamba_page_size_padded = attn_page
 
 
+def _configure_hisparse(vllm_config: Any, shape: dict[str, Any]) -> None:
+    """What ``VllmConfig`` sets on a CUDA machine for ``--kv-transfer-config`` naming
+    ``HiSparseConnector``: the connector, with a host pool of ``_HISPARSE_HOST_SPARE_BLOCKS``
+    blocks more than a request needs, and ``HiSparseConfig`` in the attention config. vLLM
+    refuses HiSparse off CUDA when it validates the configuration; the pool it then pins is the
+    worker's, which the harness does not run, so the harness sets the fields after validation,
+    standing in for the GPU as for the hybrid KV-cache manager above."""
+    from vllm.config import HiSparseConfig, KVTransferConfig  # type: ignore[attr-defined]
+
+    cache = vllm_config.cache_config
+    max_len = vllm_config.model_config.max_model_len
+    host_blocks = -(-max_len // cache.block_size) + _HISPARSE_HOST_SPARE_BLOCKS
+    source_page = shape["num_hidden_layers"] * _sparse_spec(shape, cache.block_size).page_size_bytes
+    vllm_config.kv_transfer_config = KVTransferConfig(
+        kv_connector="HiSparseConnector",
+        kv_role="kv_both",
+        kv_connector_extra_config={"host_pool_gib": host_blocks * source_page / 2**30},
+    )
+    vllm_config.attention_config.hisparse_config = HiSparseConfig()
+
+
+def _sparse_spec(shape: dict[str, Any], block_size: int) -> Any:
+    """A DSA model's sparse MLA layer as it reports itself: latent and rope rows, the index
+    group's leader, a top-k buffer of ``index_topk`` rows."""
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    return MLAAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=shape["kv_lora_rank"] + shape["qk_rope_head_dim"],
+        dtype=torch.bfloat16,
+        cache_dtype_str="auto",
+        topk_buffer_width=shape["index_topk"],
+        is_index_group_leader=True,
+    )
+
+
+def _hisparse_specs(shape: dict[str, Any], block_size: int) -> dict[str, Any]:
+    """Each layer of a DSA model: its sparse MLA cache and its indexer's key cache (one byte
+    per element plus a scale per 128)."""
+    import torch
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SparseCacheRole
+
+    index_dim = shape["index_head_dim"]
+    specs: dict[str, Any] = {}
+    for i in range(shape["num_hidden_layers"]):
+        specs[f"model.layers.{i}.self_attn.attn"] = _sparse_spec(shape, block_size)
+        specs[f"model.layers.{i}.self_attn.indexer.k_cache"] = MLAAttentionSpec(
+            block_size=block_size,
+            num_kv_heads=1,
+            head_size=index_dim + index_dim // 128 * 4,
+            dtype=torch.uint8,
+            cache_role=SparseCacheRole.INDEXER,
+        )
+    return specs
+
+
 def layer_specs(vllm_config: Any, layout: str, shape: dict[str, Any]) -> dict[str, Any]:
     """The ``KVCacheSpec`` each layer reports (``get_kv_cache_spec``), by layer name."""
     from vllm.v1.kv_cache_interface import (
@@ -159,6 +232,8 @@ def layer_specs(vllm_config: Any, layout: str, shape: dict[str, Any]) -> dict[st
     )
 
     cache = vllm_config.cache_config
+    if layout == "hisparse":
+        return _hisparse_specs(shape, cache.block_size)
     specs: dict[str, Any] = {}
     for i, kind in enumerate(_check(layout)):
         if kind == "mamba":
@@ -199,6 +274,18 @@ def layer_specs(vllm_config: Any, layout: str, shape: dict[str, Any]) -> dict[st
     return specs
 
 
+def _register_specs(vllm_config: Any) -> None:
+    """Register vLLM's built-in spec managers, as ``EngineCore`` does before planning (0.33;
+    the registry, which HiSparse's roles need, is new there)."""
+    try:
+        from vllm.v1.core.single_type_kv_cache_manager import (  # type: ignore[attr-defined]
+            register_all_kvcache_specs,
+        )
+    except ImportError:
+        return
+    register_all_kvcache_specs(vllm_config)
+
+
 def _plan(vllm_config: Any, specs: dict[str, Any], num_blocks: int) -> Any:
     """vLLM's ``KVCacheConfig`` for one worker holding every layer: its grouping, then its sizing
     for exactly ``num_blocks`` blocks. The start-up check that the cache holds a request of
@@ -231,6 +318,7 @@ def build(vllm_config: Any, layout: str, shape: dict[str, Any], num_blocks: int)
     )
 
     cache = vllm_config.cache_config
+    _register_specs(vllm_config)
     specs = layer_specs(vllm_config, layout, shape)
     # The block count is the harness's, as a user's ``--num-gpu-blocks-override`` pins it.
     cache.num_gpu_blocks_override = num_blocks
@@ -239,8 +327,10 @@ def build(vllm_config: Any, layout: str, shape: dict[str, Any], num_blocks: int)
             resolve_kv_cache_layout,
         )
 
-        # The one layout the harness's token worker reports (``TokenWorker``), as for one rank.
-        resolve_kv_cache_layout(vllm_config, [["LBNHC"]], list(specs.values()))
+        # The one layout the harness's token worker reports (``TokenWorker``), as for one rank;
+        # a DSA model's indexer backend reports block-outermost only, which HiSparse needs.
+        memory_layout = "BLHNC" if layout == "hisparse" else "LBNHC"
+        resolve_kv_cache_layout(vllm_config, [[memory_layout]], list(specs.values()))
     kv_cache_config = generate_scheduler_kv_cache_config([_plan(vllm_config, specs, num_blocks)])
     cache.num_gpu_blocks = kv_cache_config.num_blocks
     # Every group of these layouts caches prefixes, so the smallest group block is the one
