@@ -69,6 +69,7 @@ __all__ = sorted(
         "load_subject",
         "lora_request",
         "make_sampling_params",
+        "prompt_embeddings",
         "replay",
         "request_kwargs",
         "run_trace",
