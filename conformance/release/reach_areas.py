@@ -49,7 +49,7 @@ AREAS: tuple[tuple[str, str], ...] = (
     ("statistics and events", r"log_stats|stats\b|_stats|event|publisher|usage|metrics"),
     ("priority", r"priority"),
     ("pipeline parallelism", r"use_pp|pipeline|batch_queue|concurrent|decode_eligible|stagger"),
-    ("limits", r"min_tokens|max_model_len|long_prefill|partial_prefill|max_num_active"),
+    ("limits", r"min_tokens|max_model_len|long_prefill|partial_prefill|max_num_active|repetition"),
 )
 PART: dict[str, int] = {
     CORE: 1,
