@@ -48,6 +48,12 @@ _NO_CADENCE = (
 _NO_HISPARSE = (
     "HiSparse (host-backed sparse-attention pages and their KV-cache managers) is new in 0.33"
 )
+_MIN_TOKENS_FIRST = (
+    "vLLM 0.28 itself fails this axis: its check_stop tests min_tokens before the length "
+    "limits (reordered in 0.29), so a request whose min_tokens reaches past max_model_len "
+    "grows past its context and never finishes (C-62 on upstream alone); upstream is no oracle"
+)
+_NO_RING = "CircularBufferSpec (a compressor's ring-buffer KV cache) is new in 0.29"
 _NEW_IN_031 = {
     "limits-active-seqs": _NO_ACTIVE_SEQS,
     "prefill-cadence": _NO_CADENCE,
@@ -66,6 +72,8 @@ MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
         **_NEW_IN_031,
         "pipeline-4": _NEGATIVE_CHUNK,
         "streaming-sessions": NO_SESSIONS,
+        "hybrid-ring": _NO_RING,
+        "limits": _MIN_TOKENS_FIRST,
     },
     [
         Change(
@@ -75,8 +83,21 @@ MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
                 **_NEW_IN_030,
                 **_NEW_IN_031,
                 "streaming-sessions:async": _ASYNC_SESSIONS,
+                "hybrid-ring": _NO_RING,
+                "limits": _MIN_TOKENS_FIRST,
             },
             "a running request's chunk is floored at 0 (_reserve_prefill_lookahead)",
+        ),
+        Change(
+            "0.29.0",
+            {
+                **_MISSING_BEFORE_030,
+                **_NEW_IN_030,
+                **_NEW_IN_031,
+                "streaming-sessions:async": _ASYNC_SESSIONS,
+            },
+            "CircularBufferSpec: a compressor's ring-buffer KV cache; check_stop tests the "
+            "length limits before min_tokens",
         ),
         Change(
             "0.30.0",
