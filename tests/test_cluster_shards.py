@@ -1,11 +1,17 @@
 """The sharded check's plan and merge, without a cluster (``conformance.cluster.shards``): shards
 are test files (or tests) x seeds, a derandomized profile gets one seed, one test's records from
 several shards fold into one record (summed counts, the worst outcome with its cause), the merged
-report is the local report's form, and the example database round-trips as files."""
+report is the local report's form, and the example database round-trips as files. For
+``matrix --ray``: a cell's guard stops what the cell started once the task's worker is gone, and a
+cell whose task gave no result is an error cell naming the cause and the nodes it started on."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -157,3 +163,101 @@ def test_a_subject_from_the_users_folder_is_shipped_and_an_installed_one_is_not(
     env = runtime_env(["my_subject:S", "upstream"])
     assert env["py_modules"] == [str(tmp_path / "my_subject.py")]
     assert env["env_vars"]["PYTHONHASHSEED"] == "0"
+
+
+def _guard_pids(scratch: Path) -> list[int]:
+    found = []
+    for name in os.listdir("/proc"):
+        try:
+            cmdline = Path("/proc", name, "cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"conformance.cluster.cell_guard" in cmdline and str(scratch).encode() in cmdline:
+            found.append(int(name))
+    return found
+
+
+def _until(predicate: Any, seconds: float = 10.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return predicate()
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="the guard reads /proc")
+def test_a_cells_guard_kills_what_the_cell_started_once_its_worker_is_gone(tmp_path: Path):
+    """Ray kills a dead worker's children only: the cell's pytest, in a session of its own, would
+    run on. The guard kills every process carrying the cell's token once the worker is gone, and
+    leaves the worker's cell alone while it lives and another cell's processes always."""
+    from conformance.cluster import cell_guard
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    worker = subprocess.Popen(["sleep", "120"])
+    mine = subprocess.Popen(
+        ["sleep", "121"], env={**os.environ, cell_guard.TOKEN_ENV: "c-1"}, start_new_session=True
+    )
+    other = subprocess.Popen(["sleep", "122"], env={**os.environ, cell_guard.TOKEN_ENV: "c-12"})
+    try:
+        cell_guard.start(worker.pid, scratch, "c-1")
+        assert cell_guard.carrying("c-1", exact=True) == [mine.pid]
+        assert sorted(cell_guard.carrying("c-")) == sorted([mine.pid, other.pid])
+        time.sleep(2 * cell_guard.POLL_S)
+        assert mine.poll() is None and scratch.exists()  # the worker lives: nothing touched
+        worker.kill()
+        assert mine.wait(timeout=10) == -9
+        assert _until(lambda: not scratch.exists())
+        assert other.poll() is None
+        assert _until(lambda: not _guard_pids(scratch))  # the guard has ended
+    finally:
+        for p in (worker, mine, other):
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="the guard reads /proc")
+def test_a_cells_guard_ends_when_its_task_removes_the_scratch_folder(tmp_path: Path):
+    from conformance.cluster import cell_guard
+
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    worker = subprocess.Popen(["sleep", "120"])
+    try:
+        cell_guard.start(worker.pid, scratch, "c-2")
+        assert _guard_pids(scratch)  # the starter returned; the guard watches on its own
+        scratch.rmdir()
+        assert _until(lambda: not _guard_pids(scratch))
+    finally:
+        worker.kill()
+        worker.wait()
+
+
+def test_a_cell_lost_past_rays_retries_is_an_error_cell_naming_the_cause_and_its_nodes(
+    tmp_path: Path,
+):
+    exceptions = pytest.importorskip("ray.exceptions", reason="the [ray] extra is not installed")
+    from conformance.cluster.ray_matrix import lost_cell, task_cause
+    from conformance.release.matrix import Cell, MatrixOptions
+    from conformance.release.matrix_report import build_matrix_report, load_cells, summary_text
+
+    lost = task_cause(
+        exceptions.NodeDiedError("Task failed because the node it was running on is dead."), 3
+    )
+    assert lost == (
+        "cell task lost after 3 retries by Ray: NodeDiedError: "
+        "Task failed because the node it was running on is dead."
+    )
+    raised = exceptions.RayTaskError("cell_body", "Traceback ...\n", OSError("disk full"))
+    assert task_cause(raised.as_instanceof_cause(), 3) == "cell task raised OSError: disk full"
+    opts = MatrixOptions(out=tmp_path, envs_dir=tmp_path / "envs")
+    cell = Cell("upstream", "0.30.0")
+    assert lost_cell(cell, opts, lost, ["10.0.0.6/9b02de", "10.0.0.5/3fa2c1"], "the cluster") == (
+        "error"
+    )
+    report = build_matrix_report(load_cells([tmp_path / "cells"]))
+    (entry,) = report["cells"]
+    assert entry["status"] == "error" and entry["error"] == lost
+    assert entry["environment"]["ray_retried"] == "by Ray: 10.0.0.6/9b02de -> 10.0.0.5/3fa2c1"
+    assert f"ERROR upstream @ vLLM 0.30.0: {lost}" in summary_text(report)

@@ -9,7 +9,10 @@ verdicts, examples, steps and shrunk traces, and finds the named mutant
 (it reaches the nodes through the job's runtime environment); a seeded shard searches the same
 examples through Ray as in this process; killing the second node mid-run loses no shard (Ray
 retries it) and the report names the retried shard; a shard past its timeout is an error with
-its cause; matrix cells through Ray give the local matrix's verdicts.
+its cause; matrix cells through Ray give the local matrix's verdicts; killing the second node
+mid-matrix loses no cell (Ray retries it and it gives the local verdict; past its retries it is
+an error cell with its cause) and leaves nothing of it running; an interrupted matrix driver keeps
+its finished cells and merges them.
 """
 
 from __future__ import annotations
@@ -17,9 +20,12 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +90,79 @@ def _check(cwd: Path, out: Path, *args: str) -> subprocess.CompletedProcess[str]
     return subprocess.run(
         cmd, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=1200, check=False
     )
+
+
+def _watch(
+    cmd: list[str],
+    cwd: Path,
+    on_line: Callable[[str, subprocess.Popen[str]], None],
+    seconds: float = 1800,
+) -> tuple[int, str]:
+    """Run ``cmd`` (a driver), calling ``on_line`` with each line of its output as it comes (to
+    kill a node or interrupt the driver at the right moment); its exit code and output."""
+    proc = subprocess.Popen(
+        cmd, cwd=cwd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    seen: list[str] = []
+    deadline = time.monotonic() + seconds
+    assert proc.stdout is not None
+    try:
+        for line in proc.stdout:
+            seen.append(line)
+            on_line(line, proc)
+            assert time.monotonic() < deadline, "".join(seen[-30:])
+        return proc.wait(timeout=120), "".join(seen)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _matrix_cmd(out: Path, *extra: str, vllm: tuple[str, ...] = ("0.28.0", "0.30.0")) -> list[str]:
+    """``matrix`` over installed release environments (by default vLLM 0.28.0 and 0.30.0, each
+    with vllm-omni), subject ``upstream``, smoke profile, no upstream-tests."""
+    cmd = [sys.executable, "-m", "conformance.cli", "matrix", "--subject", "upstream"]
+    cmd += ["--vllm", *vllm, "--with", "upstream=vllm-omni=={vllm}"]
+    cmd += ["--no-upstream-tests", "--profile", "smoke", "-n", "1", "--out", str(out)]
+    return [*cmd, *extra]
+
+
+def _cells(out: Path) -> dict[str, dict[str, Any]]:
+    """The finished cells' ``cell.json`` by folder name."""
+    return {p.parent.name: json.loads(p.read_text()) for p in (out / "cells").glob("*/cell.json")}
+
+
+def _verdicts(out: Path) -> dict[str, Any]:
+    """Each finished cell's status and release, and each test's outcome in it."""
+    cells = {}
+    for p in sorted((out / "cells").glob("*/cell.json")):
+        cell = json.loads(p.read_text())
+        rep = json.loads((p.parent / "compat-report.json").read_text())
+        outcomes = {t["nodeid"]: t["outcome"] for t in rep["tests"]}
+        cells[p.parent.name] = (cell["status"], cell["environment"]["vllm"], outcomes)
+    return cells
+
+
+def _cell_runs(prefix: str = "") -> list[str]:
+    """What is still running of cells whose guard token starts with ``prefix`` (command lines)."""
+    from conformance.cluster.cell_guard import carrying
+
+    runs = []
+    for pid in carrying(prefix):
+        try:
+            runs.append(Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            pass
+    return runs
+
+
+def _until(predicate: Callable[[], bool], seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
 
 
 def _tests(out: Path) -> dict[str, tuple[Any, ...]]:
@@ -167,22 +246,16 @@ def test_killing_the_second_node_mid_run_loses_no_shard(cluster, tmp_path):
     cmd += ["--report-dir", str(out / "report"), "--failures-dir", str(out / "failures")]
     cmd += ["--example-db", str(out / "db"), "--ray", cluster.address]
     second = cluster.second.node_id[:6]
-    proc = subprocess.Popen(
-        cmd, cwd=tmp_path, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-    seen: list[str] = []
     killed = False
-    deadline = time.monotonic() + 900
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        seen.append(line)
+
+    def on_line(line: str, proc: subprocess.Popen[str]) -> None:
+        nonlocal killed
         if not killed and f"/{second}: 0 done, 1 running" in line:
             time.sleep(3)  # well inside the shard's pytest
             cluster.remove_node(cluster.second, allow_graceful=False)
             killed = True
-        assert time.monotonic() < deadline, "".join(seen[-30:])
-    rc = proc.wait(timeout=60)
-    text = "".join(seen)
+
+    rc, text = _watch(cmd, tmp_path, on_line, seconds=900)
     assert killed, text[-3000:]
     assert rc == 0, text[-3000:]
     report = json.loads((out / "report" / "compat-report.json").read_text())
@@ -205,11 +278,13 @@ def test_a_shard_past_its_timeout_is_an_error_with_its_cause(tmp_path):
 
 def test_matrix_cells_through_ray_give_the_local_verdicts(cluster, tmp_path):
     def matrix(out: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-        cmd = [sys.executable, "-m", "conformance.cli", "matrix", "--subject", "upstream"]
-        cmd += ["--vllm", "0.28.0", "0.30.0", "--with", "upstream=vllm-omni=={vllm}"]
-        cmd += ["--no-upstream-tests", "--profile", "smoke", "-n", "1", "--out", str(out)]
         return subprocess.run(
-            [*cmd, *extra], env=_env(), capture_output=True, text=True, timeout=2400, check=False
+            _matrix_cmd(out, *extra),
+            env=_env(),
+            capture_output=True,
+            text=True,
+            timeout=2400,
+            check=False,
         )
 
     through = matrix(tmp_path / "ray", "--ray", cluster.address)
@@ -217,16 +292,106 @@ def test_matrix_cells_through_ray_give_the_local_verdicts(cluster, tmp_path):
     assert through.returncode == local.returncode, through.stdout[-3000:] + through.stderr[-3000:]
     assert "started on" in through.stdout
 
-    def verdicts(out: Path) -> dict[str, Any]:
-        """Each cell's status and release, and each test's outcome in it."""
-        cells = {}
-        for p in sorted((out / "cells").glob("*/cell.json")):
-            cell = json.loads(p.read_text())
-            rep = json.loads((p.parent / "compat-report.json").read_text())
-            outcomes = {t["nodeid"]: t["outcome"] for t in rep["tests"]}
-            cells[p.parent.name] = (cell["status"], cell["environment"]["vllm"], outcomes)
-        return cells
-
-    assert verdicts(tmp_path / "ray") == verdicts(tmp_path / "local")
-    assert len(verdicts(tmp_path / "ray")) == 2
+    assert _verdicts(tmp_path / "ray") == _verdicts(tmp_path / "local")
+    assert len(_verdicts(tmp_path / "ray")) == 2
     assert (tmp_path / "ray" / "matrix-report.json").exists()
+
+
+@pytest.mark.parametrize("retries", [3, 0], ids=["retried-by-ray", "past-its-retries"])
+def test_killing_the_second_node_mid_matrix_loses_no_cell(cluster, tmp_path, retries):
+    """The second node is killed while its cell's pytest runs. With retries, Ray runs the cell
+    again on the head, which gives the local matrix's verdict, the cell and the merged report
+    naming both nodes; past its retries the cell is an error cell with its cause and the matrix
+    ends. Either way nothing the killed cell started runs on (its guard stopped it)."""
+    out = tmp_path / "ray"
+    second = cluster.second.node_id[:6]
+    killed: list[str] = []
+
+    def on_line(line: str, proc: subprocess.Popen[str]) -> None:
+        found = re.match(rf"\s+(\S+): started on \S+/{second}$", line)
+        if found and not killed:
+            cell = found[1]
+            # Kill inside the cell's check: once its pytest runs (the environment is reused).
+            assert _until(lambda: any("pytest" in r for r in _cell_runs(cell + "-")), 300)
+            time.sleep(5)
+            cluster.remove_node(cluster.second, allow_graceful=False)
+            killed.append(cell)
+
+    cmd = _matrix_cmd(out, "--ray", cluster.address, "--ray-retries", str(retries))
+    rc, text = _watch(cmd, tmp_path, on_line)
+    assert killed, text[-3000:]
+    (lost,) = killed
+    cells = _cells(out)
+    merged = {e["id"]: e for e in json.loads((out / "matrix-report.json").read_text())["cells"]}
+    assert sorted(cells) == sorted(merged) and len(cells) == 2
+    (kept,) = set(cells) - {lost}
+    assert cells[kept]["status"] in ("pass", "fail"), text[-3000:]  # a verdict, not an error
+    assert cells[kept]["environment"]["ray_retried"] == "none"
+    retried = cells[lost]["environment"]["ray_retried"]
+    assert merged[lost]["environment"]["ray_retried"] == retried  # the merged report says it
+    if retries:
+        assert rc == (0 if {c["status"] for c in cells.values()} == {"pass"} else 1), text[-3000:]
+        # The retried cell's verdict is the one a local matrix gives its release.
+        local = tmp_path / "local"
+        one = _matrix_cmd(local, vllm=(cells[lost]["vllm"],))
+        subprocess.run(one, env=_env(), capture_output=True, timeout=1200, check=False)
+        assert _verdicts(out)[lost] == _verdicts(local)[lost]
+        first, then = retried.removeprefix("by Ray: ").split(" -> ")
+        assert first.endswith(second) and not then.endswith(second)
+        assert f"retried by Ray after a lost worker or node: {lost} ({first} -> {then})" in text
+    else:
+        assert rc == 1, text[-3000:]
+        assert cells[lost]["status"] == "error" and retried == "none"
+        assert cells[lost]["error"].startswith("cell task lost after 0 retries by Ray: ")
+        label = f"{cells[lost]['subject']} @ vLLM {cells[lost]['vllm']}"
+        assert f"ERROR {label}: cell task lost after 0 retries by Ray" in text
+    assert _until(lambda: not _cell_runs(), 30), _cell_runs()
+
+
+def test_interrupting_the_matrix_driver_keeps_the_finished_cells(cluster, tmp_path):
+    """SIGINT to the driver once a cell has finished and a third has started (three cells of
+    the installed vLLM 0.33.0 on two one-CPU nodes): the driver cancels what is still out and
+    merges what finished (exit 130); each finished cell keeps its compat report, a started one
+    is a folder without cell.json (unfinished), ``merge`` reads them again, nothing runs on."""
+    out = tmp_path / "ray"
+    cmd = [sys.executable, "-m", "conformance.cli", "matrix", "--vllm", "0.33.0"]
+    cmd += ["--subject", "upstream", "omni-scheduler", "omni", "--no-upstream-tests"]
+    cmd += ["--profile", "smoke", "-n", "1", "--out", str(out), "--ray", cluster.address]
+    started: list[str] = []
+    finished: list[str] = []
+    sent: list[bool] = []
+
+    def on_line(line: str, proc: subprocess.Popen[str]) -> None:
+        if found := re.match(r"\s+(\S+): started on ", line):
+            started.append(found[1])
+        if re.match(r"\[\d/3\] .*: \w+ on ", line):
+            finished.append(line)
+        if finished and len(started) == 3 and not sent:
+            proc.send_signal(signal.SIGINT)
+            sent.append(True)
+
+    rc, text = _watch(cmd, tmp_path, on_line)
+    assert len(started) == 3 and finished, text[-3000:]
+    assert rc == 130, text[-3000:]
+    assert "matrix --ray: interrupted; cancelling" in text
+    cells = _cells(out)
+    assert 1 <= len(cells) <= 2 and started[2] not in cells, text[-3000:]
+    for name, cell in cells.items():
+        report = json.loads((out / "cells" / name / "compat-report.json").read_text())
+        assert cell["status"] == report["status"] and report["tests"]
+    assert (out / "cells" / started[2]).is_dir()  # started, never finished
+    merged = json.loads((out / "matrix-report.json").read_text())
+    assert {e["id"] for e in merged["cells"]} == set(cells)
+    assert started[2] in {u["id"] for u in merged["unfinished"]}
+    again = subprocess.run(
+        [sys.executable, "-m", "conformance.cli", "merge", str(out), "--out", str(tmp_path / "m")],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert again.returncode == 1, again.stdout + again.stderr  # incomplete: a cell is pending
+    remerged = json.loads((tmp_path / "m" / "matrix-report.json").read_text())
+    assert [e["id"] for e in remerged["cells"]] == [e["id"] for e in merged["cells"]]
+    assert _until(lambda: not _cell_runs(), 30), _cell_runs()
