@@ -72,6 +72,7 @@ MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
         **_NEW_IN_031,
         "pipeline-4": _NEGATIVE_CHUNK,
         "streaming-sessions": NO_SESSIONS,
+        "streaming-sessions-multimodal": NO_SESSIONS,
         "hybrid-ring": _NO_RING,
         "limits": _MIN_TOKENS_FIRST,
     },
@@ -83,6 +84,7 @@ MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
                 **_NEW_IN_030,
                 **_NEW_IN_031,
                 "streaming-sessions:async": _ASYNC_SESSIONS,
+                "streaming-sessions-multimodal:async": _ASYNC_SESSIONS,
                 "hybrid-ring": _NO_RING,
                 "limits": _MIN_TOKENS_FIRST,
             },
@@ -95,6 +97,7 @@ MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
                 **_NEW_IN_030,
                 **_NEW_IN_031,
                 "streaming-sessions:async": _ASYNC_SESSIONS,
+                "streaming-sessions-multimodal:async": _ASYNC_SESSIONS,
             },
             "CircularBufferSpec: a compressor's ring-buffer KV cache; check_stop tests the "
             "length limits before min_tokens",
@@ -105,6 +108,7 @@ MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
                 "kv-offload": _OLD_OFFLOAD,
                 **_NEW_IN_031,
                 "streaming-sessions:async": _ASYNC_SESSIONS,
+                "streaming-sessions-multimodal:async": _ASYNC_SESSIONS,
             },
             "KVConnectorOutput.failed_recving: a worker reports a failed load; "
             "prefix_cache_retention_interval",
