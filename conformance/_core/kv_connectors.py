@@ -112,8 +112,7 @@ class WorkerStandIn:
         for rid in so.finished_req_ids:
             self._prompt_len.pop(rid, None)
         for new in so.scheduled_new_reqs:
-            prefill = new.prefill_token_ids
-            self._prompt_len[new.req_id] = len(prefill) if prefill else vc.prompt_length(new)
+            self._prompt_len[new.req_id] = vc.prompt_length(new)
         cached = so.scheduled_cached_reqs
         resumed = vc.resumed_ids(so)
         for rid, num_out in zip(cached.req_ids, cached.num_output_tokens, strict=True):

@@ -531,6 +531,30 @@ def _longest_request(ops: list[Op], prefixes: dict[str, tuple[int, ...]]) -> int
     return max(sizes.values(), default=0)
 
 
+# The simplest value of each request field the shrinker resets in one go: no stop ids, EOS
+# ignored, no final stage, no trace headers, the first client, not plain, no priority, ...
+_SIMPLEST: tuple[tuple[str, Any], ...] = (
+    ("stop_token_ids", ()),
+    ("ignore_eos", True),
+    ("final_stage", None),
+    ("trace_headers", None),
+    ("client_index", 0),
+    ("plain", False),
+    ("priority", 0),
+    ("arrival", None),
+    ("kv_transfer_params", None),
+    ("grammar", None),
+    ("kv_cache_report_mode", None),
+    ("skip_reading_prefix_cache", False),
+    ("logprobs", None),
+    ("min_tokens", 0),
+    ("lora", 0),
+    ("prompt_logprobs", None),
+    ("repetition", None),
+    ("embeds", False),
+)
+
+
 def _simplifications(op: AddRequest) -> list[list[dict[str, Any]]]:
     """Field changes that make one request simpler, grouped by field, simplest first per group."""
     groups: list[list[dict[str, Any]]] = []
@@ -544,42 +568,8 @@ def _simplifications(op: AddRequest) -> list[list[dict[str, Any]]]:
             for n in _smaller_ints(op.max_tokens, 1)
         ]
     )
-    if op.stop_token_ids:
-        groups.append([{"stop_token_ids": ()}])
-    if not op.ignore_eos:
-        groups.append([{"ignore_eos": True}])
-    if op.final_stage is not None:
-        groups.append([{"final_stage": None}])
-    if op.trace_headers is not None:
-        groups.append([{"trace_headers": None}])
-    if op.client_index:
-        groups.append([{"client_index": 0}])
-    if op.plain:
-        groups.append([{"plain": False}])
-    if op.priority:
-        groups.append([{"priority": 0}])
-    if op.arrival is not None:
-        groups.append([{"arrival": None}])
-    if op.kv_transfer_params is not None:
-        groups.append([{"kv_transfer_params": None}])
-    if op.grammar is not None:
-        groups.append([{"grammar": None}])
-    if op.kv_cache_report_mode is not None:
-        groups.append([{"kv_cache_report_mode": None}])
-    if op.skip_reading_prefix_cache:
-        groups.append([{"skip_reading_prefix_cache": False}])
-    if op.logprobs is not None:
-        groups.append([{"logprobs": None}])
-    if op.min_tokens:
-        groups.append([{"min_tokens": 0}])
-    if op.lora:
-        groups.append([{"lora": 0}])
-    if op.prompt_logprobs is not None:
-        groups.append([{"prompt_logprobs": None}])
-    if op.repetition is not None:
-        groups.append([{"repetition": None}])
-    if op.embeds:
-        groups.append([{"embeds": False}])
+    # One group per field left off its simplest value, in this order.
+    groups += [[{name: simple}] for name, simple in _SIMPLEST if getattr(op, name) != simple]
     if op.images:
         # No image, then each image alone (the one a failure needs may be either).
         alone = [{"images": (im,)} for im in op.images] if len(op.images) > 1 else []
@@ -593,17 +583,14 @@ class Shrinker:
     Passes, repeated until none makes progress: remove whole requests (with their ids in
     aborts); delta-debugging removal of chunks of operations, halving the chunk down to single
     operations; collapse runs of repeated steps; drop aborted ids one at a time; simplify each
-    request (no shared prefix, shorter prompt, fewer max_tokens, no stop ids, ignore_eos, no
-    final stage, no trace headers, the first client, not plain, no priority, no KV transfer
-    parameters, no grammar, no KV report mode, reading the prefix cache, fewer images, no
-    min_tokens, no adapter, no prompt logprobs, no repetition detection, token ids for
-    embeddings); move requests earlier
-    (past the steps before them), which lets the steps that only waited for them go in the next
-    round; trade a step for a block more of some earlier request's prompt (KV-cache pressure
-    with fewer operations); run the same operations with a smaller KV-cache pool, so that
-    pressure which took many steps of decoding to build (a preemption with steps in flight, say)
-    comes sooner and those steps go in the next round. Every candidate is strictly smaller (``_weight``) than the current trace, so the
-    search ends, and each distinct candidate runs at most once.
+    request (no shared prefix, shorter prompt, fewer max_tokens, fewer images, and each field
+    of ``_SIMPLEST`` at its simplest value); move requests earlier (past the steps before them),
+    which lets the steps that only waited for them go in the next round; trade a step for a
+    block more of some earlier request's prompt (KV-cache pressure with fewer operations); run
+    the same operations with a smaller KV-cache pool, so that pressure which took many steps of
+    decoding to build (a preemption with steps in flight, say) comes sooner and those steps go
+    in the next round. Every candidate is strictly smaller (``_weight``) than the current
+    trace, so the search ends, and each distinct candidate runs at most once.
 
     Bounded by ``time_budget`` seconds (default ``shrink_seconds()``) and optionally ``budget``
     runs; when a bound is hit the best trace found so far is the result, so a failure is always

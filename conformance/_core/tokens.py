@@ -141,10 +141,11 @@ class DeterministicTokenSource:
         self._report = report or RunnerReport()
 
     def choose(self, view: _ReqView, request_id: str, position: int) -> int:
+        # The min-tokens mask counts real positions; a looping output repeats what it chose.
+        stops = position >= view.min_tokens_end
         if view.loop is not None and position >= view.loop[0]:
             position = view.loop[0] + (position - view.loop[0]) % view.loop[1]
         h = zlib.crc32(f"stop:{request_id}:{position}".encode())
-        stops = position >= view.min_tokens_end
         if stops and view.stop_ids and h % self.stop_period == 0:
             return view.stop_ids[(h >> 8) % len(view.stop_ids)]
         if stops and view.eos is not None and h % EOS_PERIOD == 1:
@@ -209,9 +210,7 @@ class DeterministicTokenSource:
                     list(new.prompt_token_ids or ()),
                     sp.prompt_logprobs,
                 )
-            # A resumed request under Model Runner V2 comes whole (``prefill_token_ids``).
-            prefill = new.prefill_token_ids
-            prompt = len(prefill) if prefill else vc.prompt_length(new)
+            prompt = vc.prompt_length(new)
             self._reqs[new.req_id] = _ReqView(
                 num_tokens=prompt,
                 stop_ids=tuple(sp.stop_token_ids or ()) if sp is not None else (),

@@ -54,6 +54,12 @@ _MIN_TOKENS_FIRST = (
     "grows past its context and never finishes (C-62 on upstream alone); upstream is no oracle"
 )
 _NO_RING = "CircularBufferSpec (a compressor's ring-buffer KV cache) is new in 0.29"
+# Sessions exist from 0.28; under async scheduling both sessions axes wait for 0.31.
+_ASYNC_SESSIONS_MISSING = {
+    "streaming-sessions:async": _ASYNC_SESSIONS,
+    "streaming-sessions-multimodal:async": _ASYNC_SESSIONS,
+}
+_BEFORE_029 = {"hybrid-ring": _NO_RING, "limits": _MIN_TOKENS_FIRST}
 _NEW_IN_031 = {
     "limits-active-seqs": _NO_ACTIVE_SEQS,
     "prefill-cadence": _NO_CADENCE,
@@ -71,10 +77,9 @@ MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
         **_NEW_IN_030,
         **_NEW_IN_031,
         "pipeline-4": _NEGATIVE_CHUNK,
+        **_BEFORE_029,
         "streaming-sessions": NO_SESSIONS,
         "streaming-sessions-multimodal": NO_SESSIONS,
-        "hybrid-ring": _NO_RING,
-        "limits": _MIN_TOKENS_FIRST,
     },
     [
         Change(
@@ -83,10 +88,8 @@ MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
                 **_MISSING_BEFORE_030,
                 **_NEW_IN_030,
                 **_NEW_IN_031,
-                "streaming-sessions:async": _ASYNC_SESSIONS,
-                "streaming-sessions-multimodal:async": _ASYNC_SESSIONS,
-                "hybrid-ring": _NO_RING,
-                "limits": _MIN_TOKENS_FIRST,
+                **_ASYNC_SESSIONS_MISSING,
+                **_BEFORE_029,
             },
             "a running request's chunk is floored at 0 (_reserve_prefill_lookahead)",
         ),
@@ -96,8 +99,7 @@ MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
                 **_MISSING_BEFORE_030,
                 **_NEW_IN_030,
                 **_NEW_IN_031,
-                "streaming-sessions:async": _ASYNC_SESSIONS,
-                "streaming-sessions-multimodal:async": _ASYNC_SESSIONS,
+                **_ASYNC_SESSIONS_MISSING,
             },
             "CircularBufferSpec: a compressor's ring-buffer KV cache; check_stop tests the "
             "length limits before min_tokens",
@@ -107,8 +109,7 @@ MISSING_AXES: ByRelease[dict[str, str]] = ByRelease(
             {
                 "kv-offload": _OLD_OFFLOAD,
                 **_NEW_IN_031,
-                "streaming-sessions:async": _ASYNC_SESSIONS,
-                "streaming-sessions-multimodal:async": _ASYNC_SESSIONS,
+                **_ASYNC_SESSIONS_MISSING,
             },
             "KVConnectorOutput.failed_recving: a worker reports a failed load; "
             "prefix_cache_retention_interval",

@@ -275,8 +275,8 @@ def layer_specs(vllm_config: Any, layout: str, shape: dict[str, Any]) -> dict[st
 
 
 def _register_specs(vllm_config: Any) -> None:
-    """Register vLLM's built-in spec managers, as ``EngineCore`` does before planning (0.33;
-    the registry, which HiSparse's roles need, is new there)."""
+    """Register vLLM's built-in spec managers, as ``EngineCore`` does before planning (the
+    registry HiSparse's group roles are looked up in; a release without it has none to fill)."""
     try:
         from vllm.v1.core.single_type_kv_cache_manager import (  # type: ignore[attr-defined]
             register_all_kvcache_specs,

@@ -21,8 +21,11 @@ def computed_before(so: Any) -> dict[str, int]:
 
 
 def prompt_length(new: Any) -> int:
-    """A new request's prompt length, token ids or embeddings (``NewRequestData.prompt_len``,
-    missing before 0.29)."""
+    """The tokens a runner holds for a newly scheduled request: a resumed request's whole list
+    under Model Runner V2 (``prefill_token_ids``), else its prompt, token ids or embeddings
+    (``NewRequestData.prompt_len``, missing before 0.29)."""
+    if new.prefill_token_ids:
+        return len(new.prefill_token_ids)
     if hasattr(type(new), "prompt_len"):
         return int(new.prompt_len)
     if new.prompt_token_ids is not None:
